@@ -1,0 +1,244 @@
+"""The moe_compile custom ops: the seam between the graph rewrite and the kernels.
+
+Every op has static output shapes (no data-dependent sizes, no host sync in the graph), a fake
+(meta) implementation, an autograd formula built from other ops of this file, and a pure-torch
+reference in ``reference.py``. Faster implementations register per device type with
+``register_impl(op_name, "cuda", fn)``; ``cuda.py`` does so lazily the first time an op sees a
+CUDA tensor and Triton is importable.
+
+    route_permute(expert_ids[T,K], E)            -> perm[N] i64, inv[N] i64, offsets[E] i32
+    permute_rows(x[T,H], perm, inv, offsets, K)  -> xp[N,H]          (gather; bwd = combine)
+    grouped_mm(x[M,K], w[E,K,N], offsets, bias?) -> y[M,N]           (x @ w[e] per group)
+    grouped_mm_list(x, ws: E x [K,N], offsets, biases)  -> y[M,N]     (ModuleList weights)
+    unpermute_combine(y[N,H], inv, weights[T,K], offsets) -> out[T,H] (weighted gather-reduce)
+
+Rows past offsets[-1] ("dropped": expert ids outside [0, E)) are zero in every output.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from . import reference
+
+_IMPLS: dict[tuple[str, str], Callable] = {}
+_CUDA_LOADED = False
+
+
+def register_impl(op_name: str, device_type: str, fn: Callable) -> None:
+    """Use ``fn`` instead of the reference for ``op_name`` on ``device_type`` tensors."""
+    _IMPLS[(op_name, device_type)] = fn
+
+
+def _impl(op_name: str, t: torch.Tensor) -> Callable:
+    global _CUDA_LOADED
+    if t.device.type == "cuda" and not _CUDA_LOADED:
+        _CUDA_LOADED = True
+        from . import cuda  # noqa: F401  (registers what it can; never required)
+    return _IMPLS.get((op_name, t.device.type)) or getattr(reference, op_name)
+
+
+def _check(cond: bool, op: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"moe_compile.{op}: {msg}")
+
+
+# --------------------------------------------------------------------------- route_permute
+@torch.library.custom_op("moe_compile::route_permute", mutates_args=())
+def route_permute(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check(not expert_ids.is_floating_point(), "route_permute", f"expert_ids must be integer, got {expert_ids.dtype}")
+    _check(num_experts > 0, "route_permute", f"num_experts must be positive, got {num_experts}")
+    return _impl("route_permute", expert_ids)(expert_ids, num_experts)
+
+
+@route_permute.register_fake
+def _(expert_ids, num_experts):
+    n = expert_ids.numel()
+    return (expert_ids.new_empty(n, dtype=torch.long), expert_ids.new_empty(n, dtype=torch.long),
+            expert_ids.new_empty(num_experts, dtype=torch.int32))
+
+
+# --------------------------------------------------------------------------- permute_rows
+@torch.library.custom_op("moe_compile::permute_rows", mutates_args=())
+def permute_rows(x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor, offsets: torch.Tensor,
+                 top_k: int) -> torch.Tensor:
+    _check(x.dim() == 2, "permute_rows", f"x must be [T, H], got {tuple(x.shape)}")
+    _check(perm.numel() == x.shape[0] * top_k, "permute_rows",
+           f"perm has {perm.numel()} rows but x has {x.shape[0]} tokens x top_k {top_k}")
+    return _impl("permute_rows", x)(x, perm, offsets, top_k)
+
+
+@permute_rows.register_fake
+def _(x, perm, inv, offsets, top_k):
+    return x.new_empty(perm.shape[0], x.shape[1])
+
+
+def _permute_rows_setup(ctx, inputs, output):
+    x, perm, inv, offsets, top_k = inputs
+    ctx.save_for_backward(inv, offsets)
+    ctx.shape = (x.shape[0], top_k)
+
+
+def _permute_rows_bwd(ctx, dxp):
+    inv, offsets = ctx.saved_tensors
+    ones = dxp.new_ones(ctx.shape, dtype=torch.float32)
+    return unpermute_combine(dxp, inv, ones, offsets), None, None, None, None
+
+
+permute_rows.register_autograd(_permute_rows_bwd, setup_context=_permute_rows_setup)
+
+
+# --------------------------------------------------------------------------- grouped_mm
+def _check_gmm(op, x, w_shape, w_dtype, offsets, num_groups):
+    _check(x.dim() == 2, op, f"x must be 2-D [M, K], got {tuple(x.shape)}")
+    _check(x.shape[1] == w_shape[0], op, f"x has K={x.shape[1]} but the expert weight has K={w_shape[0]}")
+    _check(x.dtype == w_dtype, op, f"x is {x.dtype} but the expert weights are {w_dtype}; cast one of them")
+    _check(offsets.numel() == num_groups, op, f"offsets has {offsets.numel()} groups, weights have {num_groups}")
+
+
+@torch.library.custom_op("moe_compile::grouped_mm", mutates_args=())
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    _check(w.dim() == 3, "grouped_mm", f"w must be 3-D [E, K, N], got {tuple(w.shape)}")
+    _check_gmm("grouped_mm", x, w.shape[1:], w.dtype, offsets, w.shape[0])
+    return _impl("grouped_mm", x)(x, w, offsets, bias)
+
+
+@grouped_mm.register_fake
+def _(x, w, offsets, bias=None):
+    return x.new_empty(x.shape[0], w.shape[-1])
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    x, w, offsets, bias = inputs
+    ctx.save_for_backward(x, w, offsets)
+    ctx.has_bias = bias is not None
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+
+
+def _grouped_mm_bwd(ctx, dy):
+    x, w, offsets = ctx.saved_tensors
+    dy = dy.contiguous()
+    dx = grouped_mm(dy, w.transpose(1, 2), offsets) if ctx.needs_input_grad[0] else None
+    dw = (grouped_mm_wgrad(x, dy, offsets, w.shape[0]).to(w.dtype) if ctx.needs_input_grad[1] else None)
+    db = (grouped_bias_grad(dy, offsets, w.shape[0]).to(ctx.bias_dtype)
+          if ctx.has_bias and ctx.needs_input_grad[3] else None)
+    return dx, dw, None, db
+
+
+grouped_mm.register_autograd(_grouped_mm_bwd, setup_context=_grouped_mm_setup)
+
+
+@torch.library.custom_op("moe_compile::grouped_mm_wgrad", mutates_args=())
+def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, num_experts: int) -> torch.Tensor:
+    return _impl("grouped_mm_wgrad", x)(x, dy, offsets, num_experts)
+
+
+@grouped_mm_wgrad.register_fake
+def _(x, dy, offsets, num_experts):
+    return x.new_empty(num_experts, x.shape[1], dy.shape[1], dtype=torch.float32)
+
+
+@torch.library.custom_op("moe_compile::grouped_bias_grad", mutates_args=())
+def grouped_bias_grad(dy: torch.Tensor, offsets: torch.Tensor, num_experts: int) -> torch.Tensor:
+    return _impl("grouped_bias_grad", dy)(dy, offsets, num_experts)
+
+
+@grouped_bias_grad.register_fake
+def _(dy, offsets, num_experts):
+    return dy.new_empty(num_experts, dy.shape[1], dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------- grouped_mm_list
+def stack_expert_weights(ws: list[torch.Tensor]) -> torch.Tensor:
+    """[E, K, N] from E tensors [K, N]: a zero-copy strided view when they are evenly spaced
+    views of one storage (e.g. ModuleList weights re-homed into one buffer), else a copy."""
+    first = ws[0]
+    if len(ws) > 1 and all(w.shape == first.shape and w.stride() == first.stride() and w.dtype == first.dtype
+                           and w.device == first.device and w.untyped_storage().data_ptr()
+                           == first.untyped_storage().data_ptr() for w in ws):
+        step = ws[1].storage_offset() - first.storage_offset()
+        if step > 0 and all(w.storage_offset() == first.storage_offset() + e * step for e, w in enumerate(ws)):
+            return first.as_strided((len(ws), *first.shape), (step, *first.stride()), first.storage_offset())
+    return torch.stack(ws)
+
+
+@torch.library.custom_op("moe_compile::grouped_mm_list", mutates_args=())
+def grouped_mm_list(x: torch.Tensor, ws: list[torch.Tensor], offsets: torch.Tensor,
+                    biases: list[torch.Tensor]) -> torch.Tensor:
+    """``biases``: E tensors [N], or an empty list for no bias."""
+    _check(len(ws) > 0 and all(w.dim() == 2 for w in ws), "grouped_mm_list", "ws must be a non-empty list of 2-D [K, N]")
+    _check_gmm("grouped_mm_list", x, ws[0].shape, ws[0].dtype, offsets, len(ws))
+    bias = torch.stack(biases) if biases else None
+    return _impl("grouped_mm", x)(x, stack_expert_weights(ws), offsets, bias)
+
+
+@grouped_mm_list.register_fake
+def _(x, ws, offsets, biases):
+    return x.new_empty(x.shape[0], ws[0].shape[-1])
+
+
+def _grouped_mm_list_setup(ctx, inputs, output):
+    x, ws, offsets, biases = inputs
+    ctx.save_for_backward(x, offsets, *ws)
+    ctx.has_bias = len(biases) > 0
+    ctx.bias_dtype = biases[0].dtype if biases else None
+
+
+def _grouped_mm_list_bwd(ctx, dy):
+    x, offsets, *ws = ctx.saved_tensors
+    dy = dy.contiguous()
+    e = len(ws)
+    dx = grouped_mm_list(dy, [w.t() for w in ws], offsets, []) if ctx.needs_input_grad[0] else None
+    dws = [None] * e
+    if ctx.needs_input_grad[1]:
+        dws = list(grouped_mm_wgrad(x, dy, offsets, e).to(ws[0].dtype).unbind(0))
+    dbs = [None] * e if ctx.has_bias else []
+    if ctx.has_bias and ctx.needs_input_grad[3]:
+        dbs = list(grouped_bias_grad(dy, offsets, e).to(ctx.bias_dtype).unbind(0))
+    return dx, dws, None, dbs
+
+
+grouped_mm_list.register_autograd(_grouped_mm_list_bwd, setup_context=_grouped_mm_list_setup)
+
+
+# --------------------------------------------------------------------------- unpermute_combine
+@torch.library.custom_op("moe_compile::unpermute_combine", mutates_args=())
+def unpermute_combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    _check(weights.dim() == 2, "unpermute_combine", f"weights must be [T, K], got {tuple(weights.shape)}")
+    _check(y.shape[0] == weights.numel() == inv.numel(), "unpermute_combine",
+           f"y has {y.shape[0]} rows, inv {inv.numel()}, weights {weights.numel()}: all must be T*K")
+    return _impl("unpermute_combine", y)(y, inv, weights, offsets)
+
+
+@unpermute_combine.register_fake
+def _(y, inv, weights, offsets):
+    return y.new_empty(weights.shape[0], y.shape[1])
+
+
+def _combine_setup(ctx, inputs, output):
+    y, inv, weights, offsets = inputs
+    ctx.save_for_backward(y, inv, weights, offsets)
+
+
+def _combine_bwd(ctx, dout):
+    y, inv, weights, offsets = ctx.saved_tensors
+    dy, dw = unpermute_combine_backward(dout.contiguous(), y, inv, weights, offsets)
+    return dy, None, (dw if ctx.needs_input_grad[2] else None), None
+
+
+unpermute_combine.register_autograd(_combine_bwd, setup_context=_combine_setup)
+
+
+@torch.library.custom_op("moe_compile::unpermute_combine_backward", mutates_args=())
+def unpermute_combine_backward(dout: torch.Tensor, y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor,
+                               offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _impl("unpermute_combine_backward", y)(dout, y, inv, weights, offsets)
+
+
+@unpermute_combine_backward.register_fake
+def _(dout, y, inv, weights, offsets):
+    return torch.empty_like(y), torch.empty_like(weights)
+
+
+OP_NAMES = ("route_permute", "permute_rows", "grouped_mm", "grouped_mm_list", "unpermute_combine")

@@ -1,0 +1,109 @@
+"""Pure-torch reference implementations of every moe_compile op.
+
+These are the ground truth the fused kernels are tested against, and the implementation used on
+CPU (and on CUDA until a faster kernel is registered). They may synchronise with the host (they
+loop over experts with Python ints); the custom ops that wrap them have static output shapes, so
+the *graph* never sees a data-dependent size.
+
+Legend (shape suffixes): T tokens, K top-k slots, N = T*K routed rows, E experts,
+H/D model width, I/F expert width.
+
+Worked example (T=3, K=2, E=4)::
+
+    expert_ids = [[1, 3], [0, 1], [3, 1]]          flat = [1, 3, 0, 1, 3, 1]
+    perm       = [2, 0, 3, 5, 1, 4]                 (stable sort of flat by expert)
+    counts     = [1, 3, 0, 2]  ->  offsets = [1, 4, 4, 6]   (int32, cumulative ends)
+    inv        = [1, 4, 0, 2, 5, 3]                 (inv[perm[p]] = p)
+
+Row p of the permuted matrix holds token perm[p] // K; group e owns rows
+[offsets[e-1], offsets[e]). Ids outside [0, E) sort last and fall outside every group: they are
+"dropped" and contribute nothing (the hook expert parallelism will use).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def route_permute(expert_ids: torch.Tensor, num_experts: int):
+    """(perm [N] int64, inv [N] int64, offsets [E] int32) for expert_ids [T, K] (or [N])."""
+    flat = expert_ids.reshape(-1).long()
+    n = flat.numel()
+    key = torch.where((flat >= 0) & (flat < num_experts), flat, torch.full_like(flat, num_experts))
+    _, perm = torch.sort(key, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    offsets = torch.cumsum(counts[:num_experts], 0).to(torch.int32)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(n, device=flat.device)
+    return perm, inv, offsets
+
+
+def _bounds(offsets: torch.Tensor):
+    ends = offsets.tolist()
+    starts = [0] + ends[:-1]
+    return list(zip(starts, ends))
+
+
+def valid_rows(offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """Boolean [n]: row p lies inside some group (p < offsets[-1])."""
+    total = offsets[-1].long() if offsets.numel() else torch.zeros((), dtype=torch.long, device=offsets.device)
+    return torch.arange(n, device=offsets.device) < total
+
+
+def permute_rows(x: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, top_k: int) -> torch.Tensor:
+    """xp[p] = x[perm[p] // top_k] for rows inside a group, 0 for dropped rows."""
+    xp = x.index_select(0, perm // top_k)
+    return xp * valid_rows(offsets, perm.numel()).unsqueeze(-1).to(xp.dtype)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None = None):
+    """out[rows of group e] = x[rows] @ w[e] (+ bias[e]); x [M, K], w [E, K, N]; rows past the
+    last group are 0. Accumulates in fp32."""
+    out = torch.zeros(x.shape[0], w.shape[-1], dtype=x.dtype, device=x.device)
+    for e, (s, t) in enumerate(_bounds(offsets)):
+        if t > s:
+            acc = x[s:t].float() @ w[e].float()
+            if bias is not None:
+                acc = acc + bias[e].float()
+            out[s:t] = acc.to(x.dtype)
+    return out
+
+
+def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, num_experts: int):
+    """dw[e] = x[rows e].T @ dy[rows e] -> [E, K, N] (zeros for empty groups)."""
+    dw = torch.zeros(num_experts, x.shape[1], dy.shape[1], dtype=torch.float32, device=x.device)
+    for e, (s, t) in enumerate(_bounds(offsets)):
+        if t > s:
+            dw[e] = x[s:t].float().t() @ dy[s:t].float()
+    return dw
+
+
+def grouped_bias_grad(dy: torch.Tensor, offsets: torch.Tensor, num_experts: int):
+    """db[e] = sum of dy over the rows of group e -> [E, N] (fp32)."""
+    db = torch.zeros(num_experts, dy.shape[1], dtype=torch.float32, device=dy.device)
+    for e, (s, t) in enumerate(_bounds(offsets)):
+        if t > s:
+            db[e] = dy[s:t].float().sum(0)
+    return db
+
+
+def unpermute_combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor):
+    """out[t] = sum_j weights[t, j] * y[inv[t*K + j]] over rows inside a group; fp32 accumulation,
+    deterministic (a gather-reduce, no atomics). y [N, H], weights [T, K] -> out [T, H] (y.dtype)."""
+    t, k = weights.shape
+    keep = (inv < (offsets[-1].long() if offsets.numel() else 0)).to(torch.float32)
+    rows = y.float().index_select(0, inv)  # [N, H]
+    w = weights.float().reshape(-1) * keep
+    return (rows * w.unsqueeze(-1)).view(t, k, -1).sum(1).to(y.dtype)
+
+
+def unpermute_combine_backward(dout, y, inv, weights, offsets):
+    """Gradients of unpermute_combine: (dy [N, H], dweights [T, K])."""
+    t, k = weights.shape
+    keep = (inv < (offsets[-1].long() if offsets.numel() else 0)).to(torch.float32)
+    dout_rows = dout.float().repeat_interleave(k, dim=0)  # [N, H], row q = token q // K
+    w = weights.float().reshape(-1) * keep
+    dy = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
+    dy.index_copy_(0, inv, dout_rows * w.unsqueeze(-1))
+    dw = (dout_rows * y.float().index_select(0, inv)).sum(-1) * keep
+    return dy.to(y.dtype), dw.view(t, k).to(weights.dtype)

@@ -1,0 +1,22 @@
+"""moe_compile: a torch.compile backend for Mixture-of-Experts models.
+
+    model = torch.compile(model, backend="moe")          # no import needed (entry point)
+    report = moe_compile.explain(model, inputs)          # what was matched / rewritten / refused
+
+Importing this package is cheap: it initialises neither CUDA nor Triton and changes no global
+torch configuration.
+"""
+from .config import MoEConfig
+
+__all__ = ["MoEConfig", "explain", "moe_backend", "Report"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name):  # lazy: keep `import moe_compile` light
+    if name == "moe_backend":
+        from .backend import moe_backend
+        return moe_backend
+    if name in ("explain", "Report"):
+        from . import report
+        return getattr(report, name)
+    raise AttributeError(f"module 'moe_compile' has no attribute {name!r}")

@@ -1,0 +1,83 @@
+"""MoEConfig: the backend's one configuration object.
+
+Built from ``torch.compile(..., mode=..., options={...})``: keys starting with ``moe.`` are ours,
+every other option is forwarded to Inductor untouched.
+
+    torch.compile(m, backend="moe", options={"moe.debug": True, "max_autotune": True})
+    torch.compile(m, backend="moe", options={"moe.mode": "max-autotune"})   # mode + options
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+_INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Options of the ``moe`` backend (``options={"moe.<field>": value}``).
+
+    debug: log every MoE region's graph before/after and the pass timings (also MOE_COMPILE_DEBUG=1).
+    inductor: hand the rewritten graph to Inductor; False runs it through AOTAutograd only
+        (eager kernels: fast to compile, for debugging and CPU tests).
+    capture_dynamic: trace where/nonzero/boolean masks into the graph (Dynamo's
+        capture_dynamic_output_shape_ops), scoped to this backend's frames.
+    strict: raise on an internal error of a pass instead of leaving the graph unchanged.
+    disable: names of passes to skip (see moe_compile.pipeline.PASSES).
+    mode: the Inductor mode, for when torch.compile's own ``mode=`` cannot be combined with options.
+    """
+
+    debug: bool = False
+    inductor: bool = True
+    capture_dynamic: bool = True
+    strict: bool = False
+    disable: tuple[str, ...] = ()
+    mode: str = "default"
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(v, bool):
+                raise ValueError(f"MoEConfig: moe.{f.name} must be a bool, got {v!r}")
+        if self.mode not in _INDUCTOR_MODES:
+            raise ValueError(f"MoEConfig: moe.mode={self.mode!r} is not one of {_INDUCTOR_MODES} (default 'default')")
+        if isinstance(self.disable, str):
+            object.__setattr__(self, "disable", (self.disable,))
+        from .pipeline import PASS_NAMES
+
+        unknown = [p for p in self.disable if p not in PASS_NAMES]
+        if unknown:
+            raise ValueError(f"MoEConfig: moe.disable names unknown passes {unknown}; known: {list(PASS_NAMES)}")
+
+    @classmethod
+    def allowed_keys(cls) -> list[str]:
+        return [f"moe.{f.name}" for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_options(cls, mode: str | None = None, options: dict[str, Any] | None = None
+                     ) -> tuple["MoEConfig", dict[str, Any]]:
+        """Split torch.compile options into (our config, options for Inductor)."""
+        ours: dict[str, Any] = {}
+        rest: dict[str, Any] = {}
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key, value in (options or {}).items():
+            if key.startswith("moe."):
+                name = key[len("moe."):]
+                if name not in names:
+                    raise ValueError(f"MoEConfig: unknown option {key!r}; allowed: {cls.allowed_keys()}")
+                ours[name] = tuple(value) if name == "disable" and not isinstance(value, str) else value
+            else:
+                rest[key] = value
+        if mode is not None and mode != "default":
+            if "mode" in ours and ours["mode"] != mode:
+                raise ValueError(f"MoEConfig: mode={mode!r} conflicts with moe.mode={ours['mode']!r}")
+            ours["mode"] = mode
+        if "debug" not in ours and _env_flag("MOE_COMPILE_DEBUG"):
+            ours["debug"] = True
+        return cls(**ours), rest

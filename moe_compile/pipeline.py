@@ -1,0 +1,2 @@
+"""Placeholder: the ordered pass driver (filled in next)."""
+PASS_NAMES = ("moe_regions",)
