@@ -1,5 +1,159 @@
 """CUDA implementations of the moe_compile ops, registered lazily on first CUDA use.
 
 Imported by ``ops._impl`` the first time an op sees a CUDA tensor. Never imported on CPU, so CPU
-CI never needs Triton. Ops without a registered CUDA kernel run the pure-torch reference.
+CI never needs Triton. If Triton is missing, nothing is registered and the references run.
+
+What runs where (all sync-free: no .item()/.tolist()/nonzero, static launch shapes):
+
+    route_permute              torch: int32 stable sort + searchsorted + scatter (no atomics)
+    permute_rows               Triton gather (dropped rows written as 0)
+    grouped_mm  bf16, sm90+,   torch._grouped_mm (CUTLASS, offsets stay on the device) + one
+                aligned        Triton pass that zeros rows past offsets[-1] and adds the bias
+                otherwise      Triton persistent grouped GEMM (fp32 via tf32x3 / tf32 following
+                               torch.get_float32_matmul_precision()), bias in the epilogue
+    grouped_mm_wgrad  bf16     torch._grouped_mm 2Dx2D (x^T, dy) + one pass to fp32 that zeros
+                               empty groups; otherwise a Triton kernel writing fp32 directly
+    grouped_bias_grad          Triton segmented column sum (fp32, fixed order)
+    unpermute_combine(+bwd)    Triton gather-reduce over top-k in fp32, routing weights fused
+
+``torch._grouped_mm`` is avoided for fp32/fp16: its fallback copies ``offs`` to the host (a sync).
+
+Worked example (T=3, K=2, E=4, expert_ids = [[1, 3], [0, 1], [3, 1]]):
+    route_permute -> perm [2, 0, 3, 5, 1, 4], inv [1, 4, 0, 2, 5, 3], offsets [1, 4, 4, 6]
+    grouped_mm(xp[6, K], w[4, K, N], offsets) -> row 0 uses w[0], rows 1..3 w[1], rows 4..5 w[3]
 """
+from __future__ import annotations
+
+import torch
+
+from . import ops
+
+try:  # Triton is optional: without it the references stay in place.
+    import triton  # noqa: F401
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+
+# "auto": CUTLASS (torch._grouped_mm) where legal, else Triton. "triton": always Triton (tests use
+# this to cover both paths on one GPU). "cutlass": like auto (there is no CUTLASS path for fp32).
+GMM_BACKEND = "auto"
+
+
+def _cutlass_device(t: torch.Tensor) -> bool:
+    return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(t.device)[0] in (9, 10)
+
+
+def _tma_ok_2d(t: torch.Tensor) -> bool:
+    """One of the last two strides is 1 and the other a multiple of 16 bytes; 16-byte aligned base."""
+    es = t.element_size()
+    s0, s1 = t.stride(-2), t.stride(-1)
+    ok = (s1 == 1 and (s0 * es) % 16 == 0) or (s0 == 1 and (s1 * es) % 16 == 0)
+    if t.dim() == 3:
+        ok = ok and (t.stride(0) * es) % 16 == 0
+    return ok and t.data_ptr() % 16 == 0
+
+
+def _use_cutlass(*ts: torch.Tensor) -> bool:
+    return (GMM_BACKEND != "triton" and all(t.dtype == torch.bfloat16 for t in ts) and _cutlass_device(ts[0])
+            and all(_tma_ok_2d(t) for t in ts))
+
+
+# --------------------------------------------------------------------------------- routing
+def route_permute(expert_ids: torch.Tensor, num_experts: int):
+    """Stable counting-sort permutation, on the device.
+
+    expert_ids [[1, 3], [0, 1], [3, 1]], E=4 -> key [1, 3, 0, 1, 3, 1] (ids outside [0, E) -> E),
+    perm = argsort(key, stable) = [2, 0, 3, 5, 1, 4], offsets[e] = #(key <= e) = [1, 4, 4, 6],
+    inv[perm[p]] = p = [1, 4, 0, 2, 5, 3].
+    """
+    flat = expert_ids.reshape(-1)
+    n = flat.numel()
+    key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts).to(torch.int32)
+    sorted_key, perm = torch.sort(key, stable=True)
+    bounds = torch.arange(num_experts, dtype=torch.int32, device=flat.device)
+    offsets = torch.searchsorted(sorted_key, bounds, right=True, out_int32=True)
+    inv = torch.empty_like(perm)
+    inv.scatter_(0, perm, torch.arange(n, dtype=perm.dtype, device=flat.device))
+    return perm, inv, offsets
+
+
+# ----------------------------------------------------------------------------- grouped GEMM
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None = None):
+    """Per-group x @ w[e] (+ bias[e]); rows past offsets[-1] are 0.
+
+    x [5, 2] rows 0..1 -> group 0, rows 2..3 -> group 1, row 4 dropped (offsets [2, 4]):
+    y[0:2] = x[0:2] @ w[0], y[2:4] = x[2:4] @ w[1], y[4] = 0.
+    """
+    from . import _triton_gmm, _triton_moe
+
+    offsets = offsets.to(torch.int32) if offsets.dtype != torch.int32 else offsets
+    if _use_cutlass(x, w) and w.shape[2] % 8 == 0 and x.shape[0] > 0:
+        y = torch._grouped_mm(x, w, offs=offsets)
+        if y.stride(-1) != 1 or y.stride(0) != y.shape[1]:  # padded rows: never expected for N % 8 == 0
+            y = y.contiguous()
+        return _triton_moe.rows_fixup(y, offsets, bias)
+    y = _triton_gmm.grouped_mm(x, w, offsets, bias)
+    return _triton_moe.rows_fixup(y, offsets, None)
+
+
+def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, num_experts: int):
+    """dw[e] = x[rows e]^T @ dy[rows e] as fp32 [E, K, N]; 0 for empty groups."""
+    return _wgrad(x, dy, offsets, num_experts, torch.float32)
+
+
+def grouped_mm_wgrad_lowp(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, num_experts: int):
+    """Like grouped_mm_wgrad but returns x.dtype (fp32 accumulation, one rounding at the end)."""
+    return _wgrad(x, dy, offsets, num_experts, x.dtype)
+
+
+def _wgrad(x, dy, offsets, num_experts, out_dtype):
+    from . import _triton_gmm, _triton_moe
+
+    offsets = offsets.to(torch.int32) if offsets.dtype != torch.int32 else offsets
+    k, n = x.shape[1], dy.shape[1]
+    if _use_cutlass(x, dy) and k % 8 == 0 and n % 8 == 0 and x.shape[0] > 0:
+        dw = torch._grouped_mm(x.t(), dy, offs=offsets)  # [E, K, N] bf16, fp32 accumulation
+        if dw.stride(-1) == 1 and dw.stride(-2) == n:
+            # one pass: empty groups -> 0, (bf16 -> out_dtype)
+            return _triton_moe.wgrad_finish(dw, offsets, out_dtype)
+    return _triton_gmm.grouped_mm_wgrad(x, dy, offsets, num_experts, out_dtype)
+
+
+def grouped_bias_grad(dy: torch.Tensor, offsets: torch.Tensor, num_experts: int):
+    from . import _triton_moe
+
+    return _triton_moe.grouped_bias_grad(dy, offsets, num_experts)
+
+
+# ------------------------------------------------------------------------- permute / combine
+def permute_rows(x, perm, offsets, top_k):
+    from . import _triton_moe
+
+    return _triton_moe.permute_rows(x, perm, offsets, top_k)
+
+
+def unpermute_combine(y, inv, weights, offsets):
+    from . import _triton_moe
+
+    return _triton_moe.unpermute_combine(y, inv, weights, offsets)
+
+
+def unpermute_combine_backward(dout, y, inv, weights, offsets):
+    from . import _triton_moe
+
+    return _triton_moe.unpermute_combine_backward(dout, y, inv, weights, offsets)
+
+
+IMPLS = {
+    "route_permute": route_permute,
+    "permute_rows": permute_rows,
+    "grouped_mm": grouped_mm,
+    "grouped_mm_wgrad": grouped_mm_wgrad,
+    "grouped_bias_grad": grouped_bias_grad,
+    "unpermute_combine": unpermute_combine,
+    "unpermute_combine_backward": unpermute_combine_backward,
+    "grouped_mm_wgrad_lowp": grouped_mm_wgrad_lowp,
+}
+
+for _name, _fn in IMPLS.items():
+    if triton is not None or _name == "route_permute":  # route_permute is plain torch
+        ops.register_impl(_name, "cuda", _fn)

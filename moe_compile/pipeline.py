@@ -1,2 +1,115 @@
-"""Placeholder: the ordered pass driver (filled in next)."""
+"""The ordered pass driver: find -> check -> lower, on a copy of the Dynamo graph.
+
+``run_passes(gm, example_inputs, config) -> (gm, records)``. Matching and lowering happen on a
+shallow copy of the graph; if anything fails the original graph is returned unchanged (and the
+failure is recorded), so a region the backend cannot handle is compiled exactly as Dynamo gave it.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+
+import torch
+import torch.fx as fx
+
+log = logging.getLogger(__name__)
+
 PASS_NAMES = ("moe_regions",)
+
+# process-wide counters (like torch._dynamo.utils.counters): tests assert on them
+counters: collections.Counter = collections.Counter()
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionRecord:
+    """What happened to one MoE region of one compiled graph."""
+    module: str
+    form: str
+    status: str            # "rewritten" | "rejected"
+    reason: str
+    ops: tuple[str, ...]
+    where: str
+    num_experts: int = 0
+    top_k: int = 0
+    notes: tuple[str, ...] = ()
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule over a node-by-node copy of gm's graph (node meta copied shallowly)."""
+    graph = fx.Graph()
+    val_map: dict = {}
+    out = graph.graph_copy(gm.graph, val_map, return_output_node=True)
+    if out is not None:
+        graph.output(out[0] if isinstance(out, tuple) else out.args[0])
+    new = fx.GraphModule(gm, graph)
+    new.meta.update(getattr(gm, "meta", {}))
+    return new
+
+
+def _ops_used(gm: fx.GraphModule) -> tuple[str, ...]:
+    names = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "moe_compile":
+            names.append(n.target._opname)
+    return tuple(dict.fromkeys(names))
+
+
+def run_passes(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.GraphModule, list[RegionRecord]]:
+    from moe_compile import debug
+    from moe_compile.passes.moe_regions import Accept, MoERegion, check_region, find_moe_regions
+
+    if "moe_regions" in config.disable:
+        return gm, []
+    t0 = time.perf_counter()
+    work = copy_graph_module(gm)
+    try:
+        found = find_moe_regions(work)
+    except Exception as exc:  # a matcher bug must not break the user's compile
+        if config.strict:
+            raise
+        log.warning("moe_regions: matcher failed (%s: %s); graph left unchanged", type(exc).__name__, exc)
+        return gm, [RegionRecord("", "?", "rejected", f"moe_regions: matcher error {type(exc).__name__}: {exc}",
+                                 (), "")]
+    records: list[RegionRecord] = []
+    accepted: list[MoERegion] = []
+    for region in found:
+        verdict = check_region(region)
+        if isinstance(verdict, Accept):
+            accepted.append(verdict.region)
+        else:
+            records.append(RegionRecord(region.module, region.form, "rejected", verdict.reason, (), region.where,
+                                        getattr(region, "num_experts", 0), getattr(region, "top_k", 0)))
+    if not accepted:
+        _count(records)
+        return gm, records
+    before = work.print_readable(print_output=False) if config.debug else ""
+    from moe_compile.lowering.moe_region import lower_moe_region
+
+    try:
+        notes_by_region = []
+        for region in accepted:
+            notes_by_region.append(lower_moe_region(work, region))
+    except Exception as exc:
+        if config.strict:
+            raise
+        log.warning("moe_regions: lowering failed (%s: %s); graph left unchanged", type(exc).__name__, exc)
+        records += [RegionRecord(r.module, r.form, "rejected", f"lower_moe_region failed: {type(exc).__name__}: {exc}",
+                                 (), r.where, r.num_experts, r.top_k) for r in accepted]
+        _count(records)
+        return gm, records
+    ops = _ops_used(work)
+    for region, syncs in zip(accepted, notes_by_region):
+        notes = (f"where/nonzero still needed outside the region: {', '.join(syncs)}",) if syncs else ()
+        records.append(RegionRecord(region.module, region.form, "rewritten", "", ops, region.where,
+                                    region.num_experts, region.top_k, notes))
+    _count(records)
+    if config.debug:
+        debug.log_rewrite(before, work.print_readable(print_output=False), records, time.perf_counter() - t0)
+    return work, records
+
+
+def _count(records):
+    for r in records:
+        counters[r.status] += 1

@@ -1,0 +1,231 @@
+"""Triton kernels for the memory-bound MoE ops (imported only by ``cuda.py``).
+
+Every kernel reads ``total = offsets[E-1]`` on the device (no host sync) and treats rows p >= total
+as dropped. All grids depend on static shapes only (CUDA-graph safe). Reductions accumulate in fp32
+in a fixed order (deterministic, no atomics).
+
+Worked example used below (T=3, K=2, E=4): expert_ids = [[1, 3], [0, 1], [3, 1]]
+    perm = [2, 0, 3, 5, 1, 4], inv = [1, 4, 0, 2, 5, 3], offsets = [1, 4, 4, 6] (total 6)
+    permute_rows: xp = [x[1], x[0], x[1], x[2], x[0], x[2]]          (x[perm[p] // 2])
+    combine:      out[0] = w[0,0]*y[1] + w[0,1]*y[4]                 (y[inv[0]], y[inv[1]])
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _permute_rows_kernel(x_ptr, perm_ptr, offs_ptr, xp_ptr, NR, H, E, sxm,
+                         TOP_K: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr):
+    """xp[p] = x[perm[p] // TOP_K] for p < total, else 0."""
+    total = tl.load(offs_ptr + E - 1)
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    rmask = rows < NR
+    valid = rmask & (rows < total)
+    cmask = cols < H
+    src = tl.load(perm_ptr + rows, mask=valid, other=0) // TOP_K
+    v = tl.load(x_ptr + src.to(tl.int64)[:, None] * sxm + cols[None, :], mask=valid[:, None] & cmask[None, :],
+                other=0.0)
+    tl.store(xp_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], v, mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, inv_ptr, w_ptr, offs_ptr, out_ptr, T, H, E, sym,
+                    TOP_K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
+    """out[t] = sum_j w[t, j] * y[inv[t*K + j]] over kept rows (inv < total), fp32, j in order."""
+    total = tl.load(offs_ptr + E - 1)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    tmask = t < T
+    cmask = cols < H
+    acc = tl.zeros((BT, BH), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        p = tl.load(inv_ptr + t * TOP_K + j, mask=tmask, other=0)
+        keep = tmask & (p < total)
+        wj = tl.load(w_ptr + t * TOP_K + j, mask=keep, other=0.0).to(tl.float32)
+        v = tl.load(y_ptr + p.to(tl.int64)[:, None] * sym + cols[None, :], mask=keep[:, None] & cmask[None, :],
+                    other=0.0).to(tl.float32)
+        acc += wj[:, None] * v
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=tmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _combine_bwd_kernel(dout_ptr, y_ptr, inv_ptr, w_ptr, offs_ptr, dy_ptr, dw_ptr, NQ, H, E, sdm, sym,
+                        TOP_K: tl.constexpr, BQ: tl.constexpr, BH: tl.constexpr):
+    """For each slot q (token q // K): dy[inv[q]] = w[q] * dout[q // K] (0 if dropped),
+    dw[q] = <dout[q // K], y[inv[q]]> (0 if dropped). inv is a permutation: every dy row written."""
+    total = tl.load(offs_ptr + E - 1)
+    q = tl.program_id(0) * BQ + tl.arange(0, BQ)
+    qmask = q < NQ
+    p = tl.load(inv_ptr + q, mask=qmask, other=0)
+    keep = qmask & (p < total)
+    wq = tl.load(w_ptr + q, mask=keep, other=0.0).to(tl.float32)
+    t64 = (q // TOP_K).to(tl.int64)
+    p64 = p.to(tl.int64)
+    dacc = tl.zeros((BQ,), dtype=tl.float32)
+    for h0 in range(0, H, BH):
+        cols = h0 + tl.arange(0, BH)
+        cmask = cols < H
+        d = tl.load(dout_ptr + t64[:, None] * sdm + cols[None, :], mask=qmask[:, None] & cmask[None, :],
+                    other=0.0).to(tl.float32)
+        yv = tl.load(y_ptr + p64[:, None] * sym + cols[None, :], mask=keep[:, None] & cmask[None, :],
+                     other=0.0).to(tl.float32)
+        g = tl.where(keep[:, None], d * wq[:, None], 0.0)
+        tl.store(dy_ptr + p64[:, None] * H + cols[None, :], g.to(dy_ptr.dtype.element_ty),
+                 mask=qmask[:, None] & cmask[None, :])
+        dacc += tl.sum(d * yv, axis=1)
+    tl.store(dw_ptr + q, dacc.to(dw_ptr.dtype.element_ty), mask=qmask)
+
+
+@triton.jit
+def _bias_grad_kernel(dy_ptr, offs_ptr, db_ptr, M, N, sym, BM: tl.constexpr, BN: tl.constexpr):
+    """db[e, cols] = sum over rows of group e of dy[rows, cols] (fp32, rows in order)."""
+    e = tl.program_id(0)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    cmask = cols < N
+    end = tl.minimum(tl.load(offs_ptr + e), M)
+    start = tl.minimum(tl.load(offs_ptr + e - 1, mask=e > 0, other=0), end)
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for r0 in range(start, end, BM):
+        rows = r0 + tl.arange(0, BM)
+        v = tl.load(dy_ptr + rows.to(tl.int64)[:, None] * sym + cols[None, :],
+                    mask=(rows < end)[:, None] & cmask[None, :], other=0.0)
+        acc += tl.sum(v.to(tl.float32), axis=0)
+    tl.store(db_ptr + e.to(tl.int64) * N + cols, acc, mask=cmask)
+
+
+@triton.jit
+def _rows_fixup_kernel(y_ptr, offs_ptr, b_ptr, M, N, E, sym, sbe,
+                       HAS_BIAS: tl.constexpr, E_P2: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
+    """After a grouped GEMM that skipped rows >= total: y[rows >= total] = 0 and, with HAS_BIAS,
+    y[r] += b[group(r)] for r < total (group(r) = #(offsets <= r)). Row blocks entirely inside the
+    groups return at once when there is no bias."""
+    total = tl.load(offs_ptr + E - 1)
+    row0 = tl.program_id(0) * BR
+    rows = row0 + tl.arange(0, BR)
+    rmask = rows < M
+    valid = rmask & (rows < total)
+    if HAS_BIAS:
+        eidx = tl.arange(0, E_P2)
+        ends = tl.load(offs_ptr + eidx, mask=eidx < E, other=2147483647)
+        grp = tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
+        grp = tl.minimum(grp, E - 1).to(tl.int64)
+        for n0 in range(0, N, BN):
+            cols = n0 + tl.arange(0, BN)
+            m2 = rmask[:, None] & (cols < N)[None, :]
+            ptrs = y_ptr + rows.to(tl.int64)[:, None] * sym + cols[None, :]
+            v = tl.load(ptrs, mask=valid[:, None] & (cols < N)[None, :], other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + grp[:, None] * sbe + cols[None, :], mask=valid[:, None] & (cols < N)[None, :],
+                        other=0.0).to(tl.float32)
+            tl.store(ptrs, tl.where(valid[:, None], v + b, 0.0).to(y_ptr.dtype.element_ty), mask=m2)
+    else:
+        if row0 + BR > total:
+            for n0 in range(0, N, BN):
+                cols = n0 + tl.arange(0, BN)
+                ptrs = y_ptr + rows.to(tl.int64)[:, None] * sym + cols[None, :]
+                zero = tl.zeros((BR, BN), dtype=y_ptr.dtype.element_ty)
+                tl.store(ptrs, zero, mask=(rmask & ~valid)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def _wgrad_finish_kernel(src_ptr, dst_ptr, offs_ptr, KN, s_se, BLOCK: tl.constexpr):
+    """dst[e] = float(src[e]) if group e has rows else 0 (the CUTLASS 2Dx2D output for an empty
+    group is not guaranteed to be written). src/dst [E, K*N] with contiguous rows of K*N."""
+    e = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = i < KN
+    end = tl.load(offs_ptr + e)
+    start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+    v = tl.load(src_ptr + e.to(tl.int64) * s_se + i, mask=m & (end > start), other=0.0).to(tl.float32)
+    tl.store(dst_ptr + e.to(tl.int64) * KN + i, v.to(dst_ptr.dtype.element_ty), mask=m)
+
+
+# ------------------------------------------------------------------------------------ wrappers
+def permute_rows(x: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, top_k: int) -> torch.Tensor:
+    x = x if x.stride(1) == 1 else x.contiguous()
+    nr, h = perm.numel(), x.shape[1]
+    xp = torch.empty(nr, h, dtype=x.dtype, device=x.device)
+    if xp.numel() == 0:
+        return xp
+    bh = min(triton.next_power_of_2(h), 1024 if x.element_size() <= 2 else 512)
+    br = max(1, 4096 // bh)
+    _permute_rows_kernel[(triton.cdiv(nr, br), triton.cdiv(h, bh))](
+        x, perm, offsets, xp, nr, h, offsets.numel(), x.stride(0), TOP_K=top_k, BR=br, BH=bh, num_warps=4)
+    return xp
+
+
+def unpermute_combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor):
+    y = y if y.stride(1) == 1 else y.contiguous()
+    t, k = weights.shape
+    h = y.shape[1]
+    weights = weights.contiguous()
+    out = torch.empty(t, h, dtype=y.dtype, device=y.device)
+    if out.numel() == 0:
+        return out
+    bh = min(triton.next_power_of_2(h), 512)
+    bt = max(1, 2048 // bh)
+    _combine_kernel[(triton.cdiv(t, bt), triton.cdiv(h, bh))](
+        y, inv, weights, offsets, out, t, h, offsets.numel(), y.stride(0), TOP_K=k, BT=bt, BH=bh, num_warps=4)
+    return out
+
+
+def unpermute_combine_backward(dout, y, inv, weights, offsets):
+    dout = dout if dout.stride(1) == 1 else dout.contiguous()
+    y = y if y.stride(1) == 1 else y.contiguous()
+    t, k = weights.shape
+    nq, h = y.shape
+    weights = weights.contiguous()
+    dy = torch.empty(nq, h, dtype=y.dtype, device=y.device)
+    dw = torch.empty(t, k, dtype=weights.dtype, device=y.device)
+    if nq == 0:
+        return dy, dw
+    bh = min(triton.next_power_of_2(h), 256)
+    bq = 16
+    _combine_bwd_kernel[(triton.cdiv(nq, bq),)](
+        dout, y, inv, weights, offsets, dy, dw, nq, h, offsets.numel(), dout.stride(0), y.stride(0),
+        TOP_K=k, BQ=bq, BH=bh, num_warps=4)
+    return dy, dw
+
+
+def grouped_bias_grad(dy: torch.Tensor, offsets: torch.Tensor, num_experts: int) -> torch.Tensor:
+    m, n = dy.shape
+    dy = dy if dy.stride(1) == 1 else dy.contiguous()
+    db = torch.empty(num_experts, n, dtype=torch.float32, device=dy.device)
+    if db.numel() == 0:
+        return db
+    bn = min(triton.next_power_of_2(n), 256)
+    _bias_grad_kernel[(num_experts, triton.cdiv(n, bn))](dy, offsets, db, m, n, dy.stride(0), BM=32, BN=bn,
+                                                         num_warps=4)
+    return db
+
+
+def rows_fixup(y: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """In place: zero rows past offsets[-1]; add bias[group] to the others (if bias)."""
+    m, n = y.shape
+    if y.numel() == 0:
+        return y
+    e = offsets.numel()
+    if bias is not None:
+        bias = bias.contiguous()
+    br = 32
+    bn = min(triton.next_power_of_2(n), 256)
+    _rows_fixup_kernel[(triton.cdiv(m, br),)](
+        y, offsets, bias if bias is not None else y, m, n, e, y.stride(0), bias.stride(0) if bias is not None else 0,
+        HAS_BIAS=bias is not None, E_P2=triton.next_power_of_2(e), BR=br, BN=bn, num_warps=4)
+    return y
+
+
+def wgrad_finish(src: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """[E, K, N] in out_dtype: src converted, empty groups zeroed (one pass)."""
+    e, k, n = src.shape
+    dst = torch.empty(e, k, n, dtype=out_dtype, device=src.device)
+    if dst.numel() == 0:
+        return dst
+    block = 4096
+    _wgrad_finish_kernel[(e, triton.cdiv(k * n, block))](src, dst, offsets, k * n, src.stride(0), BLOCK=block,
+                                                        num_warps=8)
+    return dst

@@ -1,0 +1,56 @@
+"""Extra moe_compile ops that the fast path wants and the base contract (``ops.py``) lacks.
+
+    grouped_mm_wgrad_lowp(x[M,K], dy[M,N], offsets, E) -> dw[E,K,N] in x.dtype
+
+Why: ``grouped_mm``'s backward calls ``grouped_mm_wgrad`` (fp32 [E, K, N]) and then ``.to(w.dtype)``.
+For bf16 weights that is three full passes over an fp32 copy of every expert weight per step
+(write fp32, read fp32, write bf16): ~12 extra bytes per weight element, e.g. 7 GB and ~2.4 ms on an
+H100 for one Qwen3-30B-A3B layer (604M expert weights), more than half the layer's GEMM time. This
+op accumulates in fp32 and rounds once to x.dtype inside the GEMM (CUTLASS ``torch._grouped_mm``
+2Dx2D on sm90, else Triton), so the weight gradient costs one bf16 write.
+
+To use it, ``ops._grouped_mm_bwd`` (and ``_grouped_mm_list_bwd``) would compute, for low-precision
+weights of the same dtype as x::
+
+    dw = fused.grouped_mm_wgrad_lowp(x, dy, offsets, E)        # instead of grouped_mm_wgrad(...).to(w.dtype)
+
+Worked example (E=2, offsets=[2, 2]: group 0 = rows 0..1, group 1 empty, row 2 dropped)::
+
+    x = [[1, 2], [3, 4], [9, 9]], dy = [[1], [1], [7]]  ->  dw[0] = x[0:2]^T dy[0:2] = [[4], [6]],
+    dw[1] = [[0], [0]]                                        (row 2 is in no group)
+"""
+from __future__ import annotations
+
+import torch
+
+from . import ops, reference
+
+
+def _impl(name: str, t: torch.Tensor):
+    ops._impl("grouped_mm", t)  # loads the CUDA registrations on first CUDA use
+    return ops._IMPLS.get((name, t.device.type)) or _REFERENCES[name]
+
+
+def grouped_mm_wgrad_lowp_reference(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, num_experts: int):
+    return reference.grouped_mm_wgrad(x, dy, offsets, num_experts).to(x.dtype)
+
+
+_REFERENCES = {"grouped_mm_wgrad_lowp": grouped_mm_wgrad_lowp_reference}
+
+
+@torch.library.custom_op("moe_compile::grouped_mm_wgrad_lowp", mutates_args=())
+def grouped_mm_wgrad_lowp(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, num_experts: int) -> torch.Tensor:
+    ops._check(x.dim() == 2 and dy.dim() == 2 and x.shape[0] == dy.shape[0], "grouped_mm_wgrad_lowp",
+               f"x {tuple(x.shape)} and dy {tuple(dy.shape)} must be 2-D with the same number of rows")
+    ops._check(x.dtype == dy.dtype, "grouped_mm_wgrad_lowp", f"x is {x.dtype} but dy is {dy.dtype}")
+    ops._check(offsets.numel() == num_experts, "grouped_mm_wgrad_lowp",
+               f"offsets has {offsets.numel()} groups, num_experts is {num_experts}")
+    return _impl("grouped_mm_wgrad_lowp", x)(x, dy, offsets, num_experts)
+
+
+@grouped_mm_wgrad_lowp.register_fake
+def _(x, dy, offsets, num_experts):
+    return x.new_empty(num_experts, x.shape[1], dy.shape[1])
+
+
+FUSED_OP_NAMES = ("grouped_mm_wgrad_lowp",)

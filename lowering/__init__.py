@@ -1,0 +1,1 @@
+"""Graph rewrites: the only code in moe_compile that mutates FX graphs."""

@@ -1,0 +1,139 @@
+"""explain(): what the moe backend matched, rewrote and refused, and graph breaks in MoE code.
+
+    report = moe_compile.explain(model, input_ids)
+    print(report)                      # a table
+    report.regions[0].status           # "rewritten" | "rejected"
+    report.graph_breaks[0].fix         # a concrete change to the user's code
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+
+import torch
+
+from .debug import format_records
+from .pipeline import RegionRecord
+
+_local = threading.local()
+
+_MOE_WORDS = ("expert", "moe", "router", "routing", "gate", "topk", "top_k", "where", "nonzero", "tolist",
+              "bincount", "one_hot", "histc", "split")
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphBreak:
+    where: str     # file:line in the user's code
+    reason: str
+    fix: str
+    code: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    regions: tuple[RegionRecord, ...]
+    graph_breaks: tuple[GraphBreak, ...]
+    graphs: int = 0
+
+    @property
+    def rewritten(self) -> list[RegionRecord]:
+        return [r for r in self.regions if r.status == "rewritten"]
+
+    @property
+    def rejected(self) -> list[RegionRecord]:
+        return [r for r in self.regions if r.status == "rejected"]
+
+    def __str__(self) -> str:
+        out = [f"moe_compile report: {len(self.rewritten)} MoE region(s) rewritten, {len(self.rejected)} refused, "
+               f"{self.graphs} graph(s), {len(self.graph_breaks)} graph break(s) in MoE code"]
+        if self.regions:
+            out.append(format_records(self.regions))
+        for r in self.regions:
+            out.extend(f"  note [{r.module}]: {n}" for n in r.notes)
+        for b in self.graph_breaks:
+            out.append(f"graph break at {b.where}: {b.reason}\n    code: {b.code}\n    fix:  {b.fix}")
+        return "\n".join(out)
+
+
+def publish(records) -> None:
+    """Called by the backend for every compiled graph."""
+    for sink in getattr(_local, "sinks", []):
+        sink.append(records)
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect the RegionRecords of every graph compiled by the moe backend inside the block."""
+    sinks = getattr(_local, "sinks", None)
+    if sinks is None:
+        sinks = _local.sinks = []
+    graphs: list = []
+    sinks.append(graphs)
+    try:
+        yield graphs
+    finally:
+        sinks.remove(graphs)
+
+
+_FIXES = (
+    ("expert_hit", "transformers' eager experts loop iterates over a data-dependent list of hit experts, so the "
+     "experts never reach a graph. Load the model with experts_implementation=\"grouped_mm\" (the default in "
+     "transformers 5), which backend=\"moe\" rewrites."),
+    ("tolist", "`.tolist()` moves routing counts to the host (a sync, and a data-dependent Python list). Loop over "
+     "range(num_experts) unconditionally (an expert with no tokens is fine), or use fixed-length counts "
+     "(`one_hot(ids, E).sum(0)`) instead of bincount."),
+    ("item", "`.item()` syncs with the host; keep the value a tensor."),
+    ("data-dependent", "a Python `if` on tensor data (e.g. skipping empty experts) cannot be traced; remove it, "
+     "the rewritten experts handle empty groups."),
+    ("bincount", "`bincount` has a data-dependent output length; use `one_hot(ids, E).sum(0)` or "
+     "`torch.histc(ids.float(), bins=E, min=0, max=E - 1)`."),
+    ("nonzero", "a dynamic-shape op broke the graph: compile with backend=\"moe\" (it captures where/nonzero) or "
+     "fullgraph=True."),
+)
+
+
+def _fix_for(text: str) -> str:
+    low = text.lower()
+    for key, fix in _FIXES:
+        if key in low:
+            return fix
+    return "see torch._dynamo.explain for the full break reason"
+
+
+def _breaks(fn, args, kwargs) -> tuple[list[GraphBreak], int]:
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, suppress_errors=True):
+        try:
+            ex = torch._dynamo.explain(fn)(*args, **kwargs)
+        except Exception as exc:  # explain itself failed: report that as one break
+            return [GraphBreak("?", f"torch._dynamo.explain failed: {exc}", _fix_for(str(exc)))], 0
+    out = []
+    for br in ex.break_reasons:
+        frame = br.user_stack[-1] if br.user_stack else None
+        where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}" if frame else "?"
+        code = (frame.line or "").strip() if frame else ""
+        text = f"{br.reason} {code} {frame.name if frame else ''} {frame.filename if frame else ''}"
+        if any(w in text.lower() for w in _MOE_WORDS):
+            out.append(GraphBreak(where, br.reason.splitlines()[0][:200], _fix_for(br.reason + " " + code), code))
+    return out, ex.graph_count
+
+
+def explain(model_or_fn, *args, **kwargs) -> Report:
+    """Trace ``model_or_fn(*args, **kwargs)`` with the moe backend and report every MoE region.
+
+    Runs one forward (compiled with AOTAutograd only, no Inductor, so it is quick)."""
+    import torch._dynamo
+
+    from .backend import capture_ctx, moe_backend
+
+    def backend(gm, example_inputs):  # a fresh callable per call: a fresh trace, not a cache hit
+        return moe_backend(gm, example_inputs, options={"moe.inductor": False})
+
+    backend.moe_capture_ctx = capture_ctx
+    with recording() as graphs:
+        torch.compile(model_or_fn, backend=backend)(*args, **kwargs)
+    records = tuple(r for g in graphs for r in g)
+    breaks, _ = _breaks(model_or_fn, args, kwargs)
+    return Report(records, tuple(breaks), len(graphs))

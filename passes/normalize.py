@@ -1,0 +1,133 @@
+"""One table that names Dynamo graph ops the same way whatever their spelling.
+
+Dynamo graphs are torch-level and not normalised: ``sel == i`` is ``operator.eq`` on 2.13 but a
+``__eq__`` method call on 2.11; ``F.linear`` may be ``torch._C._nn.linear``; ``x.mul(y)``,
+``torch.mul(x, y)`` and ``x * y`` are three spellings of one op. ``canon(node)`` maps all of them
+to one short name ("eq", "linear", "mul", ...), or None for nodes that are not calls.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+_OPERATORS = {
+    operator.eq: "eq", operator.ne: "ne", operator.mul: "mul", operator.imul: "mul",
+    operator.add: "add", operator.iadd: "iadd", operator.sub: "sub", operator.isub: "sub",
+    operator.truediv: "div", operator.itruediv: "div", operator.floordiv: "floordiv",
+    operator.mod: "mod", operator.getitem: "getitem", operator.setitem: "setitem",
+    operator.neg: "neg", operator.matmul: "matmul", operator.gt: "gt", operator.ge: "ge",
+    operator.lt: "lt", operator.le: "le", operator.pow: "pow", operator.and_: "and", operator.or_: "or",
+}
+
+# method / function names that differ from the canonical name
+_ALIASES = {
+    "__eq__": "eq", "__ne__": "ne", "__mul__": "mul", "__rmul__": "mul", "__add__": "add",
+    "__radd__": "add", "__iadd__": "iadd", "__sub__": "sub", "__truediv__": "div", "__floordiv__": "floordiv",
+    "__getitem__": "getitem", "__setitem__": "setitem", "__matmul__": "matmul", "__neg__": "neg",
+    "__gt__": "gt", "__ge__": "ge", "__lt__": "lt", "__le__": "le", "__and__": "and", "__or__": "or",
+    "__pow__": "pow", "multiply": "mul", "true_divide": "div", "divide": "div", "subtract": "sub",
+    "floor_divide": "floordiv", "remainder": "mod", "fmod": "mod", "greater": "gt", "greater_equal": "ge",
+    "less": "lt", "less_equal": "le", "not_equal": "ne", "concat": "cat", "concatenate": "cat",
+    "sigmoid_": "sigmoid", "add_": "add_inplace", "mul_": "mul_inplace", "clip": "clamp",
+    "argsort": "argsort", "type_as": "type_as", "swapaxes": "transpose", "swapdims": "transpose",
+}
+
+
+def _fn_name(fn: Any) -> str:
+    if isinstance(fn, torch._ops.OpOverload):
+        return fn._opname
+    if isinstance(fn, torch._ops.OpOverloadPacket):
+        return fn._qualified_op_name.split("::")[-1]
+    return getattr(fn, "__name__", str(fn))
+
+
+def canon(node: fx.Node) -> str | None:
+    """Canonical op name of a call node, else None."""
+    if node.op == "call_function":
+        t = node.target
+        if t in _OPERATORS:
+            return _OPERATORS[t]
+        if isinstance(t, torch._ops.OpOverload) and t.namespace not in ("aten", "prim"):
+            return f"{t.namespace}::{t._opname}"
+        if isinstance(t, torch._ops.OpOverloadPacket) and t._qualified_op_name.split("::")[0] not in ("aten",):
+            return t._qualified_op_name
+        name = _fn_name(t)
+    elif node.op == "call_method":
+        name = node.target
+    elif node.op == "call_module":
+        return "module"
+    else:
+        return None
+    return _ALIASES.get(name, name)
+
+
+def is_method(node: fx.Node) -> bool:
+    return node.op == "call_method"
+
+
+def arg(node: fx.Node, i: int, name: str, default: Any = None) -> Any:
+    """Positional-or-keyword argument of a call node (positions counted with self for methods)."""
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def val(n: Any) -> Any:
+    """The fake value Dynamo recorded for a node (tensor, tuple, SymInt), or the constant itself."""
+    if isinstance(n, fx.Node):
+        return n.meta.get("example_value", n.meta.get("val"))
+    return n
+
+
+def shape(n: Any) -> tuple | None:
+    v = val(n)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def where_in_user_code(node: fx.Node) -> str:
+    """'file.py:LINE' of the user's source line that produced the node (last frame), or ''."""
+    trace = node.meta.get("stack_trace") or ""
+    last = ""
+    for line in trace.splitlines():
+        line = line.strip()
+        if line.startswith('File "'):
+            try:
+                path = line.split('"')[1]
+                lineno = line.split("line ")[1].split(",")[0]
+                last = f"{path.rsplit('/', 1)[-1]}:{lineno}"
+            except IndexError:
+                continue
+    return last
+
+
+def module_path(node: fx.Node) -> str:
+    """Qualified module name of the innermost nn.Module that produced the node ('' at top)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return _clean_module_path(path)
+
+
+def _clean_module_path(path: str) -> str:
+    # Dynamo spells it L['self'].layers[0].mlp or L['self'].experts._modules['0'] depending on version
+    path = path.replace("L['self']", "").replace("._modules['", ".").replace("']", "")
+    path = path.replace("[", ".").replace("]", "")
+    return path.strip(".")
+
+
+def common_module(nodes) -> str:
+    """Longest common dotted prefix of the nodes' module paths."""
+    paths = [module_path(n).split(".") for n in nodes if module_path(n)]
+    if not paths:
+        return ""
+    prefix = paths[0]
+    for p in paths[1:]:
+        i = 0
+        while i < min(len(prefix), len(p)) and prefix[i] == p[i]:
+            i += 1
+        prefix = prefix[:i]
+    return ".".join(prefix)

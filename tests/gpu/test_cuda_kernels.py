@@ -1,0 +1,292 @@
+"""GPU kernels (kernels/cuda.py) against the pure-torch references, on fresh random data.
+
+Every output is checked for (a) closeness to the reference, (b) no NaN: the caching allocator is
+poisoned with NaN blocks of each output's size right before the call, so an unwritten row reads
+NaN, and (c) exact zeros in the rows past offsets[-1] ("dropped").
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytest.importorskip("triton")
+
+from moe_compile.kernels import cuda as kcuda  # noqa: E402  (registers the CUDA impls)
+from moe_compile.kernels import fused, ops, reference  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+# --- tolerances: relative Frobenius error ||out - ref|| / ||ref|| ---------------------------------
+# bf16 outputs of fp32-accumulated GEMMs: both sides round the fp32 result once to bf16 (2^-8
+# relative); a different fp32 summation order flips some roundings by one ulp (<= 2^-7).
+BF16_GEMM_REL = 8e-3
+# fp32 GEMM: tf32x3 (get_float32_matmul_precision "highest") vs a true-fp32 reference: ~1e-6
+# measured-class error from the split products, 50x margin.
+FP32_GEMM_REL = 5e-5
+# fp32-accumulated sums (combine, bias grad, reductions) that differ from the reference only in
+# summation order, on fp32 data.
+FP32_SUM_REL = 1e-6
+# the same sums rounded to a bf16 output: one bf16 rounding (2^-8) plus order flips.
+BF16_SUM_REL = 8e-3
+# end-to-end gradients of a small MoE layer (route -> permute -> GEMM -> SwiGLU -> GEMM -> combine)
+# against the reference ops: bf16 roundings of 4 chained intermediates compound (~4 x 2^-8).
+BF16_E2E_REL = 3e-2
+FP32_E2E_REL = 2e-4  # tf32x3 GEMMs chained twice in forward and backward
+
+DEV = "cuda"
+
+# (T, K, E, H, N): sizes not multiple of any tile; M=1; a case with more tiles than programs.
+SHAPES = [(1, 1, 4, 72, 200), (37, 2, 5, 72, 200), (37, 4, 8, 64, 128), (2048, 8, 16, 136, 392)]
+ROUTINGS = ["uniform", "empty", "hot", "dropped", "all_dropped"]
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    den = ref.norm().item()
+    return (out - ref).norm().item() / (den if den > 0 else 1.0)
+
+
+def make_ids(t: int, k: int, e: int, routing: str, gen: torch.Generator) -> torch.Tensor:
+    """Distinct experts per token (like top-k), in [0, e) unless dropped."""
+    scores = torch.rand(t, e, generator=gen, device=DEV)
+    if routing == "empty":  # only every other expert is ever chosen (needs k <= ceil(e/2))
+        scores[:, 1::2] -= 2.0
+    ids = scores.topk(min(k, e), dim=-1).indices
+    if ids.shape[1] < k:
+        ids = torch.cat([ids, ids[:, :k - ids.shape[1]]], 1)
+    if routing == "hot":
+        ids[:] = e // 2
+    elif routing == "dropped":
+        drop = torch.rand(t, k, generator=gen, device=DEV) < 0.3
+        ids = torch.where(drop, torch.where(torch.rand(t, k, generator=gen, device=DEV) < 0.5, e + 2, -1), ids)
+    elif routing == "all_dropped":
+        ids[:] = e
+    return ids
+
+
+def poison(*shapes_dtypes):
+    """Leave NaN-filled blocks of these sizes in the caching allocator for the next allocations."""
+    blocks = [torch.full(s, float("nan"), dtype=d, device=DEV) for s, d in shapes_dtypes]
+    del blocks
+
+
+def total_rows(offsets: torch.Tensor) -> int:
+    return int(offsets[-1])  # test-side only; the kernels never sync
+
+
+@contextlib.contextmanager
+def gmm_backend(name: str):
+    old, kcuda.GMM_BACKEND = kcuda.GMM_BACKEND, name
+    try:
+        yield
+    finally:
+        kcuda.GMM_BACKEND = old
+
+
+@contextlib.contextmanager
+def reference_impls():
+    saved = {k: v for k, v in ops._IMPLS.items() if k[1] == "cuda"}
+    for key in saved:
+        del ops._IMPLS[key]
+    try:
+        yield
+    finally:
+        ops._IMPLS.update(saved)
+
+
+@pytest.fixture
+def gen(request):
+    g = torch.Generator(device=DEV)
+    g.manual_seed(abs(hash(request.node.name)) % (2**31))
+    return g
+
+
+def rand(shape, dtype, gen, scale=1.0):
+    return (torch.randn(shape, generator=gen, device=DEV) * scale).to(dtype)
+
+
+# ------------------------------------------------------------------------------- routing ops
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_route_permute_and_permute_rows(shape, routing, gen):
+    t, k, e, h, _ = shape
+    ids = make_ids(t, k, e, routing, gen)
+    perm, inv, offsets = kcuda.route_permute(ids, e)
+    rp, ri, ro = reference.route_permute(ids, e)
+    assert perm.dtype == inv.dtype == torch.long and offsets.dtype == torch.int32
+    assert torch.equal(perm, rp) and torch.equal(inv, ri) and torch.equal(offsets, ro)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = rand((t, h), dtype, gen)
+        poison(((t * k, h), dtype))
+        xp = kcuda.permute_rows(x, perm, offsets, k)
+        assert torch.equal(xp, reference.permute_rows(x, perm, offsets, k))
+
+
+# ------------------------------------------------------------------------------- grouped GEMM
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_grouped_mm(shape, routing, dtype, backend, gen):
+    t, k, e, h, n = shape
+    ids = make_ids(t, k, e, routing, gen)
+    _, _, offsets = kcuda.route_permute(ids, e)
+    m, total = t * k, total_rows(offsets)
+    x = rand((m, h), dtype, gen)
+    tol = BF16_GEMM_REL if dtype == torch.bfloat16 else FP32_GEMM_REL
+    w_plain = rand((e, h, n), dtype, gen, h ** -0.5)
+    w_trans = rand((e, n, h), dtype, gen, h ** -0.5).transpose(1, 2)  # the backward's layout
+    bias = rand((e, n), dtype, gen)
+    with gmm_backend(backend):
+        for w in (w_plain, w_trans):
+            for b in (None, bias):
+                poison(((m, n), dtype))
+                y = kcuda.grouped_mm(x, w, offsets, b)
+                ref = reference.grouped_mm(x, w, offsets, b)
+                assert y.shape == (m, n) and y.dtype == dtype and y.is_contiguous()
+                assert not y.isnan().any(), "unwritten rows"
+                assert torch.all(y[total:] == 0), "dropped rows must be zero"
+                assert rel(y, ref) <= tol, (rel(y, ref), b is None, w.stride())
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_grouped_mm_wgrad_and_bias_grad(shape, routing, dtype, backend, gen):
+    t, k, e, h, n = shape
+    ids = make_ids(t, k, e, routing, gen)
+    _, _, offsets = kcuda.route_permute(ids, e)
+    m = t * k
+    x, dy = rand((m, h), dtype, gen), rand((m, n), dtype, gen)
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    ref = reference.grouped_mm_wgrad(x, dy, offsets, e)
+    with gmm_backend(backend):
+        poison(((e, h, n), dtype), ((e, h, n), torch.float32))
+        dw = kcuda.grouped_mm_wgrad(x, dy, offsets, e)
+        poison(((e, h, n), dtype), ((e, h, n), dtype))
+        dw_lp = fused.grouped_mm_wgrad_lowp(x, dy, offsets, e)
+    assert dw.shape == (e, h, n) and dw.dtype == torch.float32 and dw_lp.dtype == dtype
+    for out, tol in ((dw, FP32_GEMM_REL if dtype == torch.float32 else BF16_GEMM_REL),
+                     (dw_lp, BF16_GEMM_REL if dtype == torch.bfloat16 else FP32_GEMM_REL)):
+        assert not out.isnan().any()
+        assert torch.all(out[counts == 0] == 0), "empty experts must get zero gradient"
+        assert rel(out, ref) <= tol
+    poison(((e, n), torch.float32))
+    db = kcuda.grouped_bias_grad(dy, offsets, e)
+    assert db.dtype == torch.float32 and not db.isnan().any()
+    assert rel(db, reference.grouped_bias_grad(dy, offsets, e)) <= FP32_SUM_REL
+
+
+# ------------------------------------------------------------------------------- combine
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_unpermute_combine_and_backward(shape, routing, dtype, gen):
+    t, k, e, h, _ = shape
+    ids = make_ids(t, k, e, routing, gen)
+    perm, inv, offsets = kcuda.route_permute(ids, e)
+    y = rand((t * k, h), dtype, gen)
+    weights = torch.rand(t, k, generator=gen, device=DEV).to(dtype)
+    tol = BF16_SUM_REL if dtype == torch.bfloat16 else FP32_SUM_REL
+    poison(((t, h), dtype))
+    out = kcuda.unpermute_combine(y, inv, weights, offsets)
+    assert not out.isnan().any()
+    assert rel(out, reference.unpermute_combine(y, inv, weights, offsets)) <= tol
+    dout = rand((t, h), dtype, gen)
+    poison(((t * k, h), dtype), ((t, k), dtype))
+    dy, dw = kcuda.unpermute_combine_backward(dout, y, inv, weights, offsets)
+    rdy, rdw = reference.unpermute_combine_backward(dout, y, inv, weights, offsets)
+    assert not dy.isnan().any() and not dw.isnan().any()
+    assert torch.all(dy[total_rows(offsets):] == 0)
+    assert rel(dy, rdy) <= tol and rel(dw, rdw) <= tol
+
+
+# ------------------------------------------------------------------------------- end to end
+def _moe_layer(x, ids, topw, w13, b13, w2, e, k, as_list):
+    moe = torch.ops.moe_compile
+    perm, inv, offsets = moe.route_permute(ids, e)
+    xp = moe.permute_rows(x, perm, inv, offsets, k)
+    if as_list:
+        h = moe.grouped_mm_list(xp, list(w13.unbind(0)), offsets, list(b13.unbind(0)))
+    else:
+        h = moe.grouped_mm(xp, w13, offsets, b13)
+    inter = h.shape[1] // 2
+    a = F.silu(h[:, :inter]) * h[:, inter:]
+    y = moe.grouped_mm(a, w2, offsets, None)
+    return moe.unpermute_combine(y, inv, topw, offsets)
+
+
+@pytest.mark.parametrize("as_list", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("routing", ["uniform", "empty", "hot", "dropped"])
+def test_layer_gradients_match_reference(routing, dtype, as_list, gen):
+    t, k, e, h, inter = 37, 4, 8, 72, 40
+    ids = make_ids(t, k, e, routing, gen)
+    leaves = dict(x=rand((t, h), dtype, gen), topw=torch.rand(t, k, generator=gen, device=DEV).to(dtype),
+                  w13=rand((e, h, 2 * inter), dtype, gen, h ** -0.5), b13=rand((e, 2 * inter), dtype, gen, 0.1),
+                  w2=rand((e, inter, h), dtype, gen, inter ** -0.5))
+    dout = rand((t, h), dtype, gen)
+
+    def run():
+        ts = {n: v.detach().clone().requires_grad_(True) for n, v in leaves.items()}
+        out = _moe_layer(ts["x"], ids, ts["topw"], ts["w13"], ts["b13"], ts["w2"], e, k, as_list)
+        out.backward(dout)
+        return out.detach(), {n: v.grad for n, v in ts.items()}
+
+    out, grads = run()
+    with reference_impls():
+        rout, rgrads = run()
+    tol = BF16_E2E_REL if dtype == torch.bfloat16 else FP32_E2E_REL
+    assert rel(out, rout) <= tol
+    for name in grads:
+        assert grads[name] is not None and not grads[name].isnan().any(), name
+        assert rel(grads[name], rgrads[name]) <= tol, (name, rel(grads[name], rgrads[name]))
+
+
+def test_layer_is_cuda_graph_safe(gen):
+    """Capture route -> permute -> GEMM -> combine in a CUDA graph (a host sync inside would raise
+    during capture), replay it on new routing, compare with eager."""
+    t, k, e, h, n = 64, 2, 8, 64, 128
+    dtype = torch.bfloat16
+    ids = make_ids(t, k, e, "uniform", gen)
+    x, topw = rand((t, h), dtype, gen), torch.rand(t, k, generator=gen, device=DEV).to(dtype)
+    w = rand((e, h, n), dtype, gen, h ** -0.5)
+    w2 = rand((e, n, h), dtype, gen, n ** -0.5)
+    moe = torch.ops.moe_compile
+
+    def step():
+        perm, inv, offsets = moe.route_permute(ids, e)
+        y = moe.grouped_mm(moe.permute_rows(x, perm, inv, offsets, k), w, offsets)
+        return moe.unpermute_combine(moe.grouped_mm(y, w2, offsets), inv, topw, offsets)
+
+    step()  # warm-up: Triton compiles, handles are created outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    ids.copy_(make_ids(t, k, e, "dropped", gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel(static_out, step()) == 0.0
+
+
+def test_opcheck_cuda(gen):
+    t, k, e, h, n = 19, 2, 4, 32, 48
+    ids = make_ids(t, k, e, "dropped", gen)
+    perm, inv, offsets = torch.ops.moe_compile.route_permute(ids, e)
+    x = rand((t * k, h), torch.float32, gen)
+    w = rand((e, h, n), torch.float32, gen)
+    torch.library.opcheck(torch.ops.moe_compile.grouped_mm, (x, w, offsets, None))
+    torch.library.opcheck(torch.ops.moe_compile.grouped_mm_wgrad_lowp, (x, rand((t * k, n), torch.float32, gen),
+                                                                         offsets, e))
+    torch.library.opcheck(torch.ops.moe_compile.route_permute, (ids, e))
