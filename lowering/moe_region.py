@@ -121,8 +121,8 @@ def _decode(x, env, region: MoERegion):
     return x
 
 
-def lower_moe_region(gm: fx.GraphModule, region: MoERegion) -> list[str]:
-    """Rewrite ``region`` in place; returns the where/nonzero nodes left in the graph (a note)."""
+def lower_moe_region(gm: fx.GraphModule, region: MoERegion) -> None:
+    """Rewrite ``region`` in ``gm`` (in place), then lint and recompile."""
     g = gm.graph
     anchor = max(region.mutations, key=list(g.nodes).index)
     b = _Builder(g, anchor, _fake_mode(region), anchor)
@@ -165,7 +165,6 @@ def lower_moe_region(gm: fx.GraphModule, region: MoERegion) -> list[str]:
     g.eliminate_dead_code(is_impure_node=_is_impure)
     g.lint()
     gm.recompile()
-    return _surviving_syncs(g)
 
 
 def _is_impure(node: fx.Node) -> bool:
@@ -213,8 +212,3 @@ def _alive_without_asserts(n: fx.Node, live: set) -> bool:
             continue  # a tensor that nothing live needs: the assert guards a dead value
         stack.extend(m.all_input_nodes)
     return False
-
-
-def _surviving_syncs(g: fx.Graph) -> list[str]:
-    """Names of where/nonzero nodes still in the graph (kept alive by code outside the region)."""
-    return [n.name for n in g.nodes if canon(n) == "nonzero" or (canon(n) == "where" and len(n.args) == 1)]

@@ -56,6 +56,14 @@ def _ops_used(gm: fx.GraphModule) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+def _surviving_syncs(gm: fx.GraphModule) -> list[str]:
+    """where/nonzero nodes left after lowering (kept alive by code outside any region)."""
+    from moe_compile.passes.normalize import canon
+
+    return [n.name for n in gm.graph.nodes
+            if canon(n) == "nonzero" or (canon(n) == "where" and len(n.args) == 1)]
+
+
 def run_passes(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.GraphModule, list[RegionRecord]]:
     from moe_compile import debug
     from moe_compile.passes.moe_regions import Accept, MoERegion, check_region, find_moe_regions
@@ -88,9 +96,9 @@ def run_passes(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.GraphModu
     from moe_compile.lowering.moe_region import lower_moe_region
 
     try:
-        notes_by_region = []
         for region in accepted:
-            notes_by_region.append(lower_moe_region(work, region))
+            lower_moe_region(work, region)
+        syncs = _surviving_syncs(work)
     except Exception as exc:
         if config.strict:
             raise
@@ -100,8 +108,8 @@ def run_passes(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.GraphModu
         _count(records)
         return gm, records
     ops = _ops_used(work)
-    for region, syncs in zip(accepted, notes_by_region):
-        notes = (f"where/nonzero still needed outside the region: {', '.join(syncs)}",) if syncs else ()
+    notes = (f"where/nonzero still needed outside the rewritten regions: {', '.join(syncs)}",) if syncs else ()
+    for region in accepted:
         records.append(RegionRecord(region.module, region.form, "rewritten", "", ops, region.where,
                                     region.num_experts, region.top_k, notes))
     _count(records)
