@@ -9,7 +9,7 @@ CUDA tensor and Triton is importable.
     route_permute(expert_ids[T,K], E)            -> perm[N] i64, inv[N] i64, offsets[E] i32
     permute_rows(x[T,H], perm, inv, offsets, K)  -> xp[N,H]          (gather; bwd = combine)
     grouped_mm(x[M,K], w[E,K,N], offsets, bias?) -> y[M,N]           (x @ w[e] per group)
-    grouped_mm_list(x, ws: E x [K,N], offsets, biases)  -> y[M,N]     (ModuleList weights)
+    grouped_mm_list(x, ws: E x [K,N], offsets, biases)  -> y[M,N]     (ModuleList weights, no stacking)
     unpermute_combine(y[N,H], inv, weights[T,K], offsets) -> out[T,H] (weighted gather-reduce)
 
 Rows past offsets[-1] ("dropped": expert ids outside [0, E)) are zero in every output.
@@ -152,7 +152,8 @@ def _(dy, offsets, num_experts):
 # --------------------------------------------------------------------------- grouped_mm_list
 def stack_expert_weights(ws: list[torch.Tensor]) -> torch.Tensor:
     """[E, K, N] from E tensors [K, N]: a zero-copy strided view when they are evenly spaced
-    views of one storage (e.g. ModuleList weights re-homed into one buffer), else a copy."""
+    views of one storage (e.g. ModuleList weights re-homed into one buffer), else a copy.
+    For kernels that need one 3-D operand; the reference never copies."""
     first = ws[0]
     if len(ws) > 1 and all(w.shape == first.shape and w.stride() == first.stride() and w.dtype == first.dtype
                            and w.device == first.device and w.untyped_storage().data_ptr()
@@ -169,8 +170,7 @@ def grouped_mm_list(x: torch.Tensor, ws: list[torch.Tensor], offsets: torch.Tens
     """``biases``: E tensors [N], or an empty list for no bias."""
     _check(len(ws) > 0 and all(w.dim() == 2 for w in ws), "grouped_mm_list", "ws must be a non-empty list of 2-D [K, N]")
     _check_gmm("grouped_mm_list", x, ws[0].shape, ws[0].dtype, offsets, len(ws))
-    bias = torch.stack(biases) if biases else None
-    return _impl("grouped_mm", x)(x, stack_expert_weights(ws), offsets, bias)
+    return _impl("grouped_mm_list", x)(x, ws, offsets, biases)
 
 
 @grouped_mm_list.register_fake

@@ -69,6 +69,20 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: to
     return out
 
 
+def grouped_mm_list(x: torch.Tensor, ws: list[torch.Tensor], offsets: torch.Tensor,
+                    biases: list[torch.Tensor]) -> torch.Tensor:
+    """grouped_mm with per-expert weight tensors ws[e] [K, N] (e.g. ModuleList weights, viewed
+    transposed): each expert's weight is read in place, never stacked into a copy."""
+    out = torch.zeros(x.shape[0], ws[0].shape[-1], dtype=x.dtype, device=x.device)
+    for e, (s, t) in enumerate(_bounds(offsets)):
+        if t > s:
+            acc = x[s:t].float() @ ws[e].float()
+            if biases:
+                acc = acc + biases[e].float()
+            out[s:t] = acc.to(x.dtype)
+    return out
+
+
 def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, num_experts: int):
     """dw[e] = x[rows e].T @ dy[rows e] -> [E, K, N] (zeros for empty groups)."""
     dw = torch.zeros(num_experts, x.shape[1], dy.shape[1], dtype=torch.float32, device=x.device)
