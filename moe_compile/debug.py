@@ -35,11 +35,13 @@ def _trace(name: str, payload: str) -> None:
         pass
 
 
-def log_rewrite(before: str, after: str, records, seconds: float) -> None:
+def log_rewrite(before: str, after: str, records, seconds: float, loud: bool = True) -> None:
+    """Region table and graphs; at WARNING in debug mode, else at DEBUG (TORCH_LOGS=+moe_compile)."""
+    level = logging.WARNING if loud else logging.DEBUG
     table = format_records(records)
-    log.warning("moe_compile: %d MoE region(s) in %.3fs\n%s", len(records), seconds, table)
-    log.warning("moe_compile: graph before\n%s", before)
-    log.warning("moe_compile: graph after\n%s", after)
+    log.log(level, "moe_compile: %d MoE region(s) in %.3fs\n%s", len(records), seconds, table)
+    log.log(level, "moe_compile: graph before\n%s", before)
+    log.log(level, "moe_compile: graph after\n%s", after)
     _trace("moe_compile_graph_before", before)
     _trace("moe_compile_graph_after", after)
     _trace("moe_compile_regions", table)

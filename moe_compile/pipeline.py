@@ -16,7 +16,7 @@ import torch.fx as fx
 
 log = logging.getLogger(__name__)
 
-PASS_NAMES = ("moe_regions",)
+PASS_NAMES = ("moe_regions", "grouped_regions")
 
 # process-wide counters (like torch._dynamo.utils.counters): tests assert on them
 counters: collections.Counter = collections.Counter()
@@ -66,21 +66,26 @@ def _surviving_syncs(gm: fx.GraphModule) -> list[str]:
 
 def run_passes(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.GraphModule, list[RegionRecord]]:
     from moe_compile import debug
+    from moe_compile.passes.grouped_regions import find_grouped_regions
     from moe_compile.passes.moe_regions import Accept, MoERegion, check_region, find_moe_regions
 
-    if "moe_regions" in config.disable:
+    finders = [(name, fn) for name, fn in (("moe_regions", find_moe_regions), ("grouped_regions", find_grouped_regions))
+               if name not in config.disable]
+    if not finders:
         return gm, []
     t0 = time.perf_counter()
     work = copy_graph_module(gm)
-    try:
-        found = find_moe_regions(work)
-    except Exception as exc:  # a matcher bug must not break the user's compile
-        if config.strict:
-            raise
-        log.warning("moe_regions: matcher failed (%s: %s); graph left unchanged", type(exc).__name__, exc)
-        return gm, [RegionRecord("", "?", "rejected", f"moe_regions: matcher error {type(exc).__name__}: {exc}",
-                                 (), "")]
+    found = []
     records: list[RegionRecord] = []
+    for name, finder in finders:
+        try:
+            found += finder(work)
+        except Exception as exc:  # a matcher bug must not break the user's compile
+            if config.strict:
+                raise
+            log.warning("%s: matcher failed (%s: %s); its regions are left unchanged", name, type(exc).__name__, exc)
+            records.append(RegionRecord("", "?", "rejected", f"{name}: matcher error {type(exc).__name__}: {exc}",
+                                        (), ""))
     accepted: list[MoERegion] = []
     for region in found:
         verdict = check_region(region)
@@ -92,7 +97,8 @@ def run_passes(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.GraphModu
     if not accepted:
         _count(records)
         return gm, records
-    before = work.print_readable(print_output=False) if config.debug else ""
+    verbose = config.debug or log.isEnabledFor(logging.DEBUG)
+    before = work.print_readable(print_output=False) if verbose else ""
     from moe_compile.lowering.moe_region import lower_moe_region
 
     try:
@@ -113,8 +119,9 @@ def run_passes(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.GraphModu
         records.append(RegionRecord(region.module, region.form, "rewritten", "", ops, region.where,
                                     region.num_experts, region.top_k, notes))
     _count(records)
-    if config.debug:
-        debug.log_rewrite(before, work.print_readable(print_output=False), records, time.perf_counter() - t0)
+    if verbose:
+        debug.log_rewrite(before, work.print_readable(print_output=False), records, time.perf_counter() - t0,
+                          loud=config.debug)
     return work, records
 
 
