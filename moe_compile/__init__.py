@@ -8,7 +8,7 @@ torch configuration.
 """
 from .config import MoEConfig
 
-__all__ = ["MoEConfig", "explain", "moe_backend", "Report"]
+__all__ = ["MoEConfig", "Report", "counters", "explain", "moe_backend"]
 __version__ = "0.1.0"
 
 
@@ -16,6 +16,9 @@ def __getattr__(name):  # lazy: keep `import moe_compile` light
     if name == "moe_backend":
         from .backend import moe_backend
         return moe_backend
+    if name == "counters":  # rewritten / rejected region counts, process-wide
+        from .pipeline import counters
+        return counters
     if name in ("explain", "Report"):
         from . import report
         return getattr(report, name)

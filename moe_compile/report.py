@@ -123,7 +123,9 @@ def _breaks(fn, args, kwargs) -> tuple[list[GraphBreak], int]:
 def explain(model_or_fn, *args, **kwargs) -> Report:
     """Trace ``model_or_fn(*args, **kwargs)`` with the moe backend and report every MoE region.
 
-    Runs one forward (compiled with AOTAutograd only, no Inductor, so it is quick)."""
+    Runs the forward twice (torch._dynamo.explain for graph breaks, then the moe backend with
+    AOTAutograd only, no Inductor, so it is quick). Like torch._dynamo.explain it resets Dynamo's
+    caches: other compiled functions recompile on their next call."""
     import torch._dynamo
 
     from .backend import capture_ctx, moe_backend
@@ -132,8 +134,10 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
         return moe_backend(gm, example_inputs, options={"moe.inductor": False})
 
     backend.moe_capture_ctx = capture_ctx
+    # first: torch._dynamo.explain resets Dynamo, which also clears frames that an earlier compile
+    # with capture off marked as skipped (they would otherwise never reach our backend here)
+    breaks, _ = _breaks(model_or_fn, args, kwargs)
     with recording() as graphs:
         torch.compile(model_or_fn, backend=backend)(*args, **kwargs)
     records = tuple(r for g in graphs for r in g)
-    breaks, _ = _breaks(model_or_fn, args, kwargs)
     return Report(records, tuple(breaks), len(graphs))
