@@ -144,6 +144,19 @@ def _wgrad_finish_kernel(src_ptr, dst_ptr, offs_ptr, KN, s_se, BLOCK: tl.constex
     tl.store(dst_ptr + e.to(tl.int64) * KN + i, v.to(dst_ptr.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _zero_empty_groups_kernel(dw_ptr, offs_ptr, KN, s_e, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """In place: dw[e] = 0 for every group e without rows; groups with rows are not touched."""
+    e = tl.program_id(0)
+    end = tl.load(offs_ptr + e)
+    start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+    if end <= start:
+        zero = tl.zeros((BLOCK,), dtype=dw_ptr.dtype.element_ty)
+        for i0 in range(tl.program_id(1) * BLOCK, KN, SPLIT * BLOCK):
+            i = i0 + tl.arange(0, BLOCK)
+            tl.store(dw_ptr + e.to(tl.int64) * s_e + i, zero, mask=i < KN)
+
+
 # ------------------------------------------------------------------------------------ wrappers
 def permute_rows(x: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, top_k: int) -> torch.Tensor:
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -217,6 +230,15 @@ def rows_fixup(y: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None
         y, offsets, bias if bias is not None else y, m, n, e, y.stride(0), bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None, E_P2=triton.next_power_of_2(e), BR=br, BN=bn, num_warps=4)
     return y
+
+
+def zero_empty_groups(dw: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """In place on [E, K, N] with contiguous [K, N] blocks: zero the experts that got no rows."""
+    e, k, n = dw.shape
+    if dw.numel() == 0:
+        return dw
+    _zero_empty_groups_kernel[(e, 8)](dw, offsets, k * n, dw.stride(0), SPLIT=8, BLOCK=2048, num_warps=4)
+    return dw
 
 
 def wgrad_finish(src: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

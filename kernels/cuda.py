@@ -113,8 +113,9 @@ def _wgrad(x, dy, offsets, num_experts, out_dtype):
     if _use_cutlass(x, dy) and k % 8 == 0 and n % 8 == 0 and x.shape[0] > 0:
         dw = torch._grouped_mm(x.t(), dy, offs=offsets)  # [E, K, N] bf16, fp32 accumulation
         if dw.stride(-1) == 1 and dw.stride(-2) == n:
-            # one pass: empty groups -> 0, (bf16 -> out_dtype)
-            return _triton_moe.wgrad_finish(dw, offsets, out_dtype)
+            if out_dtype == dw.dtype:  # the CUTLASS kernel need not write groups with no rows
+                return _triton_moe.zero_empty_groups(dw, offsets)
+            return _triton_moe.wgrad_finish(dw, offsets, out_dtype)  # one pass: -> fp32, empty -> 0
     return _triton_gmm.grouped_mm_wgrad(x, dy, offsets, num_experts, out_dtype)
 
 

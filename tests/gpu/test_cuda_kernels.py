@@ -183,6 +183,21 @@ def test_grouped_mm_wgrad_and_bias_grad(shape, routing, dtype, backend, gen):
     assert rel(db, reference.grouped_bias_grad(dy, offsets, e)) <= FP32_SUM_REL
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("routing", ["uniform", "empty", "dropped"])
+def test_weight_grad_in_parameter_layout(routing, dtype, gen):
+    """fused.grouped_mm_weight_grad returns w's dtype and strides (no copy when accumulating)."""
+    t, k, e, h, n = 37, 4, 8, 72, 200
+    ids = make_ids(t, k, e, routing, gen)
+    _, _, offsets = kcuda.route_permute(ids, e)
+    x, dy = rand((t * k, h), dtype, gen), rand((t * k, n), dtype, gen)
+    ref = reference.grouped_mm_wgrad(x, dy, offsets, e)
+    for w in (torch.empty(e, h, n, dtype=dtype, device=DEV), torch.empty(e, n, h, dtype=dtype, device=DEV).transpose(1, 2)):
+        dw = fused.grouped_mm_weight_grad(x, dy, offsets, e, w.dtype, w.stride(-2) == 1)
+        assert dw.dtype == dtype and dw.shape == w.shape and dw.stride() == w.stride()
+        assert rel(dw, ref) <= (BF16_GEMM_REL if dtype == torch.bfloat16 else FP32_GEMM_REL)
+
+
 # ------------------------------------------------------------------------------- combine
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("routing", ROUTINGS)

@@ -1,0 +1,312 @@
+"""One MoE layer, side by side: plain-loop eager / + Inductor, HF grouped_mm eager / + Inductor,
+torch.compile(..., backend="moe") on both, and the moe_compile ops called by hand (what the backend
+should emit). One process, one GPU, bf16 parameters with random init, median of --steps steps.
+
+    python examples/benchmark/moe_layer.py --shapes qwen3 gptoss mixtral --json out.json
+    python examples/benchmark/moe_layer.py --shapes qwen3 --variants hf_inductor loop_moe --slow
+    python examples/benchmark/moe_layer.py --micro --shapes qwen3        # per-kernel times vs floors
+
+TFLOP/s use 3 x (T*k*6*H*I + 2*T*H*E) for forward+backward and 1x for the forward ("fwd" is the
+training forward: autograd on, no backward). "vs best" divides by the fastest anchor (variants a-d)
+measured in the same run. The table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SHAPES = {  # name: (T, H, I, E, k)
+    "qwen3": (8192, 2048, 768, 128, 8),
+    "gptoss": (8192, 2880, 2880, 32, 4),
+    "mixtral": (4096, 4096, 14336, 8, 2),
+    "dsv3": (4096, 7168, 2048, 256, 8),
+}
+LABELS = {"qwen3": "Qwen3-30B-A3B", "gptoss": "GPT-OSS-20B-like", "mixtral": "Mixtral-8x7B", "dsv3": "DeepSeek-V3-like"}
+ANCHORS = ("loop_eager", "loop_inductor", "hf_eager", "hf_inductor")
+VARIANTS = ANCHORS + ("loop_moe", "hf_moe", "ops_eager", "ops_inductor", "ops_lowp_inductor")
+SLOW = ("loop_inductor",)  # stock Inductor on the per-expert loop: minutes of compile, graph breaks
+
+
+# ------------------------------------------------------------------------------------ models
+class Expert(nn.Module):
+    def __init__(self, h, i):
+        super().__init__()
+        self.w1 = nn.Linear(h, i, bias=False)
+        self.w3 = nn.Linear(h, i, bias=False)
+        self.w2 = nn.Linear(i, h, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class PlainLoopMoE(nn.Module):
+    """Mixtral-reference style: softmax top-k router (renormalised), torch.where + index_add_."""
+
+    def __init__(self, h, i, e, k):
+        super().__init__()
+        self.gate = nn.Linear(h, e, bias=False)
+        self.experts = nn.ModuleList(Expert(h, i) for _ in range(e))
+        self.k = k
+
+    def forward(self, x):
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        topw, sel = torch.topk(probs, self.k, dim=-1)
+        topw = (topw / topw.sum(-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            tok, slot = torch.where(sel == i)
+            out.index_add_(0, tok, expert(x[tok]) * topw[tok, slot, None])
+        return out
+
+
+def hf_block(h, i, e, k):
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = Qwen3MoeConfig(hidden_size=h, moe_intermediate_size=i, num_experts=e, num_experts_per_tok=k,
+                         norm_topk_prob=True, experts_implementation="grouped_mm")
+    cfg._experts_implementation = "grouped_mm"
+    return Qwen3MoeSparseMoeBlock(cfg)
+
+
+class _GmmLowp(torch.autograd.Function):
+    """grouped_mm whose weight gradient is rounded once to bf16 inside the GEMM and produced in the
+    parameter's own layout (fused.grouped_mm_weight_grad): what ops.py's backward could do."""
+
+    @staticmethod
+    def forward(ctx, x, w, offsets):
+        ctx.save_for_backward(x, w, offsets)
+        return torch.ops.moe_compile.grouped_mm(x, w, offsets, None)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from moe_compile.kernels import fused
+
+        x, w, offsets = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = torch.ops.moe_compile.grouped_mm(dy, w.transpose(1, 2), offsets, None)
+        dw = fused.grouped_mm_weight_grad(x, dy, offsets, w.shape[0], w.dtype, w.stride(-2) == 1)
+        return dx, dw, None
+
+
+class OpsMoE(nn.Module):
+    """The lowering's target, written by hand: router, route_permute, permute_rows, grouped_mm on
+    stacked weights in HF layout (w13 [E, 2I, H], w2 [E, H, I], used as transposed views), SwiGLU,
+    grouped_mm, unpermute_combine."""
+
+    def __init__(self, h, i, e, k, lowp_wgrad=False):
+        super().__init__()
+        from moe_compile.kernels import fused, ops  # noqa: F401  (registers the ops)
+
+        self.gate = nn.Linear(h, e, bias=False)
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.w2 = nn.Parameter(torch.empty(e, h, i))
+        self.e, self.k, self.i, self.lowp = e, k, i, lowp_wgrad
+
+    def forward(self, x):
+        moe = torch.ops.moe_compile
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        topw, sel = torch.topk(probs, self.k, dim=-1)
+        topw = (topw / topw.sum(-1, keepdim=True)).to(x.dtype)
+        perm, inv, offs = moe.route_permute(sel, self.e)
+        xp = moe.permute_rows(x, perm, inv, offs, self.k)
+        gmm = _GmmLowp.apply if self.lowp else (lambda a, w, o: moe.grouped_mm(a, w, o, None))
+        hh = gmm(xp, self.w13.transpose(1, 2), offs)
+        a = F.silu(hh[:, :self.i]) * hh[:, self.i:]
+        y = gmm(a, self.w2.transpose(1, 2), offs)
+        return moe.unpermute_combine(y, inv, topw, offs)
+
+
+def _hf_call(m):
+    def call(x):  # HF blocks take [B, S, H]; some versions also return router logits
+        out = m(x.view(1, *x.shape))
+        return (out[0] if isinstance(out, tuple) else out).view(x.shape)
+    return call
+
+
+def build(variant, shape):
+    t, h, i, e, k = shape
+    if variant.startswith("loop"):
+        model = PlainLoopMoE(h, i, e, k)
+    elif variant.startswith("hf"):
+        model = hf_block(h, i, e, k)
+    else:
+        model = OpsMoE(h, i, e, k, lowp_wgrad="lowp" in variant)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, p.shape[-1] ** -0.5)  # random (never zeros), fan-in scaled
+    model = model.to(device="cuda", dtype=torch.bfloat16)
+    wrap = _hf_call if variant.startswith("hf") else (lambda m: m)
+    if variant.endswith("_inductor"):
+        return model, torch.compile(wrap(model))
+    if variant.endswith("_moe"):
+        return model, torch.compile(wrap(model), backend="moe")
+    return model, wrap(model)
+
+
+# ------------------------------------------------------------------------------------ timing
+def _events_median(fn, steps):
+    pairs = []
+    for _ in range(steps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        pairs.append((s, e))
+    torch.cuda.synchronize()
+    ts = sorted(s.elapsed_time(e) for s, e in pairs)
+    return ts[len(ts) // 2]
+
+
+def _profile(fn, label):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    print(f"### profile {label} (3 steps)")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70))
+
+
+def run_variant(variant, shape, steps, warmup, profile=False):
+    t, h, i, e, k = shape
+    torch.manual_seed(0)
+    model, fn = build(variant, shape)
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+
+    def fwd_bwd():
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        fn(x).backward(g)
+
+    def fwd():
+        fn(x)
+
+    res = {}
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fwd_bwd()  # compiles forward + backward for compiled variants
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    for _ in range(warmup):
+        fwd_bwd()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    res["fwdbwd_ms"] = _events_median(fwd_bwd, steps)
+    res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    res["act_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    for _ in range(warmup):
+        fwd()
+    res["fwd_ms"] = _events_median(fwd, steps)
+    if profile:
+        _profile(fwd_bwd, f"{variant} fwd+bwd")
+    res["compile_s"] = max(0.0, first - res["fwdbwd_ms"] / 1e3) if not variant.endswith("eager") else 0.0
+    del model, fn, x, g
+    return res
+
+
+def flops(shape):
+    t, h, i, e, k = shape
+    return t * k * 6 * h * i + 2 * t * h * e
+
+
+def versions():
+    import triton
+    try:
+        import transformers
+        tv = transformers.__version__
+    except ImportError:
+        tv = "missing"
+    p = torch.cuda.get_device_properties(0)
+    return dict(device=p.name, sms=p.multi_processor_count, torch=torch.__version__, cuda=torch.version.cuda,
+                triton=triton.__version__, transformers=tv)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--variants", nargs="+", default=None, choices=VARIANTS)
+    ap.add_argument("--slow", action="store_true", help=f"also run {SLOW} (stock Inductor on the loop)")
+    ap.add_argument("--tokens", type=int, default=None, help="override T for every shape")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--micro", action="store_true", help="per-kernel micro-benchmark instead of layers")
+    ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of each variant's step")
+    args = ap.parse_args()
+    info = versions()
+    print("# " + " ".join(f"{k}={v}" for k, v in info.items()), flush=True)
+    if args.micro:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import moe_kernels
+        rows = [r for name in args.shapes for r in moe_kernels.run(name, _shape(name, args), args.steps)]
+        if args.json:
+            json.dump(dict(info=info, micro=rows), open(args.json, "w"), indent=1)
+        moe_kernels.print_table(rows)
+        return
+    variants = args.variants or [v for v in VARIANTS if args.slow or v not in SLOW]
+    results = []
+    for name in args.shapes:
+        shape = _shape(name, args)
+        for v in variants:
+            row = dict(shape=name, variant=v, T=shape[0])
+            try:
+                row.update(run_variant(v, shape, args.steps, args.warmup, args.profile))
+            except Exception as exc:  # one broken variant must not stop the table
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
+            finally:
+                torch._dynamo.reset()
+                gc.collect()
+                torch.cuda.empty_cache()
+            for mode, mult in (("fwdbwd", 3), ("fwd", 1)):
+                if f"{mode}_ms" in row:
+                    row[f"{mode}_tflops"] = mult * flops(shape) / (row[f"{mode}_ms"] * 1e-3) / 1e12
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    for r in results:
+        for mode in ("fwdbwd", "fwd"):
+            best = [a[f"{mode}_ms"] for a in results if a["shape"] == r["shape"] and a["variant"] in ANCHORS
+                    and f"{mode}_ms" in a]
+            if best and f"{mode}_ms" in r:
+                r[f"{mode}_vs_best"] = min(best) / r[f"{mode}_ms"]
+    if args.json:
+        json.dump(dict(info=info, argv=sys.argv, results=results), open(args.json, "w"), indent=1)
+    print_table(results, info)
+
+
+def _shape(name, args):
+    t, h, i, e, k = SHAPES[name]
+    return (args.tokens or t, h, i, e, k)
+
+
+def print_table(results, info):
+    print(f"\n## {info['device']} torch {info['torch']} triton {info['triton']} transformers {info['transformers']}")
+    print("| shape | T | variant | fwd+bwd ms | TFLOP/s | vs best | fwd ms | TFLOP/s | vs best | peak GiB | act GiB | compile s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['shape']} | {r['T']} | {r['variant']} | error: {r['error']} |")
+            continue
+        f = lambda key, fmt: (fmt.format(r[key]) if key in r and not math.isnan(r[key]) else "-")  # noqa: E731
+        print(f"| {r['shape']} | {r['T']} | {r['variant']} | {f('fwdbwd_ms', '{:.2f}')} | {f('fwdbwd_tflops', '{:.0f}')} "
+              f"| {f('fwdbwd_vs_best', '{:.2f}x')} | {f('fwd_ms', '{:.2f}')} | {f('fwd_tflops', '{:.0f}')} "
+              f"| {f('fwd_vs_best', '{:.2f}x')} | {f('peak_gib', '{:.1f}')} | {f('act_gib', '{:.1f}')} "
+              f"| {f('compile_s', '{:.1f}')} |")
+
+
+if __name__ == "__main__":
+    main()
