@@ -64,6 +64,8 @@ class Analysis:
         self.linears: dict[fx.Node, tuple] = {}   # template linear node -> (weight node, bias node, layout)
         self.pattern: set[fx.Node] = set()        # nodes consumed by a recognised combine pattern
         self.problems: dict[int, list[str]] = {}  # expert e -> unsupported ops that touched its rows
+        self.bias_adds: dict[fx.Node, fx.Node] = {}  # linear(rows) + b_e (per-expert bias) -> the linear
+        self.refused_writes: dict[Storage, fx.Node] = {}  # an expert's output written in a refused way
 
     # ------------------------------------------------------------------ helpers
     def r(self, x):
@@ -197,7 +199,10 @@ class Analysis:
             if op in ("to", "float"):
                 return r0
             if op == "getitem" and r0.reduced:
-                ri = self.r(n.args[1])
+                idx = n.args[1]
+                if isinstance(idx, tuple) and len(idx) == 2 and idx[1] is None:
+                    idx = idx[0]  # we[mask, None]: the trailing None is an unsqueeze, RowW-neutral
+                ri = self.r(idx)
                 if isinstance(ri, TokMask) and ri.e == r0.e:
                     return RowW(r0.w, r0.ids, r0.e, ("tok", r0.e))
                 if isinstance(ri, Index) and ri.kind == "tok" and ri.e == r0.e:
@@ -286,6 +291,9 @@ class Analysis:
             return Rows(src, ri.ids, ri.e, ("tok", ri.e))
         if isinstance(index, tuple):
             roles = [self.r(i) for i in index]
+            if len(index) >= 2 and src_dims == 1 and isinstance(roles[0], Index) and all(i is None for i in index[1:]) \
+                    and (roles[0].kind == "tok" or roles[0].ids.k == 1):
+                return RowW(src, roles[0].ids, roles[0].e, roles[0].enum)  # top-1 weights w[tok, None]
             if len(index) >= 2 and isinstance(roles[0], Index) and isinstance(roles[1], Index) \
                     and roles[0].kind == "tok" and roles[1].kind == "slot" and roles[0].enum == roles[1].enum \
                     and all(i is None for i in index[2:]):
@@ -334,6 +342,10 @@ class Analysis:
         others = [x for x, r in in_roles if not isinstance(r, (Rows, RowFn))]
         if any(len(shape(x) or ()) > 1 for x in others):
             return None  # a non-row tensor with a row dimension would not broadcast row-wise
+        if op in ("add", "iadd") and len(rows) == 1 and len(others) == 1 and n.args[0] in self.linears \
+                and n.args[1] is others[0] and self.linears[n.args[0]][1] is None and len(n.args[0].users) == 1 \
+                and shape(others[0]) == shape(n)[-1:]:
+            self.bias_adds[n] = n.args[0]  # x @ W[e] + b[e]: folded into the linear by the region builder
         if op in ROWWISE_UNARY or op in ROWWISE_BINARY:
             if op == "glu" and not _is_last_dim(arg(n, 1, "dim", -1), n.args[0]):
                 return None
@@ -365,6 +377,8 @@ class Analysis:
             if dim != 0 or n.kwargs.get("alpha", 1) != 1 or not isinstance(ri, Index) or ri.kind != "tok" \
                     or c is None or c.rows.e != ri.e or c.rows.enum != ri.enum:
                 s.problem = s.problem or f"unsupported index_add_ at {where_in_user_code(n)}"
+                if c is not None:
+                    self.refused_writes.setdefault(s, n)
                 return None
             return self._add(s, n, c, inplace=op == "index_add_")
         if op == "scatter_add_":
@@ -373,6 +387,8 @@ class Analysis:
             if dim != 0 or not isinstance(ri, ScatterIndex) or c is None or c.rows.e != ri.e \
                     or c.rows.enum != ri.enum:
                 s.problem = s.problem or f"unsupported scatter_add_ at {where_in_user_code(n)}"
+                if c is not None:
+                    self.refused_writes.setdefault(s, n)
                 return None
             return self._add(s, n, c, inplace=True)
         if op == "index_put_":
@@ -381,6 +397,8 @@ class Analysis:
             ri, c = self.r(indices[0]) if len(indices) == 1 else None, self._as_contrib(values, self.r(values))
             if not accumulate or not isinstance(ri, (Index, TokMask)) or c is None:
                 s.problem = s.problem or f"unsupported index_put_ at {where_in_user_code(n)}"
+                if c is not None:
+                    self.refused_writes.setdefault(s, n)
                 return None
             return self._add(s, n, c, inplace=True)
         # setitem(acc, index, value)
@@ -396,6 +414,7 @@ class Analysis:
         if c is not None:
             s.problem = s.problem or (f"`out[idx] = expert(...)` overwrites instead of adding (top-k > 1) "
                                       f"at {where_in_user_code(n)}")
+            self.refused_writes.setdefault(s, n)
         return None
 
     def _add(self, s: Storage, n: fx.Node, c: Contrib, inplace: bool):

@@ -68,6 +68,12 @@ class MoERegion:
     mutations: tuple[fx.Node, ...]
     readers: tuple[fx.Node, ...]
     expert_nodes: tuple[fx.Node, ...]
+    # forms with no in-place accumulator (passes/grouped_regions.py): every user of ``output`` (and
+    # of ``aliases`` after it) reads the lowered result; ``erase`` lists the region's side-effecting
+    # nodes (setitem/add_/index_add_ on region-internal tensors) that the lowering removes.
+    # Template weight/bias slots may then hold one 3-D [E, in, out] weight / [E, out] bias node.
+    output: fx.Node | None = None
+    erase: tuple[fx.Node, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -101,7 +107,12 @@ def _template_nodes(a: Analysis, c: Contrib, order: dict) -> list[fx.Node]:
 
 def _build_steps(a: Analysis, c: Contrib, nodes: list[fx.Node]):
     """Steps and per-slot operand nodes of one expert's template."""
-    index = {n: i for i, n in enumerate(nodes)}
+    # x @ W[e] + b[e]: the add is folded into the linear (its bias), when the linear has no bias
+    fused = {add: lin for add, lin in a.bias_adds.items() if add in nodes and lin in nodes}
+    kept = [n for n in nodes if n not in fused]
+    index = {n: i for i, n in enumerate(kept)}
+    index.update({add: index[lin] for add, lin in fused.items()})
+    bias_of = {lin: add for add, lin in fused.items()}
     operands: list[fx.Node] = []
 
     def enc(x):
@@ -117,13 +128,15 @@ def _build_steps(a: Analysis, c: Contrib, nodes: list[fx.Node]):
         return x
 
     steps = []
-    for n in nodes:
+    for n in kept:
         args = enc(n.args)
         kwargs = tuple(sorted((k, enc(v)) for k, v in n.kwargs.items()))
         lin = None
         if n in a.linears:
             w, b, layout = a.linears[n]
             lin = (args[1][1], None if b is None else enc_lookup(args, kwargs), layout)
+            if n in bias_of:
+                lin = (lin[0], enc(bias_of[n].args[1])[1], layout)
         steps.append(Step(n.op, n.target, args, kwargs, lin))
     return steps, operands
 
@@ -139,8 +152,10 @@ def enc_lookup(args, kwargs):
 
 def _form(a: Analysis, s: Storage, nodes) -> str:
     ops = {canon(n) for n in nodes}
-    grouping = "one_hot" if "one_hot" in ops else ("mask" if any(isinstance(a.r(n), TokMask) for n in nodes)
-                                                   else "where")
+    one_hot = "one_hot" in ops or any(c.rows.enum[0] == "where" for c in s.contribs.values())
+    grouping = "one_hot" if one_hot else ("mask" if any(isinstance(a.r(n), TokMask) for n in nodes) or
+                                          any(isinstance(a.r(i), TokMask) for m in s.mutations[:1]
+                                              for i in m.all_input_nodes) else "where")
     combine = canon(s.mutations[0]) if s.mutations else "?"
     return f"loop/{grouping}+{combine}"
 
@@ -157,6 +172,11 @@ def find_moe_regions(gm: fx.GraphModule, analysis: Analysis | None = None) -> li
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     found: list[MoERegion | Refused] = []
     for s in a.storages:
+        if not s.contribs and s in a.refused_writes:  # every expert write was refused: say why
+            n = a.refused_writes[s]
+            found.append(Refused(module_path(n) or module_path(s.alloc), f"loop/?+{canon(n)}",
+                                 where_in_user_code(n), s.problem))
+            continue
         if not s.contribs or s.forked:
             continue  # nothing added, or an intermediate of a functional index_add chain
         templates = {e: _template_nodes(a, c, order) for e, c in s.contribs.items()}

@@ -1,0 +1,307 @@
+"""Shared test helpers: ``check_compiled`` (eager vs backend="moe", outputs + every gradient +
+the backend's counters) and small MoE layers written in each per-expert loop spelling.
+
+Legend: T tokens, K top-k, E experts, H model width, I expert width.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import moe_compile.pipeline as pipeline
+
+# --- tolerances: relative Frobenius error ||got - ref|| / ||ref|| --------------------------------
+# fp32 vs fp32: the rewrite sums the K expert outputs in a different order (gather-reduce instead of
+# index_add_/setitem) and runs a grouped GEMM instead of per-expert GEMMs; ~1e-7 measured, 100x margin.
+FP32_REL = 1e-5
+# bf16 vs bf16 eager: the rewrite accumulates in fp32 and rounds once, eager bf16 index_add_ rounds
+# after every expert (K roundings of 2^-8), and every chained bf16 intermediate can differ by 1 ulp.
+BF16_REL = 3e-2
+# gradients flow through ~6 chained bf16 ops (combine bwd, 2-3 GEMMs, activation bwd, permute bwd):
+# roundings compound, and small per-expert weight grads are sums of few rows.
+BF16_GRAD_REL = 6e-2
+# a gradient whose reference norm is below this is "zero" (e.g. an expert with no tokens): then the
+# compiled gradient must be zero too, up to this absolute norm.
+ZERO_NORM = 1e-6
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.double(), ref.double()
+    den = ref.norm().item()
+    return (got - ref).norm().item() / max(den, 1e-30)
+
+
+def assert_close_rel(got, ref, rel: float, what: str):
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    assert torch.isfinite(got).all(), f"{what}: non-finite values"
+    if ref.double().norm().item() < ZERO_NORM:
+        assert got.double().norm().item() < ZERO_NORM, f"{what}: reference is zero, got norm {got.norm()}"
+        return
+    err = rel_err(got, ref)
+    assert err <= rel, f"{what}: relative error {err:.3g} > {rel:.3g}"
+
+
+def _fresh_like(args):
+    """Fresh random tensors of the same shapes/dtypes (never all-zeros); ints are kept."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            out.append(torch.randn(a.shape, dtype=a.dtype).requires_grad_(a.requires_grad))
+        else:
+            out.append(a)
+    return out
+
+
+def _clone_args(args):
+    return [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+            for a in args]
+
+
+def _run(fn, args, module=None):
+    """Outputs and gradients of ``fn(*args)``; ``module`` holds the parameters (default: fn)."""
+    module = module if module is not None else (fn if isinstance(fn, nn.Module) else None)
+    out = fn(*args)
+    outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+    grads = {}
+    diff = [o for o in outs if o.requires_grad]
+    if diff:
+        # a fixed, non-uniform cotangent so every output element matters
+        loss = sum((o.float() * torch.linspace(-1, 1, o.numel()).view(o.shape)).sum() for o in diff)
+        loss.backward()
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                grads[f"input{i}"] = a.grad
+        for name, p in (module.named_parameters() if module is not None else []):
+            if p.requires_grad:
+                grads[name] = p.grad if p.grad is not None else torch.zeros_like(p)
+    return [o.detach() for o in outs], grads
+
+
+def check_compiled(fn, args, *, expect_rewritten: int, expect_rejected: int = 0, rel: float | None = None,
+                   grad_rel: float | None = None, inductor: bool = False, options: dict | None = None,
+                   fresh_inputs: int = 1, grads: bool = True):
+    """Compile a deep copy of ``fn`` with backend="moe" and compare it with eager ``fn``.
+
+    Outputs and every gradient (inputs that require grad and all parameters) must match on ``args``
+    and on ``fresh_inputs`` further sets of fresh random inputs of the same shapes; the backend's
+    counters must show exactly ``expect_rewritten`` rewritten and ``expect_rejected`` refused regions
+    (so a rewrite that silently did not fire fails). Returns the counter deltas.
+    """
+    torch._dynamo.reset()
+    dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), torch.float32)
+    low = dtype in (torch.bfloat16, torch.float16)
+    rel = rel if rel is not None else (BF16_REL if low else FP32_REL)
+    grad_rel = grad_rel if grad_rel is not None else (BF16_GRAD_REL if low else FP32_REL)
+    opts = {"moe.inductor": inductor, **(options or {})}
+    eager = fn
+    compiled_src = copy.deepcopy(fn) if isinstance(fn, nn.Module) else fn
+    compiled = torch.compile(compiled_src, backend="moe", options=opts)
+
+    before = dict(pipeline.counters)
+    arg_sets = [list(args)] + [_fresh_like(args) for _ in range(fresh_inputs)]
+    for n, a in enumerate(arg_sets):
+        if isinstance(fn, nn.Module):
+            eager.zero_grad(set_to_none=True)
+            compiled_src.zero_grad(set_to_none=True)
+        ref_out, ref_g = _run(eager, _clone_args(a))
+        got_out, got_g = _run(compiled, _clone_args(a),
+                              module=compiled_src if isinstance(fn, nn.Module) else None)
+        for i, (g, r) in enumerate(zip(got_out, ref_out)):
+            assert_close_rel(g, r, rel, f"input set {n}: output {i}")
+        assert len(got_out) == len(ref_out)
+        if grads:
+            assert ref_g.keys() == got_g.keys(), f"gradients differ in which tensors get one: {ref_g.keys()} vs {got_g.keys()}"
+            for k in ref_g:
+                assert_close_rel(got_g[k], ref_g[k], grad_rel, f"input set {n}: grad of {k}")
+    delta = {k: pipeline.counters[k] - before.get(k, 0) for k in ("rewritten", "rejected")}
+    assert delta["rewritten"] == expect_rewritten, f"expected {expect_rewritten} rewritten region(s), got {delta}"
+    assert delta["rejected"] == expect_rejected, f"expected {expect_rejected} refused region(s), got {delta}"
+    return delta
+
+
+# ==================================================================================== model builders
+class SwiGLU(nn.Module):
+    def __init__(self, h, i, bias=False):
+        super().__init__()
+        self.w1, self.w3, self.w2 = nn.Linear(h, i, bias=bias), nn.Linear(h, i, bias=bias), nn.Linear(i, h, bias=bias)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Router(nn.Module):
+    """Returns (w [T, K] or [T], ids [T, K] or [T]). ``routing`` forces the choice through the bias:
+    "random", "empty" (experts 1 and E-1 never chosen), "hot" (every token picks experts 0..K-1)."""
+
+    def __init__(self, h, e, k, kind="softmax_topk", routing="random", n_group=2, topk_group=1, scale=2.5):
+        super().__init__()
+        self.e, self.k, self.kind = e, k, kind
+        self.n_group, self.topk_group, self.scale = n_group, topk_group, scale
+        self.proj = nn.Linear(h, e, bias=True)
+        with torch.no_grad():
+            self.proj.weight.mul_(0.5)
+            b = torch.randn(e) * 0.1
+            if routing == "empty":
+                b[1] = b[e - 1] = -30.0
+            elif routing == "hot":
+                for j in range(k):
+                    b[j] = 30.0 - 5.0 * j
+            self.proj.bias.copy_(b)
+        self.register_buffer("sel_bias", torch.linspace(-0.05, 0.05, e))
+
+    def forward(self, x):
+        logits = self.proj(x)
+        if self.kind == "softmax_topk":         # softmax -> topk -> renormalise
+            probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+            w, ids = torch.topk(probs, self.k, dim=-1)
+            w = w / w.sum(-1, keepdim=True)
+            return w.to(x.dtype), ids
+        if self.kind == "topk_softmax":         # topk -> softmax
+            w, ids = torch.topk(logits, self.k, dim=-1)
+            return F.softmax(w, dim=-1, dtype=torch.float32).to(x.dtype), ids
+        if self.kind == "argmax":               # top-1, ids [T, 1]
+            probs = F.softmax(logits, dim=-1)
+            ids = probs.argmax(dim=-1, keepdim=True)
+            return probs.gather(-1, ids), ids
+        if self.kind == "argmax_flat":          # top-1, ids [T], w [T]
+            probs = F.softmax(logits, dim=-1)
+            ids = torch.argmax(probs, dim=-1)
+            return probs.gather(-1, ids[:, None]).squeeze(-1), ids
+        if self.kind == "sigmoid_group":        # DeepSeek-V3: sigmoid, selection bias, groups, scaling
+            t = x.shape[0]
+            scores = torch.sigmoid(logits.float())
+            choice = scores + self.sel_bias
+            per = self.e // self.n_group
+            gs = choice.view(t, self.n_group, per).topk(min(2, per), dim=-1).values.sum(-1)
+            gidx = torch.topk(gs, self.topk_group, dim=-1, sorted=False).indices
+            gmask = torch.zeros_like(gs).scatter_(1, gidx, 1.0)
+            emask = gmask.unsqueeze(-1).expand(t, self.n_group, per).reshape(t, -1)
+            choice = choice.masked_fill(emask == 0, float("-inf"))
+            ids = torch.topk(choice, self.k, dim=-1, sorted=False).indices
+            w = scores.gather(1, ids)
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+            return (w * self.scale).to(x.dtype), ids
+        raise ValueError(self.kind)
+
+
+class Experts(nn.Module):
+    """E expert MLPs; ``fwd(e, rows)`` applies expert e. Kinds: swiglu, gelu_seq (ModuleList of
+    Linear-GELU-Linear with biases), stacked_chunk (F.linear(x, gate_up_proj[e]).chunk(2)),
+    stacked_interleave (x @ W[e], [..., ::2] / [..., 1::2]), gptoss (clamped SwiGLU, x @ W[e] + b[e])."""
+
+    def __init__(self, h, i, e, kind="swiglu"):
+        super().__init__()
+        self.kind, self.e = kind, e
+        if kind == "swiglu":
+            self.experts = nn.ModuleList([SwiGLU(h, i) for _ in range(e)])
+        elif kind == "gelu_seq":
+            self.experts = nn.ModuleList([nn.Sequential(nn.Linear(h, i), nn.GELU(), nn.Linear(i, h))
+                                          for _ in range(e)])
+        elif kind == "stacked_chunk":
+            self.gate_up_proj = nn.Parameter(torch.randn(e, 2 * i, h) / math.sqrt(h))
+            self.down_proj = nn.Parameter(torch.randn(e, h, i) / math.sqrt(i))
+        elif kind in ("stacked_interleave", "gptoss"):
+            self.gate_up_proj = nn.Parameter(torch.randn(e, h, 2 * i) / math.sqrt(h))
+            self.down_proj = nn.Parameter(torch.randn(e, i, h) / math.sqrt(i))
+            if kind == "gptoss":
+                self.gate_up_bias = nn.Parameter(torch.randn(e, 2 * i) * 0.1)
+                self.down_bias = nn.Parameter(torch.randn(e, h) * 0.1)
+        else:
+            raise ValueError(kind)
+
+    def fwd(self, e, x):
+        if self.kind in ("swiglu", "gelu_seq"):
+            return self.experts[e](x)
+        if self.kind == "stacked_chunk":
+            g, u = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            return F.linear(F.silu(g) * u, self.down_proj[e])
+        if self.kind == "stacked_interleave":
+            h = x @ self.gate_up_proj[e]
+            return (F.silu(h[..., ::2]) * h[..., 1::2]) @ self.down_proj[e]
+        # gptoss: clamped SwiGLU with sigmoid(alpha * gate) and (up + 1)
+        gu = x @ self.gate_up_proj[e] + self.gate_up_bias[e]
+        gate, up = gu[..., ::2], gu[..., 1::2]
+        gate = gate.clamp(min=None, max=7.0)
+        up = up.clamp(min=-7.0, max=7.0)
+        glu = gate * torch.sigmoid(gate * 1.702)
+        return ((up + 1) * glu) @ self.down_proj[e] + self.down_bias[e]
+
+
+SPELLINGS = ("where_setitem", "index_add", "one_hot", "bool_mask", "nonzero", "scatter_add", "index_put",
+             "assign", "where_flat")
+
+
+class LoopMoE(nn.Module):
+    """A per-expert loop MoE layer [.., H] -> [.., H] in one of ``SPELLINGS``.
+
+    shared: None, "add" (out + shared(x) at the end) or "base" (the accumulator starts from shared(x)).
+    """
+
+    def __init__(self, h=16, i=12, e=4, k=2, spelling="where_setitem", expert="swiglu", router="softmax_topk",
+                 routing="random", shared=None):
+        super().__init__()
+        self.h, self.e, self.k, self.spelling, self.shared_mode = h, e, k, spelling, shared
+        self.router = Router(h, e, k, router, routing)
+        self.experts = Experts(h, i, e, expert)
+        self.shared = SwiGLU(h, i) if shared else None
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, self.h)
+        w, ids = self.router(x)
+        out = self.shared(x) if self.shared_mode == "base" else torch.zeros_like(x)
+        sp = self.spelling
+        if sp == "one_hot":
+            mask = F.one_hot(ids, num_classes=self.e).permute(2, 1, 0)
+        for i in range(self.e):
+            if sp == "where_setitem":
+                tok, slot = torch.where(ids == i)
+                out[tok] += w[tok, slot, None] * self.experts.fwd(i, x[tok])
+            elif sp == "index_add":
+                tok, slot = torch.where(ids == i)
+                out.index_add_(0, tok, self.experts.fwd(i, x[tok]) * w[tok, slot].unsqueeze(-1))
+            elif sp == "one_hot":                       # HF Mixtral (transformers 4.x) style
+                idx, top = torch.where(mask[i])
+                cur = x[None, top].reshape(-1, self.h)
+                y = self.experts.fwd(i, cur) * w[top, idx, None]
+                out.index_add_(0, top, y.to(x.dtype))
+            elif sp == "bool_mask":
+                sel = ids == i
+                m = sel.any(-1)
+                we = (w * sel).sum(-1)
+                out[m] += we[m, None] * self.experts.fwd(i, x[m])
+            elif sp == "nonzero":
+                tok, slot = torch.nonzero(ids == i, as_tuple=True)
+                out[tok] += w[tok, slot, None] * self.experts.fwd(i, x[tok])
+            elif sp == "scatter_add":
+                tok, slot = torch.where(ids == i)
+                y = self.experts.fwd(i, x[tok]) * w[tok, slot, None]
+                out.scatter_add_(0, tok.unsqueeze(-1).expand(-1, self.h), y)
+            elif sp == "index_put":
+                tok, slot = torch.where(ids == i)
+                out.index_put_((tok,), self.experts.fwd(i, x[tok]) * w[tok, slot, None], accumulate=True)
+            elif sp == "assign":                        # overwrite: correct only for top-1
+                tok, slot = torch.where(ids == i)
+                out[tok] = self.experts.fwd(i, x[tok]) * w[tok, slot, None]
+            elif sp == "where_flat":                    # top-1 with ids [T], w [T]
+                tok = torch.where(ids == i)[0]
+                out[tok] += w[tok, None] * self.experts.fwd(i, x[tok])
+            else:
+                raise ValueError(sp)
+        if self.shared_mode == "add":
+            out = out + self.shared(x)
+        return out.view(shape)
+
+
+def make_input(shape, dtype=torch.float32, requires_grad=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype).requires_grad_(requires_grad)
+
+
+def make_model(dtype=torch.float32, seed=0, **kw):
+    torch.manual_seed(seed)
+    return LoopMoE(**kw).to(dtype)
