@@ -101,6 +101,9 @@ def _emit_linear(b: _Builder, region: MoERegion, h: fx.Node, step, offs: fx.Node
     w_slot, b_slot, layout = step.linear
     ws = region.template.slots[w_slot]
     bs = region.template.slots[b_slot] if b_slot is not None else None
+    if len(ws) == 1 and val(ws[0]).dim() == 3:      # one weight for all experts (grouped_regions)
+        w3 = ws[0] if layout == "kn" else b.method("transpose", ws[0], 1, 2)
+        return b.fn(OPS.grouped_mm.default, h, w3, offs, bs[0] if bs is not None else None)
     w3 = _stacked(b, ws, layout)
     b3 = _stacked(b, bs, layout) if bs is not None else None
     if w3 is not None and (bs is None or b3 is not None):
@@ -124,7 +127,7 @@ def _decode(x, env, region: MoERegion):
 def lower_moe_region(gm: fx.GraphModule, region: MoERegion) -> None:
     """Rewrite ``region`` in ``gm`` (in place), then lint and recompile."""
     g = gm.graph
-    anchor = max(region.mutations, key=list(g.nodes).index)
+    anchor = region.output if region.output is not None else max(region.mutations, key=list(g.nodes).index)
     b = _Builder(g, anchor, _fake_mode(region), anchor)
     e, k = region.num_experts, region.top_k
 
@@ -151,6 +154,10 @@ def lower_moe_region(gm: fx.GraphModule, region: MoERegion) -> None:
     if region.base is not None:
         out = b.fn(operator.add, region.base, out)
 
+    if region.output is not None:
+        _rewire_output(g, region, out)
+        _finish(gm, region)
+        return
     aliases = set(region.aliases)
     for reader in region.readers:
         for a in list(reader.all_input_nodes):
@@ -161,10 +168,30 @@ def lower_moe_region(gm: fx.GraphModule, region: MoERegion) -> None:
             if u not in region.mutations and u not in region.readers:
                 u.replace_input_with(m, out)
         g.erase_node(m)
+    _finish(gm, region)
+
+
+def _finish(gm: fx.GraphModule, region: MoERegion) -> None:
+    g = gm.graph
     _erase_region_asserts(g, region)
     g.eliminate_dead_code(is_impure_node=_is_impure)
     g.lint()
     gm.recompile()
+
+
+def _rewire_output(g: fx.Graph, region: MoERegion, out: fx.Node) -> None:
+    """Output forms: readers of ``output`` (and of its in-place aliases, after it) read ``out``;
+    the region's side-effecting nodes (checked by the matcher to touch only region-internal
+    tensors) are erased, then every pure region node left without users."""
+    order = {n: i for i, n in enumerate(g.nodes)}
+    new = {n for n in g.nodes if order[region.output] < order[n] <= order[out]}
+    for src in (region.output, *region.aliases):
+        for u in list(src.users):
+            if u not in new and order[u] > order[region.output]:
+                u.replace_input_with(src, out)
+    for n in sorted(set(region.erase) | set(region.expert_nodes), key=order.__getitem__, reverse=True):
+        if not n.users and n.op != "placeholder" and (n in region.erase or not _is_impure(n)):
+            g.erase_node(n)
 
 
 def _is_impure(node: fx.Node) -> bool:
