@@ -22,15 +22,16 @@ import triton.language as tl
 
 
 @triton.jit
-def _gmm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, offs_ptr, idx_ptr,
+def _gmm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, offs_ptr, idx_ptr, wtab_ptr,
                 M, N, K, E,
                 sxm, sxk, swe, swk, swn, sbe, sym,
-                TOP_K: tl.constexpr, HAS_GATHER: tl.constexpr, HAS_BIAS: tl.constexpr,
+                TOP_K: tl.constexpr, HAS_GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, W_TABLE: tl.constexpr,
                 E_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                 GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr, IS_FP32: tl.constexpr,
                 PRECISION: tl.constexpr):
     """y[rows of e] = x[rows of e] @ w[e] (+ b[e]); with HAS_GATHER, row r of the A operand is
-    x[idx[r] // TOP_K] (the permutation fused into the load)."""
+    x[idx[r] // TOP_K] (the permutation fused into the load); with W_TABLE, w[e] starts at the
+    address wtab[e] (per-expert tensors read in place, e.g. ModuleList weights)."""
     pid = tl.program_id(0)
     eidx = tl.arange(0, E_P2)
     emask = eidx < E
@@ -66,7 +67,11 @@ def _gmm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, offs_ptr, idx_ptr,
             src = rows
         ks = tl.arange(0, BK)
         a_ptrs = x_ptr + src.to(tl.int64)[:, None] * sxm + ks[None, :] * sxk
-        b_ptrs = w_ptr + e.to(tl.int64) * swe + ks[:, None] * swk + cols[None, :] * swn
+        if W_TABLE:
+            w_base = tl.load(wtab_ptr + e).to(tl.pointer_type(w_ptr.dtype.element_ty))
+        else:
+            w_base = w_ptr + e.to(tl.int64) * swe
+        b_ptrs = w_base + ks[:, None] * swk + cols[None, :] * swn
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
             kmask = (k0 + ks) < K
@@ -136,7 +141,12 @@ def _precision() -> str:
     return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
+CONFIG_OVERRIDE: dict | None = None  # set by the micro-benchmark to sweep tile configs
+
+
 def _gmm_config(dtype: torch.dtype, m: int, n: int, k: int):
+    if CONFIG_OVERRIDE is not None and dtype != torch.float32:
+        return dict(CONFIG_OVERRIDE)
     if dtype == torch.float32:
         return dict(BM=64 if m <= 64 else 128, BN=64, BK=32, GROUP_M=8, num_warps=4, num_stages=3)
     return dict(BM=64 if m <= 64 else 128, BN=128 if n > 64 else 64, BK=64, GROUP_M=8, num_warps=8,
@@ -145,14 +155,19 @@ def _gmm_config(dtype: torch.dtype, m: int, n: int, k: int):
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None = None,
                gather_idx: torch.Tensor | None = None, top_k: int = 1, out: torch.Tensor | None = None,
-               num_rows: int | None = None) -> torch.Tensor:
+               num_rows: int | None = None, w_table: torch.Tensor | None = None) -> torch.Tensor:
     """[M, N] = per-group x @ w[e] (+ bias[e]); rows past offsets[-1] are NOT written here.
 
     With ``gather_idx`` (the route permutation), A row r is x[gather_idx[r] // top_k] and M is
-    ``num_rows`` (= gather_idx.numel()).
+    ``num_rows`` (= gather_idx.numel()). With ``w_table`` (int64 [E] device addresses), ``w`` is
+    one expert's [K, N] weight giving dtype and strides, and expert e is read at w_table[e].
     """
     m = num_rows if num_rows is not None else x.shape[0]
-    k, n, e = x.shape[1], w.shape[2], w.shape[0]
+    if w_table is not None:
+        k, n, e = x.shape[1], w.shape[1], w_table.numel()
+        w = w.unsqueeze(0)
+    else:
+        k, n, e = x.shape[1], w.shape[2], w.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -165,10 +180,11 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: to
         bias = bias if bias.stride(-1) == 1 else bias.contiguous()
     _gmm_kernel[(progs,)](
         x, w, bias if bias is not None else x, out, offsets, gather_idx if gather_idx is not None else offsets,
+        w_table if w_table is not None else offsets,
         m, n, k, e,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
         bias.stride(0) if bias is not None else 0, out.stride(0),
-        TOP_K=top_k, HAS_GATHER=gather_idx is not None, HAS_BIAS=bias is not None,
+        TOP_K=top_k, HAS_GATHER=gather_idx is not None, HAS_BIAS=bias is not None, W_TABLE=w_table is not None,
         E_P2=triton.next_power_of_2(e), NUM_PROGS=progs, IS_FP32=x.dtype == torch.float32,
         PRECISION=_precision(), **cfg)
     return out

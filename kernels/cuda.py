@@ -11,6 +11,9 @@ What runs where (all sync-free: no .item()/.tolist()/nonzero, static launch shap
                 aligned        Triton pass that zeros rows past offsets[-1] and adds the bias
                 otherwise      Triton persistent grouped GEMM (fp32 via tf32x3 / tf32 following
                                torch.get_float32_matmul_precision()), bias in the epilogue
+    grouped_mm_list            one strided view + the grouped_mm path when the weights are evenly
+                               spaced views of one buffer; else Triton reading each expert in place
+                               through a cached device table of base addresses (no stack copy)
     grouped_mm_wgrad  bf16     torch._grouped_mm 2Dx2D (x^T, dy) + one pass to fp32 that zeros
                                empty groups; otherwise a Triton kernel writing fp32 directly
     grouped_bias_grad          Triton segmented column sum (fp32, fixed order)
@@ -95,6 +98,53 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: to
     return _triton_moe.rows_fixup(y, offsets, None)
 
 
+_PTR_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _pointer_table(ws: list[torch.Tensor]) -> torch.Tensor:
+    """int64 [E] device tensor of the experts' base addresses, cached per address tuple. A miss
+    copies from pinned host memory asynchronously (no host sync; capturable in a CUDA graph since
+    the pinned buffer is kept alive with the table)."""
+    key = (ws[0].device.index, tuple(w.data_ptr() for w in ws))
+    hit = _PTR_TABLES.get(key)
+    if hit is None:
+        if len(_PTR_TABLES) >= 256:
+            _PTR_TABLES.clear()
+        host = torch.tensor(key[1], dtype=torch.int64).pin_memory()
+        hit = (host, host.to(ws[0].device, non_blocking=True))
+        _PTR_TABLES[key] = hit
+    return hit[1]
+
+
+def grouped_mm_list(x: torch.Tensor, ws: list[torch.Tensor], offsets: torch.Tensor, biases: list[torch.Tensor]):
+    """grouped_mm over per-expert weights ws[e] [K, N] (ModuleList weights, usually ``W_e.t()``).
+
+    Evenly spaced views of one buffer (re-homed weights) -> one strided [E, K, N] view -> the
+    grouped_mm path (CUTLASS for bf16). Separate tensors -> the Triton grouped GEMM reading each
+    expert in place through a table of base addresses (no per-step stack copy).
+    """
+    from . import _triton_gmm, _triton_moe
+
+    bias = torch.stack(biases) if biases else None
+    w3 = ops.stack_expert_weights(ws) if _zero_copy_stack(ws) else None
+    if w3 is not None:
+        return grouped_mm(x, w3, offsets, bias)
+    offsets = offsets.to(torch.int32) if offsets.dtype != torch.int32 else offsets
+    if any(w.shape != ws[0].shape or w.stride() != ws[0].stride() or w.dtype != ws[0].dtype for w in ws):
+        return grouped_mm(x, torch.stack(ws), offsets, bias)
+    y = _triton_gmm.grouped_mm(x, ws[0], offsets, bias, w_table=_pointer_table(ws))
+    return _triton_moe.rows_fixup(y, offsets, None)
+
+
+def _zero_copy_stack(ws: list[torch.Tensor]) -> bool:
+    first = ws[0]
+    if len(ws) < 2 or any(w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for w in ws):
+        return len(ws) == 1
+    step = ws[1].storage_offset() - first.storage_offset()
+    return step > 0 and all(w.stride() == first.stride() and w.storage_offset() == first.storage_offset() + e * step
+                            for e, w in enumerate(ws))
+
+
 def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, num_experts: int):
     """dw[e] = x[rows e]^T @ dy[rows e] as fp32 [E, K, N]; 0 for empty groups."""
     return _wgrad(x, dy, offsets, num_experts, torch.float32)
@@ -148,6 +198,7 @@ IMPLS = {
     "route_permute": route_permute,
     "permute_rows": permute_rows,
     "grouped_mm": grouped_mm,
+    "grouped_mm_list": grouped_mm_list,
     "grouped_mm_wgrad": grouped_mm_wgrad,
     "grouped_bias_grad": grouped_bias_grad,
     "unpermute_combine": unpermute_combine,

@@ -92,6 +92,28 @@ def run(name: str, shape, steps: int = 10):
         ("up   wgrad lowp (fused.py)", lambda: fused.grouped_mm_wgrad_lowp(xp, dy_2i, offs, e), 2 * n * h * 2 * i,
          (n * h + n * 2 * i + e * h * 2 * i) * B),
     ]
+    from moe_compile.kernels import _triton_gmm
+
+    def swept(cfg):
+        def fn():
+            _triton_gmm.CONFIG_OVERRIDE = cfg
+            try:
+                return gmm_triton(xp, w13t)
+            finally:
+                _triton_gmm.CONFIG_OVERRIDE = None
+        return fn
+
+    for cfg in (dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
+                dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
+                dict(BM=64, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4)):
+        cases.append((f"up   triton gmm {cfg['BM']}x{cfg['BN']}x{cfg['BK']} w{cfg['num_warps']} s{cfg['num_stages']}",
+                      swept(cfg), 2 * n * h * 2 * i, (n * h + e * h * 2 * i + n * 2 * i) * B))
+    sep = [torch.randn(2 * i, h, device="cuda", dtype=torch.bfloat16, generator=g).t() for _ in range(e)]
+    cases.append(("up   grouped_mm_list, separate weights (address table)",
+                  lambda: kcuda.grouped_mm_list(xp, sep, offs, []), 2 * n * h * 2 * i,
+                  (n * h + e * h * 2 * i + n * 2 * i) * B))
+    cases.append(("up   torch.stack(separate) + gmm", lambda: kcuda.grouped_mm(xp, torch.stack(sep), offs),
+                  2 * n * h * 2 * i, (n * h + e * h * 2 * i + n * 2 * i) * B))
     del ops, hh
     rows = []
     for op, fn, fl, by in cases:

@@ -135,12 +135,18 @@ def _hf_call(m):
 
 def build(variant, shape):
     t, h, i, e, k = shape
-    if variant.startswith("loop"):
-        model = PlainLoopMoE(h, i, e, k)
-    elif variant.startswith("hf"):
-        model = hf_block(h, i, e, k)
-    else:
-        model = OpsMoE(h, i, e, k, lowp_wgrad="lowp" in variant)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # build bf16 parameters directly on the GPU
+    try:
+        with torch.device("cuda"):
+            if variant.startswith("loop"):
+                model = PlainLoopMoE(h, i, e, k)
+            elif variant.startswith("hf"):
+                model = hf_block(h, i, e, k)
+            else:
+                model = OpsMoE(h, i, e, k, lowp_wgrad="lowp" in variant)
+    finally:
+        torch.set_default_dtype(old)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, p.shape[-1] ** -0.5)  # random (never zeros), fan-in scaled

@@ -7,6 +7,8 @@ NaN, and (c) exact zeros in the rows past offsets[-1] ("dropped").
 from __future__ import annotations
 
 import contextlib
+import os
+import zlib
 
 import pytest
 import torch
@@ -28,9 +30,10 @@ BF16_GEMM_REL = 8e-3
 # fp32 GEMM: tf32x3 (get_float32_matmul_precision "highest") vs a true-fp32 reference: ~1e-6
 # measured-class error from the split products, 50x margin.
 FP32_GEMM_REL = 5e-5
-# fp32-accumulated sums (combine, bias grad, reductions) that differ from the reference only in
-# summation order, on fp32 data.
-FP32_SUM_REL = 1e-6
+# fp32-accumulated sums (combine, bias grad, dot products over H) that differ from the reference
+# only in summation order, on fp32 data: 2^-24 per add, amplified by cancellation when a single
+# dot product (T=1) is checked (seen: 1.9e-6 for one 72-term dot).
+FP32_SUM_REL = 2e-5
 # the same sums rounded to a bf16 output: one bf16 rounding (2^-8) plus order flips.
 BF16_SUM_REL = 8e-3
 # end-to-end gradients of a small MoE layer (route -> permute -> GEMM -> SwiGLU -> GEMM -> combine)
@@ -102,7 +105,8 @@ def reference_impls():
 @pytest.fixture
 def gen(request):
     g = torch.Generator(device=DEV)
-    g.manual_seed(abs(hash(request.node.name)) % (2**31))
+    # fresh random data per test, reproducible: MOE_TEST_SEED=<n> varies every draw
+    g.manual_seed(zlib.crc32(request.node.name.encode()) + int(os.environ.get("MOE_TEST_SEED", "0")))
     return g
 
 
@@ -152,6 +156,16 @@ def test_grouped_mm(shape, routing, dtype, backend, gen):
                 assert not y.isnan().any(), "unwritten rows"
                 assert torch.all(y[total:] == 0), "dropped rows must be zero"
                 assert rel(y, ref) <= tol, (rel(y, ref), b is None, w.stride())
+        # grouped_mm_list: ModuleList-style separate tensors (nn.Linear [N, K] viewed .t()), read
+        # in place through the address table, and evenly spaced views of one buffer (zero-copy)
+        separate = [rand((n, h), dtype, gen, h ** -0.5).t() for _ in range(e)]
+        for ws in (separate, list(w_trans.unbind(0))):
+            for b in ([], list(bias.unbind(0))):
+                poison(((m, n), dtype))
+                y = kcuda.grouped_mm_list(x, ws, offsets, b)
+                ref = reference.grouped_mm(x, torch.stack(ws), offsets, torch.stack(b) if b else None)
+                assert not y.isnan().any() and torch.all(y[total:] == 0)
+                assert rel(y, ref) <= tol, ("list", rel(y, ref), len(b))
 
 
 @pytest.mark.parametrize("backend", ["auto", "triton"])
@@ -227,7 +241,9 @@ def _moe_layer(x, ids, topw, w13, b13, w2, e, k, as_list):
     moe = torch.ops.moe_compile
     perm, inv, offsets = moe.route_permute(ids, e)
     xp = moe.permute_rows(x, perm, inv, offsets, k)
-    if as_list:
+    if isinstance(w13, list):  # separate per-expert leaves in nn.Linear layout [2I, H]
+        h = moe.grouped_mm_list(xp, [w.t() for w in w13], offsets, list(b13.unbind(0)))
+    elif as_list:
         h = moe.grouped_mm_list(xp, list(w13.unbind(0)), offsets, list(b13.unbind(0)))
     else:
         h = moe.grouped_mm(xp, w13, offsets, b13)
@@ -237,7 +253,7 @@ def _moe_layer(x, ids, topw, w13, b13, w2, e, k, as_list):
     return moe.unpermute_combine(y, inv, topw, offsets)
 
 
-@pytest.mark.parametrize("as_list", [False, True])
+@pytest.mark.parametrize("as_list", [False, True, "separate"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("routing", ["uniform", "empty", "hot", "dropped"])
 def test_layer_gradients_match_reference(routing, dtype, as_list, gen):
@@ -250,9 +266,15 @@ def test_layer_gradients_match_reference(routing, dtype, as_list, gen):
 
     def run():
         ts = {n: v.detach().clone().requires_grad_(True) for n, v in leaves.items()}
-        out = _moe_layer(ts["x"], ids, ts["topw"], ts["w13"], ts["b13"], ts["w2"], e, k, as_list)
+        w13 = ts["w13"]
+        if as_list == "separate":
+            w13 = [w.t().contiguous().detach().requires_grad_(True) for w in leaves["w13"].unbind(0)]
+        out = _moe_layer(ts["x"], ids, ts["topw"], w13, ts["b13"], ts["w2"], e, k, as_list)
         out.backward(dout)
-        return out.detach(), {n: v.grad for n, v in ts.items()}
+        grads = {n: v.grad for n, v in ts.items()}
+        if as_list == "separate":
+            grads["w13"] = torch.stack([w.grad.t() for w in w13])
+        return out.detach(), grads
 
     out, grads = run()
     with reference_impls():
