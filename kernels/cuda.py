@@ -101,16 +101,20 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: to
 _PTR_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _pointer_table(ws: list[torch.Tensor]) -> torch.Tensor:
-    """int64 [E] device tensor of the experts' base addresses, cached per address tuple. A miss
-    copies from pinned host memory asynchronously (no host sync; capturable in a CUDA graph since
-    the pinned buffer is kept alive with the table)."""
+def _offset_table(ws: list[torch.Tensor]) -> torch.Tensor | None:
+    """int64 [E] device tensor: element offset of each expert's base from ws[0]'s, cached per
+    address tuple; None unless every base is 16-byte aligned (the kernel promises the compiler
+    aligned offsets, which keeps its loads vectorised). A miss copies from pinned host memory
+    asynchronously (no host sync; capturable in a CUDA graph: the pinned buffer stays alive)."""
     key = (ws[0].device.index, tuple(w.data_ptr() for w in ws))
     hit = _PTR_TABLES.get(key)
     if hit is None:
+        base, es = key[1][0], ws[0].element_size()
+        if any(p % 16 for p in key[1]):
+            return None
         if len(_PTR_TABLES) >= 256:
             _PTR_TABLES.clear()
-        host = torch.tensor(key[1], dtype=torch.int64).pin_memory()
+        host = torch.tensor([(p - base) // es for p in key[1]], dtype=torch.int64).pin_memory()
         hit = (host, host.to(ws[0].device, non_blocking=True))
         _PTR_TABLES[key] = hit
     return hit[1]
@@ -130,9 +134,12 @@ def grouped_mm_list(x: torch.Tensor, ws: list[torch.Tensor], offsets: torch.Tens
     if w3 is not None:
         return grouped_mm(x, w3, offsets, bias)
     offsets = offsets.to(torch.int32) if offsets.dtype != torch.int32 else offsets
-    if any(w.shape != ws[0].shape or w.stride() != ws[0].stride() or w.dtype != ws[0].dtype for w in ws):
+    table = None
+    if all(w.shape == ws[0].shape and w.stride() == ws[0].stride() and w.dtype == ws[0].dtype for w in ws):
+        table = _offset_table(ws)
+    if table is None:
         return grouped_mm(x, torch.stack(ws), offsets, bias)
-    y = _triton_gmm.grouped_mm(x, ws[0], offsets, bias, w_table=_pointer_table(ws))
+    y = _triton_gmm.grouped_mm(x, ws[0], offsets, bias, w_table=table)
     return _triton_moe.rows_fixup(y, offsets, None)
 
 
