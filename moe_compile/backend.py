@@ -33,10 +33,12 @@ log = logging.getLogger(__name__)
 
 def capture_ctx(options: dict | None = None):
     """The Dynamo config scope used while tracing and running frames compiled with ``moe``."""
-    options = options or {}
-    if not options.get("moe.capture_dynamic", True):
+    # validate here, outside Dynamo's suppress_errors: a bad option must reach the user as ValueError
+    config, _ = MoEConfig.from_options(None, options)
+    if not config.capture_dynamic:
         return contextlib.nullcontext()
-    return torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, suppress_errors=True)
+    # moe.strict: errors of our passes must raise, so do not let Dynamo swallow them
+    return torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, suppress_errors=not config.strict)
 
 
 def _compile_rewritten(gm, example_inputs, config: MoEConfig, inductor_options: dict):

@@ -180,6 +180,8 @@ def find_moe_regions(gm: fx.GraphModule, analysis: Analysis | None = None) -> li
         if not s.contribs or s.forked:
             continue  # nothing added, or an intermediate of a functional index_add chain
         templates = {e: _template_nodes(a, c, order) for e, c in s.contribs.items()}
+        if not any(templates.values()):
+            continue  # rows scattered back with no expert function applied: a top-k gather, not an MoE
         nodes = _region_nodes(a, s, templates)
         module = module_path(s.mutations[0]) or common_module(nodes)
         where = where_in_user_code(s.mutations[0])

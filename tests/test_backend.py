@@ -1,0 +1,271 @@
+"""The backend as a user meets it: must-not-match graphs, recompiles, options, pass disabling,
+matcher failures, debug logging, the entry point, and a light ``import moe_compile``."""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import moe_compile
+import moe_compile.pipeline as pipeline
+from helpers import check_compiled, make_input, make_model
+
+HERE = os.path.dirname(__file__)
+
+
+# ------------------------------------------------------------------------------ must not match
+class DenseMLP(nn.Module):
+    def __init__(self, h=16, i=24):
+        super().__init__()
+        self.up, self.down = nn.Linear(h, i), nn.Linear(i, h)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class Attention(nn.Module):
+    def __init__(self, h=16, heads=2):
+        super().__init__()
+        self.qkv, self.o, self.heads = nn.Linear(h, 3 * h), nn.Linear(h, h), heads
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(att.transpose(1, 2).reshape(b, s, h))
+
+
+class TopkNoExperts(nn.Module):
+    """A top-k selection and a scatter-add into zeros, but no expert function: not an MoE."""
+
+    def __init__(self, h=16, e=4):
+        super().__init__()
+        self.router, self.e = nn.Linear(h, e), e
+
+    def forward(self, x):
+        x = x.reshape(-1, x.shape[-1])
+        w, ids = torch.topk(self.router(x).softmax(-1), 2, dim=-1)
+        out = torch.zeros_like(x)
+        for i in range(self.e):
+            tok, slot = torch.where(ids == i)
+            out.index_add_(0, tok, x[tok] * w[tok, slot, None])
+        return out
+
+
+@pytest.mark.parametrize("model", [DenseMLP, Attention, TopkNoExperts], ids=lambda c: c.__name__)
+def test_must_not_match(model):
+    torch.manual_seed(0)
+    check_compiled(model(), [make_input((2, 5, 16))], expect_rewritten=0, expect_rejected=0)
+
+
+# ------------------------------------------------------------------------------ recompiles
+class CountingBackend:
+    """Counts graphs handed to the moe backend (one per Dynamo compile)."""
+
+    def __init__(self, **options):
+        self.calls, self.options = 0, options
+        from moe_compile.backend import capture_ctx
+
+        self.moe_capture_ctx = capture_ctx
+
+    def __call__(self, gm, example_inputs):
+        self.calls += 1
+        return moe_compile.moe_backend(gm, example_inputs, options={"moe.inductor": False, **self.options})
+
+
+def test_no_recompile_when_only_routing_changes():
+    torch._dynamo.reset()
+    m = make_model(spelling="where_setitem", k=2, e=4)
+    backend = CountingBackend()
+    cm = torch.compile(m, backend=backend)
+    before = pipeline.counters["rewritten"]
+    x = make_input((2, 5, 16))
+    torch.testing.assert_close(cm(x), m(x))
+    assert backend.calls == 1 and pipeline.counters["rewritten"] == before + 1
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for seed, routing_bias in enumerate([0.0, 30.0, -30.0]):  # new routings, incl. one hot expert
+        with torch.no_grad():
+            m.router.proj.bias[0] = routing_bias
+        x = make_input((2, 5, 16), seed=seed + 1)
+        torch.testing.assert_close(cm(x), m(x))
+    assert backend.calls == 1, "a routing change recompiled the graph"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+
+
+# ------------------------------------------------------------------------------ options
+def test_unknown_option_lists_allowed_keys():
+    torch._dynamo.reset()
+    cm = torch.compile(DenseMLP(), backend="moe", options={"moe.foo": 1})
+    with pytest.raises(Exception) as info:
+        cm(make_input((3, 16)))
+    err = info.value
+    while not isinstance(err, ValueError) and err.__cause__ is not None:
+        err = err.__cause__
+    assert isinstance(err, ValueError)
+    assert "moe.foo" in str(err) and "moe.debug" in str(err) and "moe.disable" in str(err)
+
+
+def test_config_validation():
+    from moe_compile.config import MoEConfig
+
+    with pytest.raises(ValueError, match="moe.mode"):
+        MoEConfig.from_options(None, {"moe.mode": "fastest"})
+    with pytest.raises(ValueError, match="unknown passes"):
+        MoEConfig.from_options(None, {"moe.disable": ("nope",)})
+    with pytest.raises(ValueError, match="conflicts"):
+        MoEConfig.from_options("max-autotune", {"moe.mode": "reduce-overhead"})
+    cfg, rest = MoEConfig.from_options("max-autotune", {"moe.debug": True, "max_autotune": False})
+    assert cfg.mode == "max-autotune" and cfg.debug and rest == {"max_autotune": False}
+    cfg, _ = MoEConfig.from_options(None, {"moe.mode": "reduce-overhead"})
+    assert cfg.mode == "reduce-overhead"
+
+
+def test_moe_mode_option_and_mode_kwarg_run():
+    """`mode=` and `options={"moe.mode": ...}` both reach the backend (and the model still runs)."""
+    torch._dynamo.reset()
+    seen = []
+    orig = pipeline.run_passes
+
+    def spy(gm, example_inputs, config):
+        seen.append(config.mode)
+        return orig(gm, example_inputs, config)
+
+    m = make_model(spelling="index_add")
+    x = make_input((6, 16))
+    try:
+        pipeline.run_passes = spy
+        out = torch.compile(m, backend="moe", options={"moe.mode": "max-autotune-no-cudagraphs",
+                                                      "moe.inductor": False})(x)
+        torch.testing.assert_close(out, m(x))
+        torch._dynamo.reset()
+        out = torch.compile(m, backend="moe", mode="max-autotune-no-cudagraphs")(x)
+        torch.testing.assert_close(out, m(x))
+    finally:
+        pipeline.run_passes = orig
+    assert seen == ["max-autotune-no-cudagraphs"] * 2
+
+
+def test_inductor_options_forwarded(monkeypatch):
+    """Non-moe options go to Inductor as config patches; the rewritten model compiles with Inductor."""
+    import torch._inductor.compile_fx as cfx
+
+    patches_seen = []
+    orig = cfx.compile_fx
+
+    def spy(gm, inputs, config_patches=None, **kw):
+        patches_seen.append(dict(config_patches or {}))
+        return orig(gm, inputs, config_patches=config_patches, **kw)
+
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    m = make_model(spelling="index_add", h=8, i=8, e=3, k=2)
+    check_compiled(m, [make_input((5, 8))], expect_rewritten=1, inductor=True, fresh_inputs=0,
+                   options={"epilogue_fusion": False})
+    assert patches_seen and patches_seen[0].get("epilogue_fusion") is False  # later calls: compile_fx recursing
+
+
+def test_disable_pass_leaves_model_unrewritten():
+    m = make_model(spelling="where_setitem")
+    check_compiled(m, [make_input((6, 16))], expect_rewritten=0, options={"moe.disable": ("moe_regions",)})
+
+
+def test_matcher_exception_leaves_graph_unchanged(monkeypatch, caplog):
+    import moe_compile.passes.moe_regions as mr
+
+    def boom(gm, analysis=None):
+        raise RuntimeError("matcher bug")
+
+    monkeypatch.setattr(mr, "find_moe_regions", boom)
+    m = make_model(spelling="where_setitem")
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        check_compiled(m, [make_input((6, 16))], expect_rewritten=0, expect_rejected=1,
+                       options={"moe.strict": False})
+    assert "matcher bug" in caplog.text
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="matcher bug"):
+        torch.compile(make_model(spelling="where_setitem"), backend="moe",
+                      options={"moe.strict": True, "moe.inductor": False})(make_input((6, 16)))
+
+
+@pytest.mark.parametrize("how", ["option", "env"])
+def test_debug_logs_graphs(how, monkeypatch, caplog):
+    opts = {"moe.inductor": False}
+    if how == "option":
+        opts["moe.debug"] = True
+    else:
+        monkeypatch.setenv("MOE_COMPILE_DEBUG", "1")
+    torch._dynamo.reset()
+    m = make_model(spelling="index_add")
+    x = make_input((6, 16))
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        torch.testing.assert_close(torch.compile(m, backend="moe", options=opts)(x), m(x))
+    assert "graph before" in caplog.text and "graph after" in caplog.text
+    assert "index_add_" in caplog.text and "moe_compile.grouped_mm" in caplog.text
+    assert "rewritten" in caplog.text
+
+
+def test_no_debug_logging_by_default(monkeypatch, caplog):
+    monkeypatch.delenv("MOE_COMPILE_DEBUG", raising=False)
+    torch._dynamo.reset()
+    m = make_model(spelling="index_add")
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        torch.compile(m, backend="moe", options={"moe.inductor": False})(make_input((6, 16)))
+    assert "graph before" not in caplog.text
+
+
+# ------------------------------------------------------------------------------ subprocesses
+def _run_py(code: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("MOE_COMPILE_DEBUG", "TORCH_LOGS")}
+    env["PYTHONPATH"] = HERE + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
+                       timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def test_entry_point_without_import():
+    out = _run_py("""
+        import sys, torch
+        from helpers import make_model, make_input   # helpers import moe_compile.pipeline: drop it
+        for k in [k for k in sys.modules if k.startswith("moe_compile")]:
+            del sys.modules[k]
+        m = make_model(spelling="where_setitem"); x = make_input((6, 16))
+        y = torch.compile(m, backend="moe", options={"moe.inductor": False})(x)
+        torch.testing.assert_close(y, m(x))
+        import moe_compile.pipeline as p
+        print("rewritten", p.counters["rewritten"])
+    """)
+    assert "rewritten 1" in out
+
+
+def test_import_is_light_and_scoped():
+    out = _run_py("""
+        import sys, torch
+        import moe_compile
+        assert "triton" not in sys.modules, "import moe_compile imported triton"
+        assert not torch.cuda.is_initialized()
+        assert torch._dynamo.config.capture_dynamic_output_shape_ops is False
+        seen = []
+        def other_backend(gm, example_inputs):
+            seen.append(torch._dynamo.config.capture_dynamic_output_shape_ops)
+            return gm.forward
+        def f(x):
+            return torch.nonzero(x > 0).float().sum() + x.sum()
+        x = torch.randn(8)
+        torch.testing.assert_close(torch.compile(f, backend=other_backend)(x), f(x))
+        # the moe backend was looked up in the same process: still no global flag
+        torch.compile(lambda x: x.relu() + 1, backend="moe", options={"moe.inductor": False})(x)
+        assert torch._dynamo.config.capture_dynamic_output_shape_ops is False
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(f, backend=other_backend)(x), f(x))
+        assert seen and not any(seen), seen
+        assert not torch.cuda.is_initialized()   # (torch's own AOTAutograd imports triton when compiling)
+        print("ok")
+    """)
+    assert "ok" in out
