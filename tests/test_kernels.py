@@ -1,0 +1,214 @@
+"""The moe_compile custom ops against a naive per-token loop, opcheck, and gradients.
+
+Index-producing ops (route_permute) must match exactly; GEMM and combine outputs pass a relative
+Frobenius-error floor against an fp64 per-token reference.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moe_compile.kernels import ops  # noqa: F401  (registers torch.ops.moe_compile.*)
+from helpers import rel_err
+
+OPS = torch.ops.moe_compile
+# fp32 ops vs an fp64 reference: fp32 rounding of short dot products (K <= 64), ~1e-7 measured.
+FP32_REL = 1e-5
+# bf16 inputs, fp32 accumulation, one rounding of the output to bf16 (2^-8 relative) vs fp64.
+BF16_REL = 1e-2
+
+
+def _routing(t, k, e, kind, gen):
+    """expert ids [T, K] with distinct ids per token (like topk); kinds: random, empty, hot, dropped."""
+    scores = torch.rand(t, e, generator=gen)
+    if kind == "empty":
+        scores[:, [0, e - 1]] = -1.0            # experts 0 and E-1 get no token
+    elif kind == "hot":
+        scores[:, :k] += 10.0                   # every token picks experts 0..K-1
+    ids = scores.topk(k, dim=-1).indices
+    if kind == "dropped":                       # ids >= E (e.g. other ranks' experts) are dropped
+        ids = torch.where(torch.rand(t, k, generator=gen) < 0.3, ids + e, ids)
+    return ids
+
+
+def naive_moe(x, ids, w_routing, w_experts, bias=None):
+    """out[t] = sum_j w[t, j] * (x[t] @ W[ids[t, j]] (+ b)) in fp64, token by token; ids outside
+    [0, E) contribute nothing."""
+    t, k = ids.shape
+    e = w_experts.shape[0]
+    out = torch.zeros(t, w_experts.shape[-1], dtype=torch.float64)
+    for i in range(t):
+        for j in range(k):
+            ex = int(ids[i, j])
+            if 0 <= ex < e:
+                y = x[i].double() @ w_experts[ex].double()
+                if bias is not None:
+                    y = y + bias[ex].double()
+                out[i] += w_routing[i, j].double() * y
+    return out
+
+
+def moe_ops(x, ids, w_routing, w_experts, bias=None):
+    e, k = w_experts.shape[0], ids.shape[1]
+    perm, inv, offs = OPS.route_permute(ids, e)
+    h = OPS.permute_rows(x, perm, inv, offs, k)
+    h = OPS.grouped_mm(h, w_experts, offs, bias)
+    return OPS.unpermute_combine(h, inv, w_routing, offs)
+
+
+@pytest.mark.parametrize("kind", ["random", "empty", "hot", "dropped"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_route_permute_exact(kind, k):
+    gen = torch.Generator().manual_seed(1)
+    t, e = 11, 5
+    ids = _routing(t, k, e, kind, gen)
+    perm, inv, offs = OPS.route_permute(ids, e)
+    flat = ids.reshape(-1)
+    valid = (flat >= 0) & (flat < e)
+    counts = torch.tensor([(flat == i).sum().item() for i in range(e)])
+    assert offs.dtype == torch.int32 and offs.tolist() == counts.cumsum(0).tolist()
+    assert sorted(perm.tolist()) == list(range(t * k))
+    assert torch.equal(inv[perm], torch.arange(t * k))
+    # group g owns rows [offs[g-1], offs[g]) and they hold exactly expert g's pairs, in token order
+    start = 0
+    for g in range(e):
+        rows = perm[start:int(offs[g])]
+        assert (flat[rows] == g).all() and torch.equal(rows, rows.sort().values)
+        start = int(offs[g])
+    assert not valid[perm[start:]].any()  # dropped pairs sort last
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["random", "empty", "hot", "dropped"])
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_ops_chain_vs_naive(dtype, kind, k, with_bias):
+    gen = torch.Generator().manual_seed(2)
+    t, e, h, n = 13, 5, 12, 7
+    ids = _routing(t, k, e, kind, gen)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    w = (torch.randn(e, h, n, generator=gen) / h ** 0.5).to(dtype)
+    b = torch.randn(e, n, generator=gen).to(dtype) if with_bias else None
+    wr = torch.rand(t, k, generator=gen)
+    got = moe_ops(x, ids, wr, w, b)
+    assert got.dtype == dtype and got.shape == (t, n)
+    ref = naive_moe(x, ids, wr, w, b)
+    assert rel_err(got, ref) <= (BF16_REL if dtype == torch.bfloat16 else FP32_REL)
+    if kind == "dropped":  # a token whose every id is dropped gets exactly zero
+        all_dropped = (ids >= e).all(-1)
+        assert (got[all_dropped] == 0).all()
+
+
+def test_grouped_mm_list_matches_stacked():
+    gen = torch.Generator().manual_seed(3)
+    e, m, kdim, n = 4, 10, 6, 5
+    x = torch.randn(m, kdim, generator=gen)
+    ws = [torch.randn(kdim, n, generator=gen) for _ in range(e)]
+    bs = [torch.randn(n, generator=gen) for _ in range(e)]
+    offs = torch.tensor([3, 3, 7, 9], dtype=torch.int32)  # expert 1 empty, row 9 dropped
+    got = OPS.grouped_mm_list(x, ws, offs, bs)
+    ref = OPS.grouped_mm(x, torch.stack(ws), offs, torch.stack(bs))
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    assert (got[9] == 0).all()
+    for g, (s, t) in enumerate([(0, 3), (3, 3), (3, 7), (7, 9)]):
+        torch.testing.assert_close(got[s:t], x[s:t] @ ws[g] + bs[g])
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("kind", ["random", "empty", "dropped"])
+def test_grads_vs_naive_autograd(k, kind):
+    gen = torch.Generator().manual_seed(4)
+    t, e, h, n = 9, 4, 6, 5
+    ids = _routing(t, k, e, kind, gen)
+    x = torch.randn(t, h, generator=gen, dtype=torch.float64).requires_grad_()
+    w = torch.randn(e, h, n, generator=gen, dtype=torch.float64).requires_grad_()
+    b = torch.randn(e, n, generator=gen, dtype=torch.float64).requires_grad_()
+    wr = torch.rand(t, k, generator=gen, dtype=torch.float64).requires_grad_()
+    cot = torch.randn(t, n, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad((moe_ops(x, ids, wr, w, b) * cot).sum(), (x, w, b, wr))
+    ref = torch.autograd.grad((naive_moe(x, ids, wr, w, b) * cot).sum(), (x, w, b, wr))
+    for name, g, r in zip(("x", "w", "bias", "routing weights"), got, ref):
+        assert g.shape == r.shape
+        # both sides are fp64 here, except the ops' fp32 internal accumulation (wgrad, combine)
+        assert rel_err(g, r) <= FP32_REL, name
+
+
+def test_grouped_mm_list_grads():
+    gen = torch.Generator().manual_seed(5)
+    e, m, kdim, n = 3, 8, 4, 6
+    x = torch.randn(m, kdim, generator=gen).requires_grad_()
+    ws = [torch.randn(kdim, n, generator=gen).requires_grad_() for _ in range(e)]
+    bs = [torch.randn(n, generator=gen).requires_grad_() for _ in range(e)]
+    offs = torch.tensor([2, 2, 7], dtype=torch.int32)
+    cot = torch.randn(m, n, generator=gen)
+    got = torch.autograd.grad((OPS.grouped_mm_list(x, ws, offs, bs) * cot).sum(), [x, *ws, *bs])
+    bounds = [(0, 2), (2, 2), (2, 7)]
+    ref_out = torch.zeros(m, n)
+    for g, (s, t) in enumerate(bounds):
+        ref_out = ref_out.index_put((torch.arange(s, t),), x[s:t] @ ws[g] + bs[g])
+    ref = torch.autograd.grad((ref_out * cot).sum(), [x, *ws, *bs])
+    for g, r in zip(got, ref):
+        assert rel_err(g, r) <= FP32_REL if r.norm() > 0 else g.norm() == 0
+
+
+def _opcheck_samples():
+    gen = torch.Generator().manual_seed(6)
+    t, k, e, h, n = 7, 2, 4, 8, 6
+    ids = _routing(t, k, e, "empty", gen)
+    perm, inv, offs = OPS.route_permute(ids, e)
+    x = torch.randn(t, h, generator=gen, requires_grad=True)
+    xp = torch.randn(t * k, h, generator=gen, requires_grad=True)
+    w = torch.randn(e, h, n, generator=gen, requires_grad=True)
+    b = torch.randn(e, n, generator=gen, requires_grad=True)
+    ws = [torch.randn(h, n, generator=gen, requires_grad=True) for _ in range(e)]
+    y = torch.randn(t * k, n, generator=gen, requires_grad=True)
+    wr = torch.rand(t, k, generator=gen, requires_grad=True)
+    return {
+        "route_permute": (ids, e),
+        "permute_rows": (x, perm, inv, offs, k),
+        "grouped_mm": (xp, w, offs, b),
+        "grouped_mm_list": (xp, ws, offs, []),
+        "unpermute_combine": (y, inv, wr, offs),
+        "grouped_mm_wgrad": (xp.detach(), y.detach(), offs, e),
+        "grouped_bias_grad": (y.detach(), offs, e),
+        "unpermute_combine_backward": (torch.randn(t, n, generator=gen), y.detach(), inv, wr.detach(), offs),
+    }
+
+
+@pytest.mark.parametrize("name", list(_opcheck_samples()))
+def test_opcheck(name):
+    torch.library.opcheck(getattr(OPS, name).default, _opcheck_samples()[name])
+
+
+def test_ops_validate_inputs():
+    x = torch.randn(4, 3)
+    with pytest.raises(ValueError, match="route_permute"):
+        OPS.route_permute(torch.rand(4, 2), 3)
+    with pytest.raises(ValueError, match="grouped_mm"):
+        OPS.grouped_mm(x, torch.randn(2, 5, 6), torch.tensor([1, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="grouped_mm"):
+        OPS.grouped_mm(x.bfloat16(), torch.randn(2, 3, 6), torch.tensor([1, 4], dtype=torch.int32))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(t=st.integers(1, 12), k=st.integers(1, 3), e=st.integers(1, 6), h=st.integers(1, 9),
+       kind=st.sampled_from(["random", "empty", "hot", "dropped"]), seed=st.integers(0, 2 ** 16))
+def test_hypothesis_ops_vs_naive(t, k, e, h, kind, seed):
+    k = min(k, e)
+    if kind == "empty" and e < 3 + k:
+        kind = "random"  # "empty" zeroes experts 0 and E-1 and needs K others left
+    gen = torch.Generator().manual_seed(seed)
+    ids = _routing(t, k, e, kind, gen)
+    x = torch.randn(t, h, generator=gen, dtype=torch.float64).requires_grad_()
+    w = torch.randn(e, h, 5, generator=gen, dtype=torch.float64).requires_grad_()
+    wr = torch.rand(t, k, generator=gen, dtype=torch.float64).requires_grad_()
+    got = moe_ops(x, ids, wr, w)
+    ref = naive_moe(x, ids, wr, w)
+    assert rel_err(got, ref) <= FP32_REL or ref.norm() == 0 and got.norm() == 0
+    cot = torch.randn(t, 5, generator=gen, dtype=torch.float64)
+    gg = torch.autograd.grad((got * cot).sum(), (x, w, wr))
+    gr = torch.autograd.grad((ref * cot).sum(), (x, w, wr))
+    for g, r in zip(gg, gr):
+        assert rel_err(g, r) <= FP32_REL if r.norm() > 0 else g.norm() == 0
