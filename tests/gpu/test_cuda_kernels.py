@@ -253,10 +253,17 @@ def _moe_layer(x, ids, topw, w13, b13, w2, e, k, as_list):
     return moe.unpermute_combine(y, inv, topw, offsets)
 
 
+@pytest.fixture(params=["ops_bwd", "fast_wgrad"])
+def weight_grads(request):
+    fused.install_fast_weight_grads(request.param == "fast_wgrad")
+    yield request.param
+    fused.install_fast_weight_grads(False)
+
+
 @pytest.mark.parametrize("as_list", [False, True, "separate"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("routing", ["uniform", "empty", "hot", "dropped"])
-def test_layer_gradients_match_reference(routing, dtype, as_list, gen):
+def test_layer_gradients_match_reference(routing, dtype, as_list, weight_grads, gen):
     t, k, e, h, inter = 37, 4, 8, 72, 40
     ids = make_ids(t, k, e, routing, gen)
     leaves = dict(x=rand((t, h), dtype, gen), topw=torch.rand(t, k, generator=gen, device=DEV).to(dtype),
