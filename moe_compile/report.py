@@ -101,21 +101,51 @@ def _fix_for(text: str) -> str:
     return "see torch._dynamo.explain for the full break reason"
 
 
+def _hard_break(fn, args, kwargs) -> GraphBreak | None:
+    """The first frame that cannot be traced at all with capture on (e.g. ``counts.tolist()`` raising
+    GuardOnDataDependentSymNode). Under the backend's ``suppress_errors`` such a frame silently runs
+    eagerly and ``explain`` counts no break, so trace once with errors surfaced."""
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, suppress_errors=False):
+        try:
+            torch._dynamo.explain(fn)(*args, **kwargs)
+            return None
+        except Exception as exc:  # noqa: BLE001  (any trace failure is the break we report)
+            stack = list(getattr(exc, "real_stack", None) or [])
+            frame = stack[-1] if stack else None
+            msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            code = (frame.line or "").strip() if frame else ""
+            where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}" if frame else "?"
+            text = f"{type(exc).__name__} {msg} {code} {frame.filename if frame else ''}"
+            if not any(w in text.lower() for w in _MOE_WORDS):
+                return None
+            reason = f"{type(exc).__name__}: {msg[:160]} (the whole frame runs eagerly)"
+            fix = _fix_for(f"{code} {msg}")
+            if "split" in code and "tolist" in code:
+                fix = ("`split(x, counts.tolist())` needs the group sizes on the host. Keep them on the device: "
+                       "offsets = cumsum(counts, 0, dtype=int32) and one torch._grouped_mm(x_sorted, W[E], offs=offsets) "
+                       "over stacked expert weights (backend=\"moe\" rewrites that form), or loop over "
+                       "range(num_experts) with fixed-length one_hot(ids, E).sum(0) counts.")
+            return GraphBreak(where, reason, fix, code)
+
+
 def _breaks(fn, args, kwargs) -> tuple[list[GraphBreak], int]:
     import torch._dynamo
 
+    hard = _hard_break(fn, args, kwargs)
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, suppress_errors=True):
         try:
             ex = torch._dynamo.explain(fn)(*args, **kwargs)
         except Exception as exc:  # explain itself failed: report that as one break
             return [GraphBreak("?", f"torch._dynamo.explain failed: {exc}", _fix_for(str(exc)))], 0
-    out = []
+    out = [hard] if hard is not None else []
     for br in ex.break_reasons:
         frame = br.user_stack[-1] if br.user_stack else None
         where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}" if frame else "?"
         code = (frame.line or "").strip() if frame else ""
         text = f"{br.reason} {code} {frame.name if frame else ''} {frame.filename if frame else ''}"
-        if any(w in text.lower() for w in _MOE_WORDS):
+        if any(w in text.lower() for w in _MOE_WORDS) and not (hard and (where, code) == (hard.where, hard.code)):
             out.append(GraphBreak(where, br.reason.splitlines()[0][:200], _fix_for(br.reason + " " + code), code))
     return out, ex.graph_count
 
