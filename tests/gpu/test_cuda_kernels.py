@@ -132,7 +132,7 @@ def test_route_permute_and_permute_rows(shape, routing, gen):
 
 
 # ------------------------------------------------------------------------------- grouped GEMM
-@pytest.mark.parametrize("backend", ["auto", "triton"])
+@pytest.mark.parametrize("backend", ["cutlass", "triton"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("shape", SHAPES)
@@ -168,7 +168,7 @@ def test_grouped_mm(shape, routing, dtype, backend, gen):
                 assert rel(y, ref) <= tol, ("list", rel(y, ref), len(b))
 
 
-@pytest.mark.parametrize("backend", ["auto", "triton"])
+@pytest.mark.parametrize("backend", ["cutlass", "triton"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("shape", SHAPES)
