@@ -110,7 +110,9 @@ def install_fast_weight_grads(enable: bool = True) -> None:
     ``grouped_mm_weight_grad`` (weight gradient rounded once in the GEMM, in the parameter's
     layout); ``enable=False`` restores ``ops.py``'s formulas. Measured on an H200 for one
     Qwen3-30B-A3B layer: 9.9 ms -> 4.3 ms forward+backward (docs/benchmarks.md). The intent is for
-    ``ops.py`` to adopt these two formulas; this switch lets the benchmark and tests show the effect."""
+    ``ops.py`` to adopt these two formulas; this switch lets the benchmark and tests show the effect.
+    Inductor's FX-graph and AOTAutograd caches do not key on the autograd formula: switch them off
+    (or use a fresh TORCHINDUCTOR_CACHE_DIR) when toggling this, or old backward graphs come back."""
     if enable:
         ops.grouped_mm.register_autograd(_grouped_mm_bwd_fast, setup_context=ops._grouped_mm_setup)
         ops.grouped_mm_list.register_autograd(_grouped_mm_list_bwd_fast, setup_context=ops._grouped_mm_list_setup)

@@ -262,6 +262,10 @@ def main():
         from moe_compile.kernels import fused
         fused.install_fast_weight_grads()
         info["fast_wgrad"] = True
+        # the FX-graph / AOTAutograd caches do not key on a custom op's autograd formula: a graph
+        # compiled earlier with ops.py's backward would be reused silently
+        torch._inductor.config.fx_graph_cache = False
+        torch._functorch.config.enable_autograd_cache = False
     print("# " + " ".join(f"{k}={v}" for k, v in info.items()), flush=True)
     if args.micro:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
