@@ -176,12 +176,15 @@ def _events_median(fn, steps):
 def _profile(fn, label):
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
+    avg = prof.key_averages()
     print(f"### profile {label} (3 steps)")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70))
+    print(avg.table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70))
+    print(f"### host side {label} (3 steps)")
+    print(avg.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
 
 
 def run_variant(variant, shape, steps, warmup, profile=False):
