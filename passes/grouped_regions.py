@@ -234,24 +234,24 @@ class _Finder:
             self._set(n, "tok", r0.g)
             return
         if op == "histc" and rk in ("sorted_ids", "flat"):
-            g = self._sorted_group_of(r0)
+            g = self._sorted_group_of(r0, a0)
             bins = arg(n, 1, "bins", 100)
             if g is not None and arg(n, 2, "min", 0) == 0 and arg(n, 3, "max", 0) == bins - 1:
                 self._set(n, "counts", g, bins)
             return
         if op == "bincount" and rk in ("sorted_ids", "flat"):
-            g = self._sorted_group_of(r0)
+            g = self._sorted_group_of(r0, a0)
             s = shape(n)
             if g is not None and s and isinstance(s[0], int) and s[0] == arg(n, 2, "minlength", 0):
                 self._set(n, "counts", g, s[0])
             return
         if op == "one_hot" and rk in ("sorted_ids", "flat"):
-            self._set(n, "onehot", self._sorted_group_of(r0), arg(n, 1, "num_classes"))
+            self._set(n, "onehot", self._sorted_group_of(r0, a0), arg(n, 1, "num_classes"))
             return
         if op == "sum" and rk == "onehot" and arg(n, 1, "dim") in (0, (0,), [0]):
             self._set(n, "counts", r0.g, r0.info)
             return
-        if op == "cumsum" and rk == "counts" and arg(n, 1, "dim") in (0, -1):
+        if op == "cumsum" and rk == "counts" and arg(n, 1, "dim") in (0, -1) and r0.g is not None:
             g = r0.g
             g.offs, g.e = n, r0.info if g.e is None else g.e
             self._set(n, "offs", g)
@@ -306,7 +306,11 @@ class _Finder:
             elif ri.kind == "flat" and v.dim() == 2:
                 self._set(n, "bias", None, (a0, "pair", n.args[1]))
             elif ri.kind == "flat" and v.dim() == 3:
-                self._set(n, "wsel", None, (a0, n.args[1]))  # W[flat]: gathered per-pair weights
+                self._set(n, "wsel", None, (a0, n.args[1], False))  # W[flat]: gathered per-pair weights
+            return
+        if rk == "wsel" and op == "transpose" and {n.args[1], n.args[2]} in ({1, 2}, {-1, -2}):
+            w3, flat, t = r0.info
+            self._set(n, "wsel", None, (w3, flat, not t))
             return
         if op in ("scatter", "scatter_") and rk is None and arg(n, 1, "dim") == 1 \
                 and canon(a0) in ("zeros", "zeros_like", "new_zeros"):
@@ -325,7 +329,7 @@ class _Finder:
                 self._set(n, "routing", None, (ids, w, orient + "1"))
             return
         # ---- row-wise ops -----------------------------------------------------------------------
-        rows_in = [a for a in n.all_input_nodes if self.r(a) and self.r(a).kind in ("rows", "chunks")]
+        rows_in = [a for a in n.all_input_nodes if self.r(a) and self.r(a).kind in ("rows", "chunks", "unsq", "bmm")]
         if rows_in:
             g = self.r(rows_in[0]).g
             if any(self.r(a).g is not g for a in rows_in):
@@ -339,10 +343,13 @@ class _Finder:
                 self._pair_op(self.r(ins[0]).g, n, op, ins[0], kind)
                 return
 
-    def _sorted_group_of(self, ro: _Role):
+    def _sorted_group_of(self, ro: _Role, node: fx.Node):
+        """The sort group of sorted ids, or of flat ids (counts taken before sorting)."""
         if ro.g is not None:
             return ro.g
-        return None
+        while self.r(node) and self.r(node).kind == "flat" and canon(node) in CASTS:
+            node = node.args[0]
+        return next((g for g in self.groups if g.family == "sorted" and g.flat is node), None)
 
     def _enter(self, n, x, ri: _Role):
         g = ri.g
@@ -384,10 +391,11 @@ class _Finder:
         if op == "bmm" and g.family == "batched":
             (first, second) = n.args[:2]
             rf, rs = self.r(first), self.r(second)
+            # bmm(M, h[:, :, None]) = h @ M^T;  bmm(h[:, None], M) = h @ M;  M = W[ids] (or its transpose)
             if rf and rf.kind == "wsel" and rs and rs.kind == "unsq" and rs.info[1] == -1:
-                self._set(n, "bmm", g, (rs.info[0], rf.info, "nk", -1))
+                self._set(n, "bmm", g, (rs.info[0], rf.info[:2], "kn" if rf.info[2] else "nk", -1))
             elif rs and rs.kind == "wsel" and rf and rf.kind == "unsq" and rf.info[1] == 1:
-                self._set(n, "bmm", g, (rf.info[0], rs.info, "kn", 1))
+                self._set(n, "bmm", g, (rf.info[0], rs.info[:2], "nk" if rs.info[2] else "kn", 1))
             else:
                 g.problem = g.problem or f"`{n.name}`: bmm not on gathered per-pair weights W[ids]"
             return

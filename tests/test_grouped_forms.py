@@ -1,0 +1,220 @@
+"""Non-loop MoE forms written as plain PyTorch (passes/grouped_regions.py): sorted/grouped_mm,
+batched (gathered weights + bmm) and dense (every token through every expert + routing matrix).
+
+Each case runs eager vs backend="moe" (outputs and every gradient) and asserts the backend's
+counters, so a rewrite that silently did not fire fails. Legend: T tokens, K top-k, E experts,
+H width, I expert width.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transformers.grouped_mm_fallback)
+from helpers import Router, check_compiled, make_input
+
+# bf16 outputs of the dense/batched forms: eager rounds every [E, T, *] or per-pair bmm result to
+# bf16 and sums E (or K) bf16 products; the rewrite sums K products in fp32 and rounds once.
+DENSE_BF16_REL = 4e-2
+# bf16 gradients through 2 GEMMs + SwiGLU + combine, with different rounding points (see above).
+DENSE_BF16_GRAD_REL = 8e-2
+
+
+class Experts3D(nn.Module):
+    """Stacked SwiGLU experts, HF layout: gate_up [E, 2I, H], down [E, H, I] (+ biases)."""
+
+    def __init__(self, h, i, e, bias=False):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.randn(e, 2 * i, h) / math.sqrt(h))
+        self.down = nn.Parameter(torch.randn(e, h, i) / math.sqrt(i))
+        self.gate_up_b = nn.Parameter(torch.randn(e, 2 * i) * 0.1) if bias else None
+        self.down_b = nn.Parameter(torch.randn(e, h) * 0.1) if bias else None
+
+
+def _gmm(x, w, offs):
+    """fp32: HF's fallback custom op (torch._grouped_mm compiles in bf16 only); bf16: F.grouped_mm."""
+    if w.dtype == torch.bfloat16:
+        return F.grouped_mm(x, w, offs=offs)
+    return torch.ops.transformers.grouped_mm_fallback(x, w, offs=offs)
+
+
+class SortedMoE(nn.Module):
+    """sort -> gather -> grouped_mm -> unsort, in several spellings.
+
+    counts: histc | one_hot;  combine: inv (inv[perm] = arange) | argsort | index_add | scatter_add;
+    weigh: "sorted" (before unsort) | "view" (on the [T, K, H] view, only with inv/argsort)."""
+
+    def __init__(self, h=16, i=16, e=4, k=2, router="softmax_topk", routing="random", bias=False,
+                 counts="histc", combine="inv", weigh="sorted", sort="sort"):
+        super().__init__()
+        self.h, self.e, self.k, self.counts, self.combine, self.weigh, self.sort = h, e, k, counts, combine, weigh, sort
+        self.router = Router(h, e, k, router, routing)
+        self.experts = Experts3D(h, i, e, bias)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, self.h)
+        t = x.shape[0]
+        w, ids = self.router(x)
+        k = ids.shape[-1] if ids.dim() == 2 else 1
+        flat, fw = ids.reshape(-1), w.reshape(-1)
+        if self.sort == "sort":
+            ids_g, perm = torch.sort(flat)
+        else:
+            perm = torch.argsort(flat, stable=True)
+            ids_g = flat[perm]
+        xs = x[perm // k] if self.sort == "sort" else x.index_select(0, perm // k)
+        if self.counts == "histc":
+            cnt = torch.histc(ids_g.float(), bins=self.e, min=0, max=self.e - 1)
+        else:
+            cnt = F.one_hot(flat, self.e).sum(0)
+        offs = torch.cumsum(cnt, dim=0, dtype=torch.int32)
+        ex = self.experts
+        h = _gmm(xs.to(ex.gate_up.dtype), ex.gate_up.transpose(-2, -1), offs)
+        if ex.gate_up_b is not None:
+            h.add_(ex.gate_up_b[ids_g])
+        g, u = h.chunk(2, dim=-1)
+        h = _gmm(F.silu(g) * u, ex.down.transpose(-2, -1), offs)
+        if ex.down_b is not None:
+            h = h + ex.down_b[ids_g]
+        if self.weigh == "sorted":
+            h = h * fw[perm].unsqueeze(-1)
+        if self.combine in ("inv", "argsort"):
+            if self.combine == "inv":
+                inv = torch.empty_like(perm)
+                inv[perm] = torch.arange(perm.size(0))
+            else:
+                inv = torch.argsort(perm)
+            y = h[inv].view(t, k, self.h)
+            if self.weigh == "view":
+                y = y * w.reshape(t, k).unsqueeze(-1)
+            out = y.sum(dim=1)
+        elif self.combine == "index_add":
+            out = torch.zeros_like(x).index_add_(0, perm // k, h.to(x.dtype))
+        else:
+            out = torch.zeros_like(x).scatter_add_(0, (perm // k).unsqueeze(-1).expand(-1, self.h), h.to(x.dtype))
+        return out.to(x.dtype).view(shape)
+
+
+class BatchedMoE(nn.Module):
+    """HF batched_mm: repeat_interleave tokens, gather per-pair weights W[ids], bmm, sum over top-k."""
+
+    def __init__(self, h=16, i=12, e=4, k=2, router="softmax_topk", routing="random", bias=False):
+        super().__init__()
+        self.h, self.k = h, k
+        self.router = Router(h, e, k, router, routing)
+        self.experts = Experts3D(h, i, e, bias)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, self.h)
+        t = x.shape[0]
+        w, ids = self.router(x)
+        ex, flat = self.experts, ids.reshape(-1)
+        hs = x.repeat_interleave(self.k, dim=0)
+        h = torch.bmm(ex.gate_up[flat], hs.unsqueeze(-1)).squeeze(-1)
+        if ex.gate_up_b is not None:
+            h.add_(ex.gate_up_b[flat])
+        g, u = h.chunk(2, dim=-1)
+        h = torch.bmm((F.silu(g) * u).unsqueeze(1), ex.down[flat].transpose(1, 2)).squeeze(1)
+        if ex.down_b is not None:
+            h.add_(ex.down_b[flat])
+        h = h * w.reshape(-1).unsqueeze(-1)
+        return h.view(t, self.k, self.h).sum(dim=1).to(x.dtype).view(shape)
+
+
+class DenseMoE(nn.Module):
+    """Every token through every expert (bmm on 3-D weights), combined by a [T, E] routing matrix:
+    sparse top-k (zeros.scatter(1, ids, w)), or ``soft`` (a full softmax: must be refused)."""
+
+    def __init__(self, h=16, i=12, e=4, k=2, router="softmax_topk", routing="random", soft=False):
+        super().__init__()
+        self.h, self.e, self.soft = h, e, soft
+        self.router = Router(h, e, k, router, routing)
+        self.experts = Experts3D(h, i, e)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, self.h)
+        t = x.shape[0]
+        if self.soft:
+            routing = F.softmax(self.router.proj(x), dim=-1).to(x.dtype)
+        else:
+            w, ids = self.router(x)
+            routing = torch.zeros(t, self.e, dtype=x.dtype).scatter(1, ids, w.to(x.dtype))
+        xe = x.unsqueeze(0).expand(self.e, t, self.h)
+        h = torch.bmm(xe, self.experts.gate_up.transpose(1, 2))
+        g, u = h.chunk(2, dim=-1)
+        y = torch.bmm(F.silu(g) * u, self.experts.down.transpose(1, 2))
+        return (y * routing.t().unsqueeze(-1)).sum(dim=0).view(shape)
+
+
+def _run(cls, dtype=torch.float32, shape=(2, 8, 16), expect=1, rejected=0, rel=None, grad_rel=None, **kw):
+    torch.manual_seed(0)
+    model = cls(h=shape[-1], **kw).to(dtype)
+    x = make_input(shape, dtype)
+    return check_compiled(model, [x], expect_rewritten=expect, expect_rejected=rejected, rel=rel, grad_rel=grad_rel)
+
+
+SORTED_SPELLINGS = [
+    dict(),                                                    # HF grouped_mm_experts_forward
+    dict(counts="one_hot", combine="argsort", weigh="view", sort="argsort"),
+    dict(combine="index_add"),
+    dict(combine="scatter_add", bias=True),                    # torchtitan-style scatter back
+    dict(bias=True),                                           # GPT-OSS-style per-expert biases
+]
+
+
+@pytest.mark.parametrize("kw", SORTED_SPELLINGS, ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()) or "hf")
+def test_sorted_spellings(kw):
+    _run(SortedMoE, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("routing", ["empty", "hot"])
+def test_sorted_routing_and_dtype(dtype, routing):
+    _run(SortedMoE, dtype, routing=routing)
+
+
+@pytest.mark.parametrize("router", ["argmax", "argmax_flat"])
+def test_sorted_top1(router):
+    _run(SortedMoE, shape=(8, 16), k=1, router=router)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_batched(dtype, bias):
+    low = dtype == torch.bfloat16
+    _run(BatchedMoE, dtype, bias=bias, rel=DENSE_BF16_REL if low else None,
+         grad_rel=DENSE_BF16_GRAD_REL if low else None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("routing", ["random", "hot"])
+def test_dense(dtype, routing):
+    low = dtype == torch.bfloat16
+    _run(DenseMoE, dtype, routing=routing, rel=DENSE_BF16_REL if low else None,
+         grad_rel=DENSE_BF16_GRAD_REL if low else None)
+
+
+def test_dense_soft_moe_is_refused_with_reason():
+    from moe_compile import explain
+
+    torch.manual_seed(0)
+    model = DenseMoE(soft=True)
+    _run(DenseMoE, expect=0, rejected=1, soft=True)
+    rep = explain(model, make_input((2, 8, 16)))
+    assert len(rep.rejected) == 1 and "soft MoE" in rep.rejected[0].reason, str(rep)
+
+
+@settings(max_examples=4, deadline=None)
+@given(t=st.integers(1, 12), e=st.sampled_from([2, 3, 5]), k=st.integers(1, 2),
+       form=st.sampled_from([SortedMoE, BatchedMoE, DenseMoE]))
+def test_shapes_hypothesis(t, e, k, form):
+    _run(form, shape=(t, 8), e=e, k=min(k, e), i=6)
