@@ -32,7 +32,7 @@ SHAPES = {  # name: (T, H, I, E, k)
 }
 LABELS = {"qwen3": "Qwen3-30B-A3B", "gptoss": "GPT-OSS-20B-like", "mixtral": "Mixtral-8x7B", "dsv3": "DeepSeek-V3-like"}
 ANCHORS = ("loop_eager", "loop_inductor", "hf_eager", "hf_inductor")
-VARIANTS = ANCHORS + ("loop_moe", "hf_moe", "ops_eager", "ops_inductor", "ops_lowp_inductor")
+VARIANTS = ANCHORS + ("loop_moe", "hf_moe", "ops_eager", "ops_inductor", "ops_lowp_inductor", "loop_moe_cg")
 SLOW = ("loop_inductor",)  # stock Inductor on the per-expert loop: minutes of compile, graph breaks
 
 
@@ -156,6 +156,8 @@ def build(variant, shape):
         return model, torch.compile(wrap(model))
     if variant.endswith("_moe"):
         return model, torch.compile(wrap(model), backend="moe")
+    if variant.endswith("_moe_cg"):  # + CUDA graphs (Inductor cudagraph trees): no per-kernel launch cost
+        return model, torch.compile(wrap(model), backend="moe", mode="reduce-overhead")
     return model, wrap(model)
 
 
@@ -197,9 +199,11 @@ def run_variant(variant, shape, steps, warmup, profile=False):
     def fwd_bwd():
         model.zero_grad(set_to_none=True)
         x.grad = None
+        torch.compiler.cudagraph_mark_step_begin()
         fn(x).backward(g)
 
     def fwd():
+        torch.compiler.cudagraph_mark_step_begin()
         fn(x)
 
     res = {}
