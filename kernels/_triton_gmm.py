@@ -162,7 +162,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: to
 
     With ``gather_idx`` (the route permutation), A row r is x[gather_idx[r] // top_k] and M is
     ``num_rows`` (= gather_idx.numel()). With ``w_table`` (int64 [E] element offsets, multiples of
-    8), ``w`` is expert 0's [K, N] weight giving dtype and strides, and expert e starts at
+    8; device memory or pinned host memory, which the kernel reads through unified addressing),
+    ``w`` is expert 0's [K, N] weight giving dtype and strides, and expert e starts at
     ``w.data_ptr() + w_table[e] * w.element_size()``.
     """
     m = num_rows if num_rows is not None else x.shape[0]

@@ -14,7 +14,7 @@ What runs where (all sync-free: no .item()/.tolist()/nonzero, static launch shap
                                torch.get_float32_matmul_precision()), bias in the epilogue
     grouped_mm_list            one strided view + the grouped_mm path when the weights are evenly
                                spaced views of one buffer; else Triton reading each expert in place
-                               through a cached device table of base addresses (no stack copy)
+                               through a cached table of offsets in pinned host memory (no copy)
     grouped_mm_wgrad  bf16     torch._grouped_mm 2Dx2D (x^T, dy) + one pass to fp32 that zeros
                                empty groups; otherwise a Triton kernel writing fp32 directly
     grouped_bias_grad          Triton segmented column sum (fp32, fixed order)
@@ -115,9 +115,11 @@ def _list_plan(ws: list[torch.Tensor]) -> tuple:
     of several passes of shape/stride/storage checks over E tensors (~250 us for 128 experts):
 
         ("view", step)           evenly spaced views of one buffer: one strided [E, K, N] view
-        ("table", host, device)  int64 element offsets from expert 0 (16-byte aligned), made once
-                                 with an async copy from pinned memory (no host sync; capturable
-                                 in a CUDA graph since the pinned buffer stays alive)
+        ("table", host)          int64 element offsets from expert 0 (16-byte aligned) in pinned
+                                 host memory, read by the kernel through unified addressing (one
+                                 8-byte load per tile). Nothing is allocated on the device, so a
+                                 table made during a CUDA-graph warm-up is not a stray allocation
+                                 of the graph pool, and there is no host-to-device copy to order.
         ("stack",)               anything else: torch.stack (a copy per call)
     """
     w0 = ws[0]
@@ -130,8 +132,7 @@ def _list_plan(ws: list[torch.Tensor]) -> tuple:
         if uniform and _zero_copy_stack(ws):
             plan = ("view", (ptrs[1] - ptrs[0]) // es if len(ws) > 1 else 0)
         elif uniform and not any(p % 16 for p in ptrs):
-            host = torch.tensor([(p - ptrs[0]) // es for p in ptrs], dtype=torch.int64).pin_memory()
-            plan = ("table", host, host.to(w0.device, non_blocking=True))
+            plan = ("table", torch.tensor([(p - ptrs[0]) // es for p in ptrs], dtype=torch.int64).pin_memory())
         else:
             plan = ("stack",)
         if len(_LIST_PLANS) >= 256:
@@ -159,7 +160,7 @@ def grouped_mm_list(x: torch.Tensor, ws: list[torch.Tensor], offsets: torch.Tens
     if plan[0] == "stack":
         return grouped_mm(x, torch.stack(ws), offsets, bias)
     offsets = offsets.to(torch.int32) if offsets.dtype != torch.int32 else offsets
-    y = _triton_gmm.grouped_mm(x, w0, offsets, bias, w_table=plan[2])
+    y = _triton_gmm.grouped_mm(x, w0, offsets, bias, w_table=plan[1])
     return _triton_moe.rows_fixup(y, offsets, None)
 
 

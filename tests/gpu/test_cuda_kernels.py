@@ -304,10 +304,13 @@ def test_layer_is_cuda_graph_safe(gen):
     w2 = rand((e, n, h), dtype, gen, n ** -0.5)
     moe = torch.ops.moe_compile
 
+    w2_list = [rand((h, n), dtype, gen, n ** -0.5).t() for _ in range(e)]  # ModuleList-style, read in place
+
     def step():
         perm, inv, offsets = moe.route_permute(ids, e)
         y = moe.grouped_mm(moe.permute_rows(x, perm, inv, offsets, k), w, offsets)
-        return moe.unpermute_combine(moe.grouped_mm(y, w2, offsets), inv, topw, offsets)
+        y = moe.grouped_mm(y, w2, offsets) + moe.grouped_mm_list(y, w2_list, offsets, [])
+        return moe.unpermute_combine(y, inv, topw, offsets)
 
     step()  # warm-up: Triton compiles, handles are created outside the capture
     s = torch.cuda.Stream()
