@@ -41,6 +41,7 @@ RESHAPES = {"view", "reshape", "unsqueeze", "to", "float", "contiguous", "long",
 FRESH_ZEROS = {"zeros_like", "zeros", "new_zeros"}
 BASE_OPS = {"clone", "linear", "add", "mul", "matmul", "sub", "empty_like_zero"}
 COMBINE_INPLACE = {"index_add_", "scatter_add_", "index_put_"}
+SIZE_QUERIES = {"sym_size", "size", "dim", "sym_numel", "numel", "sym_stride"}
 
 
 def _const_int(x):
@@ -118,6 +119,8 @@ class Analysis:
         """Record reads of accumulators and ops that consumed row values unsupportedly."""
         if node in self.pattern:
             return
+        if canon(node) in SIZE_QUERIES:
+            return  # Dynamo's size checks (e.g. for `out[mask] = v`) read metadata, not values
         for a in node.all_input_nodes:
             s = self.storage_of.get(a)
             if s is not None and node not in s.mutations:

@@ -232,7 +232,7 @@ class Experts(nn.Module):
 
 
 SPELLINGS = ("where_setitem", "index_add", "one_hot", "bool_mask", "nonzero", "scatter_add", "index_put",
-             "assign", "where_flat")
+             "assign", "assign_mask", "where_flat")
 
 
 class LoopMoE(nn.Module):
@@ -287,6 +287,10 @@ class LoopMoE(nn.Module):
             elif sp == "assign":                        # overwrite: correct only for top-1
                 tok, slot = torch.where(ids == i)
                 out[tok] = self.experts.fwd(i, x[tok]) * w[tok, slot, None]
+            elif sp == "assign_mask":                   # overwrite through a boolean token mask
+                sel = ids == i
+                m = sel.any(-1)
+                out[m] = self.experts.fwd(i, x[m]) * (w * sel).sum(-1)[m, None]
             elif sp == "where_flat":                    # top-1 with ids [T], w [T]
                 tok = torch.where(ids == i)[0]
                 out[tok] += w[tok, None] * self.experts.fwd(i, x[tok])

@@ -40,18 +40,21 @@ def test_top1_flat_ids(dtype):
 
 
 @pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
-def test_assign_top1_accepted(dtype):
-    """`out[tok] = expert(x[tok]) * w`: each token is written by one expert only, so it is a sum."""
-    m = make_model(dtype, spelling="assign", k=1, e=4, router="argmax")
+@pytest.mark.parametrize("spelling", ["assign", "assign_mask"])
+def test_assign_top1_accepted(spelling, dtype):
+    """`out[tok] = expert(x[tok]) * w` / `out[mask] = ...`: each token is written by one expert
+    only, so the overwrite is a sum."""
+    m = make_model(dtype, spelling=spelling, k=1, e=4, router="argmax")
     check_compiled(m, [make_input((11, 16), dtype)], expect_rewritten=1)
 
 
-def test_assign_top2_refused():
+@pytest.mark.parametrize("spelling", ["assign", "assign_mask"])
+def test_assign_top2_refused(spelling):
     """With top-2 the second expert overwrites the first: rewriting it as a sum would change the
     numbers, so the region is refused (with a reason) and the model still runs as written."""
-    m = make_model(spelling="assign", k=2, e=4)
+    m = make_model(spelling=spelling, k=2, e=4)
     check_compiled(m, [make_input((11, 16))], expect_rewritten=0, expect_rejected=1)
-    rep = moe_compile.explain(make_model(spelling="assign", k=2, e=4), make_input((11, 16)))
+    rep = moe_compile.explain(make_model(spelling=spelling, k=2, e=4), make_input((11, 16)))
     assert [r.status for r in rep.regions] == ["rejected"]
     assert "overwrites" in rep.regions[0].reason
 
