@@ -144,10 +144,10 @@ def lower_moe_region(gm: fx.GraphModule, region: MoERegion) -> None:
     hv = val(h)
     if region.weights is not None:
         w = region.weights
-        if tuple(val(w).shape) != (val(region.x).shape[0], k):
-            w = b.method("reshape", w, -1, k)
-    else:
-        w = b.fn(torch.ones, val(region.x).shape[0], k, dtype=torch.float32, device=hv.device)
+    else:  # unweighted experts: weight 1 per routed pair (built from ids: no symbolic sizes needed)
+        w = b.fn(torch.ones_like, region.ids, dtype=torch.float32)
+    if val(w).dim() != 2:
+        w = b.method("reshape", w, -1, k)
     out = b.fn(OPS.unpermute_combine.default, h, inv, w, offs)
     if hv.dtype != region.acc_dtype:
         out = b.method("to", out, region.acc_dtype)
