@@ -65,7 +65,7 @@ class Analysis:
         self.linears: dict[fx.Node, tuple] = {}   # template linear node -> (weight node, bias node, layout)
         self.pattern: set[fx.Node] = set()        # nodes consumed by a recognised combine pattern
         self.problems: dict[int, list[str]] = {}  # expert e -> unsupported ops that touched its rows
-        self.bias_adds: dict[fx.Node, fx.Node] = {}  # linear(rows) + b_e (per-expert bias) -> the linear
+        self.bias_adds: dict[fx.Node, tuple] = {}  # linear(rows) + b_e -> (the linear, b_e)
         self.refused_writes: dict[Storage, fx.Node] = {}  # an expert's output written in a refused way
 
     # ------------------------------------------------------------------ helpers
@@ -345,10 +345,11 @@ class Analysis:
         others = [x for x, r in in_roles if not isinstance(r, (Rows, RowFn))]
         if any(len(shape(x) or ()) > 1 for x in others):
             return None  # a non-row tensor with a row dimension would not broadcast row-wise
-        if op in ("add", "iadd") and len(rows) == 1 and len(others) == 1 and n.args[0] in self.linears \
-                and n.args[1] is others[0] and self.linears[n.args[0]][1] is None and len(n.args[0].users) == 1 \
+        lin = next((x for x in n.args[:2] if isinstance(x, fx.Node) and x in self.linears), None)
+        if op in ("add", "iadd") and len(rows) == 1 and len(others) == 1 and lin is not None \
+                and others[0] in n.args[:2] and self.linears[lin][1] is None and len(lin.users) == 1 \
                 and shape(others[0]) == shape(n)[-1:]:
-            self.bias_adds[n] = n.args[0]  # x @ W[e] + b[e]: folded into the linear by the region builder
+            self.bias_adds[n] = (lin, others[0])  # x @ W[e] + b[e]: folded into the linear by the region builder
         if op in ROWWISE_UNARY or op in ROWWISE_BINARY:
             if op == "glu" and not _is_last_dim(arg(n, 1, "dim", -1), n.args[0]):
                 return None

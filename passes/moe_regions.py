@@ -108,7 +108,7 @@ def _template_nodes(a: Analysis, c: Contrib, order: dict) -> list[fx.Node]:
 def _build_steps(a: Analysis, c: Contrib, nodes: list[fx.Node]):
     """Steps and per-slot operand nodes of one expert's template."""
     # x @ W[e] + b[e]: the add is folded into the linear (its bias), when the linear has no bias
-    fused = {add: lin for add, lin in a.bias_adds.items() if add in nodes and lin in nodes}
+    fused = {add: lin for add, (lin, _) in a.bias_adds.items() if add in nodes and lin in nodes}
     kept = [n for n in nodes if n not in fused]
     index = {n: i for i, n in enumerate(kept)}
     index.update({add: index[lin] for add, lin in fused.items()})
@@ -136,7 +136,7 @@ def _build_steps(a: Analysis, c: Contrib, nodes: list[fx.Node]):
             w, b, layout = a.linears[n]
             lin = (args[1][1], None if b is None else enc_lookup(args, kwargs), layout)
             if n in bias_of:
-                lin = (lin[0], enc(bias_of[n].args[1])[1], layout)
+                lin = (lin[0], enc(a.bias_adds[bias_of[n]][1])[1], layout)
         steps.append(Step(n.op, n.target, args, kwargs, lin))
     return steps, operands
 

@@ -35,11 +35,17 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return (got - ref).norm().item() / max(den, 1e-30)
 
 
-def assert_close_rel(got, ref, rel: float, what: str):
+# a gradient that is zero in exact arithmetic (e.g. the router's under a top-1 renormalised router,
+# where w / w.sum() == 1) comes out as fp32 rounding noise, ~1e-7 of the largest gradient in the
+# same backward: below this fraction of the largest reference gradient it counts as zero.
+ZERO_REL = 1e-5
+
+
+def assert_close_rel(got, ref, rel: float, what: str, zero: float = ZERO_NORM):
     assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
     assert torch.isfinite(got).all(), f"{what}: non-finite values"
-    if ref.double().norm().item() < ZERO_NORM:
-        assert got.double().norm().item() < ZERO_NORM, f"{what}: reference is zero, got norm {got.norm()}"
+    if ref.double().norm().item() < zero:
+        assert got.double().norm().item() < zero, f"{what}: reference is zero, got norm {got.norm()}"
         return
     err = rel_err(got, ref)
     assert err <= rel, f"{what}: relative error {err:.3g} > {rel:.3g}"
@@ -115,8 +121,9 @@ def check_compiled(fn, args, *, expect_rewritten: int, expect_rejected: int = 0,
         assert len(got_out) == len(ref_out)
         if grads:
             assert ref_g.keys() == got_g.keys(), f"gradients differ in which tensors get one: {ref_g.keys()} vs {got_g.keys()}"
+            zero = max([ZERO_NORM] + [ZERO_REL * g.double().norm().item() for g in ref_g.values()])
             for k in ref_g:
-                assert_close_rel(got_g[k], ref_g[k], grad_rel, f"input set {n}: grad of {k}")
+                assert_close_rel(got_g[k], ref_g[k], grad_rel, f"input set {n}: grad of {k}", zero)
     delta = {k: pipeline.counters[k] - before.get(k, 0) for k in ("rewritten", "rejected")}
     assert delta["rewritten"] == expect_rewritten, f"expected {expect_rewritten} rewritten region(s), got {delta}"
     assert delta["rejected"] == expect_rejected, f"expected {expect_rejected} refused region(s), got {delta}"
@@ -228,7 +235,7 @@ class Experts(nn.Module):
         gate = gate.clamp(min=None, max=7.0)
         up = up.clamp(min=-7.0, max=7.0)
         glu = gate * torch.sigmoid(gate * 1.702)
-        return ((up + 1) * glu) @ self.down_proj[e] + self.down_bias[e]
+        return self.down_bias[e] + ((up + 1) * glu) @ self.down_proj[e]   # bias on the left: either order
 
 
 SPELLINGS = ("where_setitem", "index_add", "one_hot", "bool_mask", "nonzero", "scatter_add", "index_put",
