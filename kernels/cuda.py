@@ -47,8 +47,16 @@ GMM_BACKEND = "auto"
 AUTO_TRITON_MAX_ROWS_PER_GROUP = 128
 
 
+_CUTLASS_DEVICE: dict[int | None, bool] = {}
+
+
 def _cutlass_device(t: torch.Tensor) -> bool:
-    return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(t.device)[0] in (9, 10)
+    """sm90/sm100: where torch._grouped_mm has its CUTLASS kernel (elsewhere it syncs)."""
+    ok = _CUTLASS_DEVICE.get(t.device.index)
+    if ok is None:
+        ok = hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(t.device)[0] in (9, 10)
+        _CUTLASS_DEVICE[t.device.index] = ok
+    return ok
 
 
 def _tma_ok_2d(t: torch.Tensor) -> bool:
