@@ -9,10 +9,9 @@ H100 for one Qwen3-30B-A3B layer (604M expert weights), more than half the layer
 op accumulates in fp32 and rounds once to x.dtype inside the GEMM (CUTLASS ``torch._grouped_mm``
 2Dx2D on sm90, else Triton), so the weight gradient costs one bf16 write.
 
-To use it, ``ops._grouped_mm_bwd`` (and ``_grouped_mm_list_bwd``) would compute, for low-precision
-weights of the same dtype as x::
-
-    dw = fused.grouped_mm_wgrad_lowp(x, dy, offsets, E)        # instead of grouped_mm_wgrad(...).to(w.dtype)
+``ops._grouped_mm_bwd`` and ``_grouped_mm_list_bwd`` use it through ``grouped_mm_weight_grad`` for
+low-precision weights of the same dtype as x (measured on an H200 for one Qwen3-30B-A3B layer:
+9.9 ms -> 4.3 ms forward+backward, docs/benchmarks.md).
 
 Worked example (E=2, offsets=[2, 2]: group 0 = rows 0..1, group 1 empty, row 2 dropped)::
 
@@ -64,12 +63,7 @@ def grouped_mm_weight_grad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Ten
     Qwen3-30B-A3B layer on an H200 when the gradient comes back row-major [E, K, N]). Low-precision
     weights get the gradient rounded once inside the GEMM (``grouped_mm_wgrad_lowp``).
 
-    Use in ``ops._grouped_mm_bwd``::
-
-        dw = fused.grouped_mm_weight_grad(x, dy, offsets, w.shape[0], w.dtype, w.stride(-2) == 1)
-    and in ``_grouped_mm_list_bwd`` (ws[e] is [K, N])::
-
-        dws = list(fused.grouped_mm_weight_grad(x, dy, offsets, e, ws[0].dtype, ws[0].stride(0) == 1).unbind(0))
+    Used by ``ops._grouped_mm_bwd`` and ``ops._grouped_mm_list_bwd`` (ws[e] is [K, N]).
     """
     a, b = (dy, x) if w_col_major else (x, dy)
     if w_dtype != torch.float32 and x.dtype == w_dtype:
@@ -77,48 +71,6 @@ def grouped_mm_weight_grad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Ten
     else:
         g = ops.grouped_mm_wgrad(a, b, offsets, num_experts).to(w_dtype)
     return g.transpose(1, 2) if w_col_major else g
-
-
-def _grouped_mm_bwd_fast(ctx, dy):
-    x, w, offsets = ctx.saved_tensors
-    dy = dy.contiguous()
-    e = w.shape[0]
-    dx = ops.grouped_mm(dy, w.transpose(1, 2), offsets) if ctx.needs_input_grad[0] else None
-    dw = (grouped_mm_weight_grad(x, dy, offsets, e, w.dtype, w.stride(-2) == 1)
-          if ctx.needs_input_grad[1] else None)
-    db = (ops.grouped_bias_grad(dy, offsets, e).to(ctx.bias_dtype)
-          if ctx.has_bias and ctx.needs_input_grad[3] else None)
-    return dx, dw, None, db
-
-
-def _grouped_mm_list_bwd_fast(ctx, dy):
-    x, offsets, *ws = ctx.saved_tensors
-    dy = dy.contiguous()
-    e = len(ws)
-    dx = ops.grouped_mm_list(dy, [w.t() for w in ws], offsets, []) if ctx.needs_input_grad[0] else None
-    dws = [None] * e
-    if ctx.needs_input_grad[1]:
-        dws = list(grouped_mm_weight_grad(x, dy, offsets, e, ws[0].dtype, ws[0].stride(0) == 1).unbind(0))
-    dbs = [None] * e if ctx.has_bias else []
-    if ctx.has_bias and ctx.needs_input_grad[3]:
-        dbs = list(ops.grouped_bias_grad(dy, offsets, e).to(ctx.bias_dtype).unbind(0))
-    return dx, dws, None, dbs
-
-
-def install_fast_weight_grads(enable: bool = True) -> None:
-    """Opt-in (process-wide): make grouped_mm / grouped_mm_list backward use
-    ``grouped_mm_weight_grad`` (weight gradient rounded once in the GEMM, in the parameter's
-    layout); ``enable=False`` restores ``ops.py``'s formulas. Measured on an H200 for one
-    Qwen3-30B-A3B layer: 9.9 ms -> 4.3 ms forward+backward (docs/benchmarks.md). The intent is for
-    ``ops.py`` to adopt these two formulas; this switch lets the benchmark and tests show the effect.
-    Inductor's FX-graph and AOTAutograd caches do not key on the autograd formula: switch them off
-    (or use a fresh TORCHINDUCTOR_CACHE_DIR) when toggling this, or old backward graphs come back."""
-    if enable:
-        ops.grouped_mm.register_autograd(_grouped_mm_bwd_fast, setup_context=ops._grouped_mm_setup)
-        ops.grouped_mm_list.register_autograd(_grouped_mm_list_bwd_fast, setup_context=ops._grouped_mm_list_setup)
-    else:
-        ops.grouped_mm.register_autograd(ops._grouped_mm_bwd, setup_context=ops._grouped_mm_setup)
-        ops.grouped_mm_list.register_autograd(ops._grouped_mm_list_bwd, setup_context=ops._grouped_mm_list_setup)
 
 
 FUSED_OP_NAMES = ("grouped_mm_wgrad_lowp",)

@@ -116,11 +116,19 @@ def _grouped_mm_setup(ctx, inputs, output):
     ctx.bias_dtype = bias.dtype if bias is not None else None
 
 
+def _weight_grad(x, dy, offsets, num_experts, w_dtype, w_col_major):
+    """dL/dw in w's dtype and layout, rounded once (see fused.grouped_mm_weight_grad)."""
+    from .fused import grouped_mm_weight_grad
+
+    return grouped_mm_weight_grad(x, dy, offsets, num_experts, w_dtype, w_col_major)
+
+
 def _grouped_mm_bwd(ctx, dy):
     x, w, offsets = ctx.saved_tensors
     dy = dy.contiguous()
     dx = grouped_mm(dy, w.transpose(1, 2), offsets) if ctx.needs_input_grad[0] else None
-    dw = (grouped_mm_wgrad(x, dy, offsets, w.shape[0]).to(w.dtype) if ctx.needs_input_grad[1] else None)
+    dw = (_weight_grad(x, dy, offsets, w.shape[0], w.dtype, w.stride(-2) == 1)
+          if ctx.needs_input_grad[1] else None)
     db = (grouped_bias_grad(dy, offsets, w.shape[0]).to(ctx.bias_dtype)
           if ctx.has_bias and ctx.needs_input_grad[3] else None)
     return dx, dw, None, db
@@ -192,7 +200,7 @@ def _grouped_mm_list_bwd(ctx, dy):
     dx = grouped_mm_list(dy, [w.t() for w in ws], offsets, []) if ctx.needs_input_grad[0] else None
     dws = [None] * e
     if ctx.needs_input_grad[1]:
-        dws = list(grouped_mm_wgrad(x, dy, offsets, e).to(ws[0].dtype).unbind(0))
+        dws = list(_weight_grad(x, dy, offsets, e, ws[0].dtype, ws[0].stride(0) == 1).unbind(0))
     dbs = [None] * e if ctx.has_bias else []
     if ctx.has_bias and ctx.needs_input_grad[3]:
         dbs = list(grouped_bias_grad(dy, offsets, e).to(ctx.bias_dtype).unbind(0))

@@ -260,19 +260,8 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--micro", action="store_true", help="per-kernel micro-benchmark instead of layers")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of each variant's step")
-    ap.add_argument("--fast-wgrad", action="store_true",
-                    help="moe_compile.kernels.fused.install_fast_weight_grads() first (grouped_mm backward "
-                         "with bf16 weight grads in the parameter layout)")
     args = ap.parse_args()
     info = versions()
-    if args.fast_wgrad:
-        from moe_compile.kernels import fused
-        fused.install_fast_weight_grads()
-        info["fast_wgrad"] = True
-        # the FX-graph / AOTAutograd caches do not key on a custom op's autograd formula: a graph
-        # compiled earlier with ops.py's backward would be reused silently
-        torch._inductor.config.fx_graph_cache = False
-        torch._functorch.config.enable_autograd_cache = False
     print("# " + " ".join(f"{k}={v}" for k, v in info.items()), flush=True)
     if args.micro:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -253,11 +253,9 @@ def _moe_layer(x, ids, topw, w13, b13, w2, e, k, as_list):
     return moe.unpermute_combine(y, inv, topw, offsets)
 
 
-@pytest.fixture(params=["ops_bwd", "fast_wgrad"])
-def weight_grads(request):
-    fused.install_fast_weight_grads(request.param == "fast_wgrad")
-    yield request.param
-    fused.install_fast_weight_grads(False)
+@pytest.fixture
+def weight_grads():
+    yield "ops_bwd"  # ops.py's backward (weight grads in the parameter layout, rounded once)
 
 
 @pytest.mark.parametrize("as_list", [False, True, "separate"])
