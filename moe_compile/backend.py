@@ -59,8 +59,15 @@ def moe_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = Non
 
     config, inductor_options = MoEConfig.from_options(mode, options)
     gm, records = pipeline.run_passes(gm, example_inputs, config)
+    compiled = _compile_rewritten(gm, example_inputs, config, inductor_options)
+    if config.rehome_weights and records:
+        # after compiling: AOTAutograd's fake inputs were made with the parameters' old storage
+        # offsets; the compiled code itself does not depend on them (lowering/rehome.py)
+        from moe_compile.lowering.rehome import rehome_notes
+
+        records = rehome_notes(gm, example_inputs, records)
     report.publish(records)
-    return _compile_rewritten(gm, example_inputs, config, inductor_options)
+    return compiled
 
 
 moe_backend.moe_capture_ctx = capture_ctx

@@ -29,6 +29,8 @@ class MoEConfig:
     capture_dynamic: trace where/nonzero/boolean masks into the graph (Dynamo's
         capture_dynamic_output_shape_ops), scoped to this backend's frames.
     strict: raise on an internal error of a pass instead of leaving the graph unchanged.
+    rehome_weights: move ModuleList expert weights into one buffer per linear at compile time
+        (same Parameters and values; lets the grouped GEMM read them as one 3-D tensor, no per-step copy).
     disable: names of passes to skip (see moe_compile.pipeline.PASSES).
     mode: the Inductor mode, for when torch.compile's own ``mode=`` cannot be combined with options.
     """
@@ -37,6 +39,7 @@ class MoEConfig:
     inductor: bool = True
     capture_dynamic: bool = True
     strict: bool = False
+    rehome_weights: bool = True
     disable: tuple[str, ...] = ()
     mode: str = "default"
 

@@ -1,0 +1,79 @@
+"""rehome_expert_weights: give ModuleList expert weights one buffer per linear, once, at compile time.
+
+Runs after the rewritten graph is compiled (``backend.moe_backend``): AOTAutograd fakifies the
+inputs with their storage offsets at compile time, and the compiled code does not depend on them.
+
+Before (after ``lower_moe_region``): ``grouped_mm_list(h, [W_0.t(), ..., W_{E-1}.t()], offs, [])``
+where each ``W_e`` is a separately allocated nn.Linear weight [N, K]. A grouped GEMM then needs a
+table of E addresses (Triton) or a stacked copy of all expert weights every step (CUTLASS).
+
+After: the graph is unchanged, but the E parameters now live in one buffer ``B [E, N, K]``
+(``W_e.data = B[e]``, same Parameter objects, same values, same shapes and strides), so the op sees
+evenly spaced views of one storage and runs as one zero-copy 3-D grouped GEMM
+(``ops.stack_expert_weights``). Nothing is copied per step.
+
+Kept: Parameter identity (optimizers, hooks, state_dict and ``load_state_dict`` keep working; the
+latter copies into the buffer). Skipped (recorded, never required for correctness): tensors that are
+not plain leaf Parameters of one dtype/device/shape, non-contiguous or already evenly spaced ones.
+A later ``model.to(...)`` allocates new storages: the op then reads the weights in place again.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from moe_compile.passes.normalize import canon
+
+
+def _placeholder_of(n: fx.Node) -> fx.Node | None:
+    if n.op == "placeholder":
+        return n
+    if canon(n) in ("t", "transpose") and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder":
+        return n.args[0]
+    return None
+
+
+def _evenly_spaced(ts: list[torch.Tensor]) -> bool:
+    base = ts[0].untyped_storage().data_ptr()
+    if any(t.untyped_storage().data_ptr() != base for t in ts):
+        return False
+    step = ts[1].storage_offset() - ts[0].storage_offset() if len(ts) > 1 else 0
+    return step > 0 and all(t.storage_offset() == ts[0].storage_offset() + e * step for e, t in enumerate(ts))
+
+
+def rehome_expert_weights(gm: fx.GraphModule, example_inputs) -> list[str]:
+    """Re-home the per-expert weights of every grouped_mm_list in gm; returns notes for the report."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    index = {n: i for i, n in enumerate(placeholders)}
+    notes = []
+    for node in gm.graph.nodes:
+        if not (node.op == "call_function" and getattr(node.target, "_opname", "") == "grouped_mm_list"):
+            continue
+        phs = [_placeholder_of(w) for w in node.args[1]]
+        if any(p is None or p not in index or index[p] >= len(example_inputs) for p in phs):
+            continue
+        params = [example_inputs[index[p]] for p in phs]
+        first = params[0]
+        ok = all(isinstance(p, torch.nn.Parameter) and type(p.data) is torch.Tensor and p.is_contiguous()
+                 and p.shape == first.shape and p.dtype == first.dtype and p.device == first.device
+                 for p in params)
+        if not ok or len(params) < 2 or _evenly_spaced(params):
+            continue
+        with torch.no_grad():
+            buf = torch.empty((len(params), *first.shape), dtype=first.dtype, device=first.device)
+            for e, p in enumerate(params):
+                buf[e].copy_(p)
+            for e, p in enumerate(params):
+                p.data = buf[e]
+        notes.append(f"re-homed {len(params)} expert weights {tuple(first.shape)} into one buffer")
+    return notes
+
+
+def rehome_notes(gm: fx.GraphModule, example_inputs, records):
+    """Run ``rehome_expert_weights`` and attach what it did to the rewritten regions' records."""
+    import dataclasses
+
+    notes = tuple(rehome_expert_weights(gm, example_inputs))
+    if not notes:
+        return records
+    return [dataclasses.replace(r, notes=r.notes + notes) if r.status == "rewritten" else r for r in records]
