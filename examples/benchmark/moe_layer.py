@@ -207,9 +207,13 @@ def run_variant(variant, shape, steps, warmup, profile=False):
         fn(x)
 
     res = {}
+    import moe_compile
+
+    rewritten0 = moe_compile.counters["rewritten"]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fwd_bwd()  # compiles forward + backward for compiled variants
+    res["rewritten"] = moe_compile.counters["rewritten"] - rewritten0  # MoE regions the backend rewrote
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
     for _ in range(warmup):
@@ -308,8 +312,9 @@ def _shape(name, args):
 
 def print_table(results, info):
     print(f"\n## {info['device']} torch {info['torch']} triton {info['triton']} transformers {info['transformers']}")
-    print("| shape | T | variant | fwd+bwd ms | TFLOP/s | vs best | fwd ms | TFLOP/s | vs best | peak GiB | act GiB | compile s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| shape | T | variant | fwd+bwd ms | TFLOP/s | vs best | fwd ms | TFLOP/s | vs best | peak GiB | act GiB "
+          "| compile s | regions rewritten |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
             print(f"| {r['shape']} | {r['T']} | {r['variant']} | error: {r['error']} |")
@@ -318,7 +323,7 @@ def print_table(results, info):
         print(f"| {r['shape']} | {r['T']} | {r['variant']} | {f('fwdbwd_ms', '{:.2f}')} | {f('fwdbwd_tflops', '{:.0f}')} "
               f"| {f('fwdbwd_vs_best', '{:.2f}x')} | {f('fwd_ms', '{:.2f}')} | {f('fwd_tflops', '{:.0f}')} "
               f"| {f('fwd_vs_best', '{:.2f}x')} | {f('peak_gib', '{:.1f}')} | {f('act_gib', '{:.1f}')} "
-              f"| {f('compile_s', '{:.1f}')} |")
+              f"| {f('compile_s', '{:.1f}')} | {r.get('rewritten', '-')} |")
 
 
 if __name__ == "__main__":
