@@ -233,6 +233,20 @@ class _Finder(CombineRules):
                 r0.g.problem = f"rows are gathered with perm // {n.args[1]} but the router has top_k {r0.g.k}"
             self._set(n, "tok", r0.g)
             return
+        # expert-parallel sentinels (transformers <= 5.17 always emits this): ids >= E are masked to
+        # zero rows; our ops already give "dropped" ids (outside [0, E)) zero rows everywhere
+        if op == "ge" and rk == "sorted_ids" and _int(n.args[1]) is not None:
+            self._set(n, "sentinel", r0.g, n.args[1])
+            return
+        if op == "unsqueeze" and rk == "sentinel":
+            self._set(n, "sentinel", r0.g, r0.info)
+            return
+        if op in ("clamp_", "clamp") and rk == "sorted_ids" and arg(n, 1, "min") is None \
+                and _int(arg(n, 2, "max")) is not None:
+            self._set(n, "sorted_ids", r0.g)
+            if op == "clamp_":
+                r0.g.erase.append(n)
+            return
         if op == "histc" and rk in ("sorted_ids", "flat"):
             g = self._sorted_group_of(r0, a0)
             bins = arg(n, 1, "bins", 100)
@@ -367,6 +381,16 @@ class _Finder(CombineRules):
     def _rows_op(self, g: _Group, n: fx.Node, op: str, rows_in):  # noqa: C901
         a0 = n.args[0]
         r0 = self.r(a0)
+        if op in ("masked_fill", "masked_fill_") and r0 and r0.kind == "rows" and arg(n, 2, "value") == 0:
+            rm = self.r(arg(n, 1, "mask"))
+            if rm and rm.kind == "sentinel" and rm.g is g:
+                if g.e is not None and rm.info != g.e:
+                    g.problem = g.problem or f"sentinel mask ids >= {rm.info} but the experts number {g.e}"
+                g.step_of[n] = g.step_of[a0]   # zeroing dropped rows: what the rewritten ops already do
+                self._set(n, "rows", g)
+                if op == "masked_fill_":
+                    g.erase.append(n)
+                return
         if op in ("index_add_", "index_add", "scatter_add_", "scatter_add") and r0 is None and canon(a0) in FRESH:
             src = arg(n, 3, "source" if "index" in op else "src")
             if self.r(src) and self.r(src).kind == "rows" and self._combine_add(g, n, op, a0, src):

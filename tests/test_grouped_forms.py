@@ -51,9 +51,10 @@ class SortedMoE(nn.Module):
     weigh: "sorted" (before unsort) | "view" (on the [T, K, H] view, only with inv/argsort)."""
 
     def __init__(self, h=16, i=16, e=4, k=2, router="softmax_topk", routing="random", bias=False,
-                 counts="histc", combine="inv", weigh="sorted", sort="sort"):
+                 counts="histc", combine="inv", weigh="sorted", sort="sort", sentinel=False):
         super().__init__()
         self.h, self.e, self.k, self.counts, self.combine, self.weigh, self.sort = h, e, k, counts, combine, weigh, sort
+        self.sentinel = sentinel  # transformers <= 5.17 (the GPU image) masks EP sentinels unconditionally
         self.router = Router(h, e, k, router, routing)
         self.experts = Experts3D(h, i, e, bias)
 
@@ -76,13 +77,21 @@ class SortedMoE(nn.Module):
             cnt = F.one_hot(flat, self.e).sum(0)
         offs = torch.cumsum(cnt, dim=0, dtype=torch.int32)
         ex = self.experts
+        if self.sentinel:  # ids >= E would be other ranks' experts: zero their rows
+            mask = (ids_g >= self.e).unsqueeze(-1)
+            ids_g.clamp_(max=self.e - 1)
+            xs.masked_fill_(mask, 0.0)
         h = _gmm(xs.to(ex.gate_up.dtype), ex.gate_up.transpose(-2, -1), offs)
         if ex.gate_up_b is not None:
             h.add_(ex.gate_up_b[ids_g])
+        if self.sentinel:
+            h = h.masked_fill(mask, 0.0)
         g, u = h.chunk(2, dim=-1)
         h = _gmm(F.silu(g) * u, ex.down.transpose(-2, -1), offs)
         if ex.down_b is not None:
             h = h + ex.down_b[ids_g]
+        if self.sentinel:
+            h = h.masked_fill(mask, 0.0)
         if self.weigh == "sorted":
             h = h * fw[perm].unsqueeze(-1)
         if self.combine in ("inv", "argsort"):
@@ -168,6 +177,8 @@ SORTED_SPELLINGS = [
     dict(combine="index_add"),
     dict(combine="scatter_add", bias=True),                    # torchtitan-style scatter back
     dict(bias=True),                                           # GPT-OSS-style per-expert biases
+    dict(sentinel=True),                                       # transformers 5.17: EP sentinel masks
+    dict(sentinel=True, bias=True),
 ]
 
 
