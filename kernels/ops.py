@@ -10,6 +10,7 @@ CUDA tensor and Triton is importable.
     permute_rows(x[T,H], perm, inv, offsets, K)  -> xp[N,H]          (gather; bwd = combine)
     grouped_mm(x[M,K], w[E,K,N], offsets, bias?) -> y[M,N]           (x @ w[e] per group)
     grouped_mm_list(x, ws: E x [K,N], offsets, biases)  -> y[M,N]     (ModuleList weights, no stacking)
+    grouped_mm_list_cat(x, ws_a, ws_b, offsets)          -> [M,Na+Nb] (sibling linears, e.g. w1|w3)
     unpermute_combine(y[N,H], inv, weights[T,K], offsets) -> out[T,H] (weighted gather-reduce)
 
 Rows past offsets[-1] ("dropped": expert ids outside [0, E)) are zero in every output.
@@ -158,10 +159,9 @@ def _(dy, offsets, num_experts):
 
 
 # --------------------------------------------------------------------------- grouped_mm_list
-def stack_expert_weights(ws: list[torch.Tensor]) -> torch.Tensor:
-    """[E, K, N] from E tensors [K, N]: a zero-copy strided view when they are evenly spaced
-    views of one storage (e.g. ModuleList weights re-homed into one buffer), else a copy.
-    For kernels that need one 3-D operand; the reference never copies."""
+def strided_stack(ws: list[torch.Tensor]) -> torch.Tensor | None:
+    """[E, K, N] zero-copy view of E tensors [K, N] that are evenly spaced views of one storage
+    (e.g. ModuleList weights re-homed into one buffer), else None."""
     first = ws[0]
     if len(ws) > 1 and all(w.shape == first.shape and w.stride() == first.stride() and w.dtype == first.dtype
                            and w.device == first.device and w.untyped_storage().data_ptr()
@@ -169,7 +169,14 @@ def stack_expert_weights(ws: list[torch.Tensor]) -> torch.Tensor:
         step = ws[1].storage_offset() - first.storage_offset()
         if step > 0 and all(w.storage_offset() == first.storage_offset() + e * step for e, w in enumerate(ws)):
             return first.as_strided((len(ws), *first.shape), (step, *first.stride()), first.storage_offset())
-    return torch.stack(ws)
+    return None
+
+
+def stack_expert_weights(ws: list[torch.Tensor]) -> torch.Tensor:
+    """[E, K, N] from E tensors [K, N]: ``strided_stack`` when possible, else a copy.
+    For kernels that need one 3-D operand; the reference never copies."""
+    view = strided_stack(ws)
+    return view if view is not None else torch.stack(ws)
 
 
 @torch.library.custom_op("moe_compile::grouped_mm_list", mutates_args=())
@@ -208,6 +215,85 @@ def _grouped_mm_list_bwd(ctx, dy):
 
 
 grouped_mm_list.register_autograd(_grouped_mm_list_bwd, setup_context=_grouped_mm_list_setup)
+
+
+# --------------------------------------------------------------------------- grouped_mm_list_cat
+def pair_view(ws_a: list[torch.Tensor], ws_b: list[torch.Tensor]) -> torch.Tensor | None:
+    """[E, K, Na+Nb] zero-copy view when ws_a[e] [K, Na] and ws_b[e] [K, Nb] are the transposed
+    row blocks [0, Na) and [Na, Na+Nb) of one [E, Na+Nb, K] buffer (nn.Linear w1 | w3 re-homed
+    together, lowering/rehome.py), else None.
+
+    Example: E=2, K=4, Na=Nb=3, buffer B [2, 6, 4]: ws_a[e] = B[e, :3].t(), ws_b[e] = B[e, 3:].t()
+    -> B.transpose(1, 2) (strides (24, 1, 4))."""
+    va, vb = strided_stack(ws_a), strided_stack(ws_b)
+    if va is None or vb is None or va.stride() != vb.stride() or va.stride(1) != 1:
+        return None
+    k, na, nb = va.shape[1], va.shape[2], vb.shape[2]
+    if va.untyped_storage().data_ptr() != vb.untyped_storage().data_ptr() or va.stride(2) != k \
+            or vb.storage_offset() != va.storage_offset() + na * k or va.stride(0) < (na + nb) * k:
+        return None
+    return va.as_strided((va.shape[0], k, na + nb), va.stride(), va.storage_offset())
+
+
+@torch.library.custom_op("moe_compile::grouped_mm_list_cat", mutates_args=())
+def grouped_mm_list_cat(x: torch.Tensor, ws_a: list[torch.Tensor], ws_b: list[torch.Tensor],
+                        offsets: torch.Tensor) -> torch.Tensor:
+    """Two sibling grouped linears of one input, e.g. SwiGLU's w1 and w3: y = [x @ ws_a[e] | x @ ws_b[e]]
+    per group -> [M, Na + Nb]. One grouped GEMM over ``pair_view`` when the weights share one buffer,
+    else two (and a concatenation)."""
+    _check(len(ws_a) == len(ws_b) > 0, "grouped_mm_list_cat", "ws_a and ws_b must list the same experts")
+    _check_gmm("grouped_mm_list_cat", x, ws_a[0].shape, ws_a[0].dtype, offsets, len(ws_a))
+    _check_gmm("grouped_mm_list_cat", x, ws_b[0].shape, ws_b[0].dtype, offsets, len(ws_b))
+    view = pair_view(ws_a, ws_b)
+    if view is not None:
+        return _impl("grouped_mm", x)(x, view, offsets, None)
+    gmm = _impl("grouped_mm_list", x)
+    return torch.cat([gmm(x, ws_a, offsets, []), gmm(x, ws_b, offsets, [])], dim=1)
+
+
+@grouped_mm_list_cat.register_fake
+def _(x, ws_a, ws_b, offsets):
+    return x.new_empty(x.shape[0], ws_a[0].shape[-1] + ws_b[0].shape[-1])
+
+
+@torch.library.custom_op("moe_compile::grouped_mm_list_cat_dx", mutates_args=())
+def grouped_mm_list_cat_dx(dy: torch.Tensor, ws_a: list[torch.Tensor], ws_b: list[torch.Tensor],
+                           offsets: torch.Tensor) -> torch.Tensor:
+    """Input gradient of grouped_mm_list_cat: dy[:, :Na] @ ws_a[e].T + dy[:, Na:] @ ws_b[e].T."""
+    view = pair_view(ws_a, ws_b)
+    if view is not None:
+        return _impl("grouped_mm", dy)(dy, view.transpose(1, 2), offsets, None)
+    na = ws_a[0].shape[1]
+    gmm = _impl("grouped_mm_list", dy)
+    return (gmm(dy[:, :na].contiguous(), [w.t() for w in ws_a], offsets, [])
+            + gmm(dy[:, na:].contiguous(), [w.t() for w in ws_b], offsets, []))
+
+
+@grouped_mm_list_cat_dx.register_fake
+def _(dy, ws_a, ws_b, offsets):
+    return dy.new_empty(dy.shape[0], ws_a[0].shape[0])
+
+
+def _list_cat_setup(ctx, inputs, output):
+    x, ws_a, ws_b, offsets = inputs
+    ctx.save_for_backward(x, offsets, *ws_a, *ws_b)
+    ctx.e = len(ws_a)
+
+
+def _list_cat_bwd(ctx, dy):
+    x, offsets, *ws = ctx.saved_tensors
+    ws_a, ws_b = ws[:ctx.e], ws[ctx.e:]
+    dy = dy.contiguous()
+    dx = grouped_mm_list_cat_dx(dy, ws_a, ws_b, offsets) if ctx.needs_input_grad[0] else None
+    na = ws_a[0].shape[1]
+    dwa, dwb = [None] * ctx.e, [None] * ctx.e
+    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        g = _weight_grad(x, dy, offsets, ctx.e, ws_a[0].dtype, ws_a[0].stride(0) == 1)  # [E, K, Na+Nb]
+        dwa, dwb = list(g[:, :, :na].unbind(0)), list(g[:, :, na:].unbind(0))
+    return dx, dwa, dwb, None
+
+
+grouped_mm_list_cat.register_autograd(_list_cat_bwd, setup_context=_list_cat_setup)
 
 
 # --------------------------------------------------------------------------- unpermute_combine
@@ -249,4 +335,5 @@ def _(dout, y, inv, weights, offsets):
     return torch.empty_like(y), torch.empty_like(weights)
 
 
-OP_NAMES = ("route_permute", "permute_rows", "grouped_mm", "grouped_mm_list", "unpermute_combine")
+OP_NAMES = ("route_permute", "permute_rows", "grouped_mm", "grouped_mm_list", "grouped_mm_list_cat",
+            "unpermute_combine")

@@ -112,6 +112,45 @@ def _emit_linear(b: _Builder, region: MoERegion, h: fx.Node, step, offs: fx.Node
     return b.fn(OPS.grouped_mm_list.default, h, w_list, offs, list(bs) if bs is not None else [])
 
 
+def _is_list_linear(region: MoERegion, step) -> bool:
+    """A linear whose experts hold separate 2-D weights (ModuleList) and no bias, layout nk."""
+    if step.linear is None or step.linear[1] is not None or step.linear[2] != "nk":
+        return False
+    ws = region.template.slots[step.linear[0]]
+    if len(ws) < 2 or val(ws[0]).dim() != 2:
+        return False
+    src = ws[0].args[0] if canon(ws[0]) == "getitem" else None
+    return src is None or any(canon(n) != "getitem" or n.args[0] is not src for n in ws)
+
+
+def _sibling_linears(region: MoERegion) -> dict[int, int]:
+    """{i: j}: template steps i < j are list linears of the same input and weight dtype (SwiGLU's
+    w1 and w3): lowered as one grouped_mm_list_cat, one GEMM once the weights share a buffer."""
+    pairs, used = {}, set()
+    steps = region.template.steps
+    for i, si in enumerate(steps):
+        if i in used or not _is_list_linear(region, si):
+            continue
+        for j in range(i + 1, len(steps)):
+            sj = steps[j]
+            if j not in used and _is_list_linear(region, sj) and sj.args[0] == si.args[0] \
+                    and val(region.template.slots[sj.linear[0]][0]).dtype == \
+                    val(region.template.slots[si.linear[0]][0]).dtype:
+                pairs[i] = j
+                used.update((i, j))
+                break
+    return pairs
+
+
+def _emit_sibling_linears(b: _Builder, region: MoERegion, h: fx.Node, si, sj, offs: fx.Node):
+    ws_a = [b.method("t", w) for w in region.template.slots[si.linear[0]]]
+    ws_b = [b.method("t", w) for w in region.template.slots[sj.linear[0]]]
+    y = b.fn(OPS.grouped_mm_list_cat.default, h, ws_a, ws_b, offs)
+    na = val(region.template.slots[si.linear[0]][0]).shape[0]
+    return (b.fn(operator.getitem, y, (slice(None), slice(None, na))),
+            b.fn(operator.getitem, y, (slice(None), slice(na, None))))
+
+
 def _decode(x, env, region: MoERegion):
     if isinstance(x, tuple) and x[:1] == ("in",):
         return env["in"]
@@ -134,8 +173,15 @@ def lower_moe_region(gm: fx.GraphModule, region: MoERegion) -> None:
     routed = b.fn(OPS.route_permute.default, region.ids, e)
     perm, inv, offs = (b.fn(operator.getitem, routed, i) for i in range(3))
     env = {"in": b.fn(OPS.permute_rows.default, region.x, perm, inv, offs, k)}
+    siblings = _sibling_linears(region)
     for i, step in enumerate(region.template.steps):
-        if step.linear is not None:
+        if i in env:
+            continue  # the second of two sibling linears, emitted with the first
+        if i in siblings:
+            j = siblings[i]
+            env[i], env[j] = _emit_sibling_linears(b, region, _decode(step.args[0], env, region), step,
+                                                    region.template.steps[j], offs)
+        elif step.linear is not None:
             env[i] = _emit_linear(b, region, _decode(step.args[0], env, region), step, offs)
         else:
             env[i] = b(step.op, step.target, _decode(step.args, env, region),

@@ -41,31 +41,58 @@ def _evenly_spaced(ts: list[torch.Tensor]) -> bool:
     return step > 0 and all(t.storage_offset() == ts[0].storage_offset() + e * step for e, t in enumerate(ts))
 
 
+def _params(node_list, index, example_inputs) -> list[torch.Tensor] | None:
+    phs = [_placeholder_of(w) for w in node_list]
+    if any(p is None or p not in index or index[p] >= len(example_inputs) for p in phs):
+        return None
+    params = [example_inputs[index[p]] for p in phs]
+    first = params[0]
+    ok = all(isinstance(p, torch.nn.Parameter) and type(p.data) is torch.Tensor and p.is_contiguous()
+             and p.shape == first.shape and p.dtype == first.dtype and p.device == first.device for p in params)
+    return params if ok and len(params) > 1 else None
+
+
+def _rehome(groups: list[list[torch.Tensor]]) -> str:
+    """Move E experts' weights of each group side by side into one [E, sum(N_g), K] buffer:
+    expert e's weight of group g becomes rows [off_g, off_g + N_g) of buf[e]."""
+    first = groups[0][0]
+    rows = [g[0].shape[0] for g in groups]
+    with torch.no_grad():
+        buf = torch.empty((len(groups[0]), sum(rows), *first.shape[1:]), dtype=first.dtype, device=first.device)
+        for e in range(len(groups[0])):
+            off = 0
+            for g, n in zip(groups, rows):
+                buf[e, off:off + n].copy_(g[e])
+                off += n
+        for e in range(len(groups[0])):
+            off = 0
+            for g, n in zip(groups, rows):
+                g[e].data = buf[e, off:off + n]
+                off += n
+    return f"re-homed {len(groups)} x {len(groups[0])} expert weights {tuple(first.shape)} into one buffer"
+
+
 def rehome_expert_weights(gm: fx.GraphModule, example_inputs) -> list[str]:
-    """Re-home the per-expert weights of every grouped_mm_list in gm; returns notes for the report."""
+    """Re-home the per-expert weights of every grouped_mm_list (one buffer per linear) and
+    grouped_mm_list_cat (one buffer for both linears, side by side) in gm; returns report notes."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     index = {n: i for i, n in enumerate(placeholders)}
     notes = []
     for node in gm.graph.nodes:
-        if not (node.op == "call_function" and getattr(node.target, "_opname", "") == "grouped_mm_list"):
+        op = getattr(node.target, "_opname", "") if node.op == "call_function" else ""
+        if op == "grouped_mm_list":
+            groups = [_params(node.args[1], index, example_inputs)]
+        elif op == "grouped_mm_list_cat":
+            groups = [_params(node.args[1], index, example_inputs), _params(node.args[2], index, example_inputs)]
+            if None not in groups and (groups[0][0].shape[1:] != groups[1][0].shape[1:]
+                                       or groups[0][0].dtype != groups[1][0].dtype
+                                       or any(canon(w) != "t" for w in (*node.args[1], *node.args[2]))):
+                continue  # side by side only works for nn.Linear weights [N, K] used as W.t()
+        else:
             continue
-        phs = [_placeholder_of(w) for w in node.args[1]]
-        if any(p is None or p not in index or index[p] >= len(example_inputs) for p in phs):
-            continue
-        params = [example_inputs[index[p]] for p in phs]
-        first = params[0]
-        ok = all(isinstance(p, torch.nn.Parameter) and type(p.data) is torch.Tensor and p.is_contiguous()
-                 and p.shape == first.shape and p.dtype == first.dtype and p.device == first.device
-                 for p in params)
-        if not ok or len(params) < 2 or _evenly_spaced(params):
-            continue
-        with torch.no_grad():
-            buf = torch.empty((len(params), *first.shape), dtype=first.dtype, device=first.device)
-            for e, p in enumerate(params):
-                buf[e].copy_(p)
-            for e, p in enumerate(params):
-                p.data = buf[e]
-        notes.append(f"re-homed {len(params)} expert weights {tuple(first.shape)} into one buffer")
+        if None in groups or _evenly_spaced([w for g in zip(*groups) for w in g]):
+            continue  # unusable, or already side by side in one buffer
+        notes.append(_rehome(groups))
     return notes
 
 

@@ -215,3 +215,34 @@ def test_hypothesis_ops_vs_naive(t, k, e, h, kind, seed):
         gr = [torch.zeros_like(v) for v in (x, w, wr)]
     for g, r in zip(gg, gr):
         assert rel_err(g, r) <= FP32_REL if r.norm() > 0 else g.norm() == 0
+
+
+@pytest.mark.parametrize("side_by_side", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_list_cat_vs_two_linears(side_by_side, dtype):
+    """Sibling linears (SwiGLU w1|w3) as one op equal two grouped_mm_list calls, outputs and grads,
+    whether the weights are separate tensors or side by side in one buffer (one GEMM)."""
+    torch.manual_seed(3)
+    t, k, e, h, i = 11, 2, 4, 8, 6
+    ids = torch.randint(0, e, (t, k))
+    ids[0] = e + 1  # a dropped pair
+    _, _, offs = ops.route_permute(ids, e)
+    x = torch.randn(t * k, h, dtype=dtype, requires_grad=True)
+    buf = torch.randn(e, 2 * i, h, dtype=dtype)
+    a = [torch.nn.Parameter(buf[j, :i].clone()) for j in range(e)]
+    b = [torch.nn.Parameter(buf[j, i:].clone()) for j in range(e)]
+    if side_by_side:
+        for j in range(e):
+            a[j].data, b[j].data = buf[j, :i], buf[j, i:]
+    wa, wb = [w.t() for w in a], [w.t() for w in b]
+    assert (ops.pair_view(wa, wb) is not None) == side_by_side
+    y = ops.grouped_mm_list_cat(x, wa, wb, offs)
+    ref = torch.cat([ops.grouped_mm_list(x, wa, offs, []), ops.grouped_mm_list(x, wb, offs, [])], dim=1)
+    tol = BF16_REL if dtype == torch.bfloat16 else FP32_REL
+    assert rel_err(y, ref) <= tol
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, [x, *a, *b], dy)
+    want = torch.autograd.grad(ref, [x, *a, *b], dy)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) <= tol
+    torch.library.opcheck(ops.grouped_mm_list_cat, (x, wa, wb, offs))

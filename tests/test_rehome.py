@@ -44,8 +44,12 @@ def test_rehomed_weights_train_like_eager(inductor):
     ws, storages = _storages(model)
     assert [id(p) for p in model.parameters()] == params_before, "Parameter objects must be kept"
     assert len(storages) == 1, "expert w1 weights were not re-homed into one buffer"
-    offsets = [w.storage_offset() for w in ws]
-    assert offsets == [i * ws[0].numel() for i in range(len(ws))], offsets
+    # w1 and w3 (siblings: one grouped_mm_list_cat) side by side: [w1_0 | w3_0 | w1_1 | w3_1 ...]
+    w3 = [e.w3.weight for e in model.experts.experts]
+    n = ws[0].numel()
+    assert [w.storage_offset() for w in ws] == [2 * i * n for i in range(len(ws))]
+    assert [w.storage_offset() for w in w3] == [(2 * i + 1) * n for i in range(len(w3))]
+    assert w3[0].untyped_storage().data_ptr() == ws[0].untyped_storage().data_ptr()
 
 
 def test_rehome_can_be_disabled_and_is_reported():
