@@ -159,17 +159,45 @@ def _(dy, offsets, num_experts):
 
 
 # --------------------------------------------------------------------------- grouped_mm_list
+_STEP_CACHE: dict = {}   # (addresses, shape, strides, dtype, device) -> element step, 0: not evenly spaced
+
+
+def _even_step(ws: list[torch.Tensor]) -> int:
+    """Element step between E same-layout views of one storage, evenly spaced; else 0."""
+    first = ws[0]
+    base = first.untyped_storage().data_ptr()
+    if not all(w.shape == first.shape and w.stride() == first.stride() and w.dtype == first.dtype
+               and w.device == first.device and w.untyped_storage().data_ptr() == base for w in ws):
+        return 0
+    step = ws[1].storage_offset() - first.storage_offset()
+    ok = step > 0 and all(w.storage_offset() == first.storage_offset() + e * step for e, w in enumerate(ws))
+    return step if ok else 0
+
+
 def strided_stack(ws: list[torch.Tensor]) -> torch.Tensor | None:
     """[E, K, N] zero-copy view of E tensors [K, N] that are evenly spaced views of one storage
-    (e.g. ModuleList weights re-homed into one buffer), else None."""
+    (e.g. ModuleList weights re-homed into one buffer), else None.
+
+    Called on every step with E-long lists: the full check runs once per set of addresses (cached);
+    later calls only gather the addresses and check that the view stays inside the first tensor's
+    storage (memory inside it belongs to no other tensor, so the cached answer still holds)."""
+    if len(ws) < 2:
+        return None
     first = ws[0]
-    if len(ws) > 1 and all(w.shape == first.shape and w.stride() == first.stride() and w.dtype == first.dtype
-                           and w.device == first.device and w.untyped_storage().data_ptr()
-                           == first.untyped_storage().data_ptr() for w in ws):
-        step = ws[1].storage_offset() - first.storage_offset()
-        if step > 0 and all(w.storage_offset() == first.storage_offset() + e * step for e, w in enumerate(ws)):
-            return first.as_strided((len(ws), *first.shape), (step, *first.stride()), first.storage_offset())
-    return None
+    last = ws[-1]
+    key = (tuple(w.data_ptr() for w in ws), tuple(first.shape), first.stride(), tuple(last.shape), last.stride(),
+           first.dtype, first.device)
+    step = _STEP_CACHE.get(key)
+    if step is None:
+        if len(_STEP_CACHE) > 1024:
+            _STEP_CACHE.clear()
+        step = _STEP_CACHE[key] = _even_step(ws)
+    if not step:
+        return None
+    extent = first.storage_offset() + (len(ws) - 1) * step + sum((d - 1) * st for d, st in zip(first.shape, first.stride()))
+    if (extent + 1) * first.element_size() > first.untyped_storage().nbytes():
+        return None
+    return first.as_strided((len(ws), *first.shape), (step, *first.stride()), first.storage_offset())
 
 
 def stack_expert_weights(ws: list[torch.Tensor]) -> torch.Tensor:
