@@ -20,8 +20,6 @@ records the reason (``Storage.problem``), so a refused region always says why.
 """
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
 
@@ -445,4 +443,4 @@ def analyze(gm: fx.GraphModule) -> Analysis:
     return Analysis(gm).run()
 
 
-__all__ = ["Analysis", "analyze", "operator"]
+__all__ = ["Analysis", "analyze"]

@@ -8,6 +8,7 @@ to one short name ("eq", "linear", "mul", ...), or None for nodes that are not c
 from __future__ import annotations
 
 import operator
+import re
 from typing import Any
 
 import torch
@@ -113,8 +114,10 @@ def module_path(node: fx.Node) -> str:
 
 
 def _clean_module_path(path: str) -> str:
-    # Dynamo spells it L['self'].layers[0].mlp or L['self'].experts._modules['0'] depending on version
-    path = path.replace("L['self']", "").replace("._modules['", ".").replace("']", "")
+    # Dynamo spells it L['self'].layers[0].mlp or L['self'].experts._modules['0'] depending on version;
+    # a module reached through a local or global other than self starts with L['block'] / G['model']
+    path = re.sub(r"^[LG]\['([^']*)'\]", lambda m: "" if m.group(1) == "self" else m.group(1), path)
+    path = path.replace("._modules['", ".").replace("']", "")
     path = path.replace("[", ".").replace("]", "")
     return path.strip(".")
 
