@@ -175,21 +175,22 @@ class _Finder(CombineRules):
     def run(self) -> list[MoERegion | Refused]:
         for n in self.gm.graph.nodes:
             if n.op in ("call_function", "call_method"):
+                why = ""
                 try:
                     self.visit(n, canon(n))
-                except (TypeError, IndexError, AttributeError):
-                    pass
+                except (TypeError, IndexError, AttributeError) as exc:  # an unexpected spelling: no role
+                    why = f"matcher error {type(exc).__name__}: {exc}"
                 if n not in self.role:
-                    self._note_unhandled(n)
+                    self._note_unhandled(n, why)
         return [x for g in self.groups for x in self._finish(g)]
 
-    def _note_unhandled(self, n: fx.Node):
+    def _note_unhandled(self, n: fx.Node, why: str = ""):
         for a in n.all_input_nodes:
             ro = self.r(a)
             if ro and ro.g is not None and ro.kind in ("rows", "chunks", "unsq", "bmm", "pair", "pair3") \
                     and not ro.g.problem:
                 ro.g.problem = (f"unsupported op `{canon(n)}` ({n.name}) on the expert rows at "
-                                f"{where_in_user_code(n) or '?'}")
+                                f"{where_in_user_code(n) or '?'}" + (f" ({why})" if why else ""))
 
     def _group(self, family, key) -> _Group:
         g = _Group(family, key)
