@@ -22,6 +22,7 @@ affected: the property returns their own attribute or raises AttributeError as b
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 
 import torch
@@ -32,13 +33,25 @@ log = logging.getLogger(__name__)
 
 
 def capture_ctx(options: dict | None = None):
-    """The Dynamo config scope used while tracing and running frames compiled with ``moe``."""
-    # validate here, outside Dynamo's suppress_errors: a bad option must reach the user as ValueError
-    config, _ = MoEConfig.from_options(None, options)
-    if not config.capture_dynamic:
-        return contextlib.nullcontext()
-    # moe.strict: errors of our passes must raise, so do not let Dynamo swallow them
-    return torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, suppress_errors=not config.strict)
+    """The ``backend_ctx_ctor`` for one torch.compile call: a zero-argument factory of the Dynamo
+    config scope used while tracing and running frames compiled with ``moe``.
+
+    Dynamo calls the factory around every call of the compiled function; the options are validated
+    on the first call only (outside Dynamo's suppress_errors: a bad option must reach the user as
+    ValueError), not re-parsed each time."""
+
+    @functools.cache
+    def flags() -> dict | None:
+        config, _ = MoEConfig.from_options(None, options)
+        # moe.strict: errors of our passes must raise, so do not let Dynamo swallow them
+        return dict(capture_dynamic_output_shape_ops=True, suppress_errors=not config.strict) \
+            if config.capture_dynamic else None
+
+    def ctor():
+        f = flags()
+        return contextlib.nullcontext() if f is None else torch._dynamo.config.patch(**f)
+
+    return ctor
 
 
 def _compile_rewritten(gm, example_inputs, config: MoEConfig, inductor_options: dict):
@@ -92,8 +105,7 @@ def _install_ctx_shim() -> bool:
         make = getattr(fn, "moe_capture_ctx", None)
         if make is None:
             raise AttributeError("backend_ctx_ctor")
-        opts = (getattr(inner, "kwargs", None) or {}).get("options") or {}
-        return lambda: make(opts)
+        return make((getattr(inner, "kwargs", None) or {}).get("options") or {})
 
     WrapBackendDebug.backend_ctx_ctor = property(backend_ctx_ctor)
     WrapBackendDebug._moe_compile_ctx_shim = True
