@@ -162,7 +162,7 @@ def _(dy, offsets, num_experts):
 _STEP_CACHE: dict = {}   # (addresses, shape, strides, dtype, device) -> element step, 0: not evenly spaced
 
 
-def _even_step(ws: list[torch.Tensor]) -> int:
+def even_step(ws: list[torch.Tensor]) -> int:
     """Element step between E same-layout views of one storage, evenly spaced; else 0."""
     first = ws[0]
     base = first.untyped_storage().data_ptr()
@@ -191,7 +191,7 @@ def strided_stack(ws: list[torch.Tensor]) -> torch.Tensor | None:
     if step is None:
         if len(_STEP_CACHE) > 1024:
             _STEP_CACHE.clear()
-        step = _STEP_CACHE[key] = _even_step(ws)
+        step = _STEP_CACHE[key] = even_step(ws)
     if not step:
         return None
     extent = first.storage_offset() + (len(ws) - 1) * step + sum((d - 1) * st for d, st in zip(first.shape, first.stride()))

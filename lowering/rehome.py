@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from moe_compile.kernels.ops import even_step
 from moe_compile.passes.normalize import canon
 
 
@@ -31,14 +32,6 @@ def _placeholder_of(n: fx.Node) -> fx.Node | None:
     if canon(n) in ("t", "transpose") and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder":
         return n.args[0]
     return None
-
-
-def _evenly_spaced(ts: list[torch.Tensor]) -> bool:
-    base = ts[0].untyped_storage().data_ptr()
-    if any(t.untyped_storage().data_ptr() != base for t in ts):
-        return False
-    step = ts[1].storage_offset() - ts[0].storage_offset() if len(ts) > 1 else 0
-    return step > 0 and all(t.storage_offset() == ts[0].storage_offset() + e * step for e, t in enumerate(ts))
 
 
 def _params(node_list, index, example_inputs) -> list[torch.Tensor] | None:
@@ -90,7 +83,7 @@ def rehome_expert_weights(gm: fx.GraphModule, example_inputs) -> list[str]:
                 continue  # side by side only works for nn.Linear weights [N, K] used as W.t()
         else:
             continue
-        if None in groups or _evenly_spaced([w for g in zip(*groups) for w in g]):
+        if None in groups or even_step([w for g in zip(*groups) for w in g]):
             continue  # unusable, or already side by side in one buffer
         notes.append(_rehome(groups))
     return notes
