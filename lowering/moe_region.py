@@ -83,11 +83,19 @@ class _Builder:
         return self("call_method", name, args, kwargs)
 
 
-def _stacked(b: _Builder, nodes: tuple[fx.Node, ...], layout: str):
-    """A 3-D weight view [E, K, N] if all experts index one stacked parameter, else None."""
+def _stacked_source(nodes: tuple[fx.Node, ...]) -> fx.Node | None:
+    """The stacked parameter P if expert e's operand is P[e] for every e, else None."""
     src = nodes[0].args[0] if canon(nodes[0]) == "getitem" else None
     if src is None or any(canon(n) != "getitem" or n.args[0] is not src or n.args[1] != e
                           for e, n in enumerate(nodes)):
+        return None
+    return src
+
+
+def _stacked(b: _Builder, nodes: tuple[fx.Node, ...], layout: str):
+    """A 3-D weight view [E, K, N] if all experts index one stacked parameter, else None."""
+    src = _stacked_source(nodes)
+    if src is None:
         return None
     sv = val(src)
     if not isinstance(sv, torch.Tensor) or sv.dim() not in (2, 3) or sv.shape[0] != len(nodes):
@@ -117,10 +125,7 @@ def _is_list_linear(region: MoERegion, step) -> bool:
     if step.linear is None or step.linear[1] is not None or step.linear[2] != "nk":
         return False
     ws = region.template.slots[step.linear[0]]
-    if len(ws) < 2 or val(ws[0]).dim() != 2:
-        return False
-    src = ws[0].args[0] if canon(ws[0]) == "getitem" else None
-    return src is None or any(canon(n) != "getitem" or n.args[0] is not src for n in ws)
+    return len(ws) > 1 and val(ws[0]).dim() == 2 and _stacked_source(ws) is None
 
 
 def _sibling_linears(region: MoERegion) -> dict[int, int]:
@@ -219,7 +224,7 @@ def lower_moe_region(gm: fx.GraphModule, region: MoERegion) -> None:
 
 def _finish(gm: fx.GraphModule, region: MoERegion) -> None:
     g = gm.graph
-    _erase_region_asserts(g, region)
+    _erase_region_asserts(g)
     g.eliminate_dead_code(is_impure_node=_is_impure)
     g.lint()
     gm.recompile()
@@ -252,7 +257,7 @@ def _is_impure(node: fx.Node) -> bool:
     return node.is_impure() if node.op == "call_function" else False
 
 
-def _erase_region_asserts(g: fx.Graph, region: MoERegion) -> None:
+def _erase_region_asserts(g: fx.Graph) -> None:
     """Remove runtime asserts whose inputs are only kept alive by them (the region's sizes)."""
     asserts = [n for n in g.nodes if n.op == "call_function" and canon(n) in _ASSERT_TARGETS]
     live: set[fx.Node] = set()
