@@ -192,27 +192,19 @@ def find_moe_regions(gm: fx.GraphModule, analysis: Analysis | None = None) -> li
             continue
         experts = sorted(s.contribs)
         c0 = s.contribs[0]
-        steps0, _ = _build_steps(a, c0, templates[0])
-        slots: list[list[fx.Node]] = []
-        for e in experts:
-            steps, operands = _build_steps(a, s.contribs[e], templates[e])
-            if [(st.op, st.target, st.args, st.kwargs, st.linear) for st in steps] != \
-                    [(st.op, st.target, st.args, st.kwargs, st.linear) for st in steps0]:
-                found.append(Refused(module, form, where, f"expert {e}'s MLP differs in structure from expert 0's"))
-                break
-            for i, op_node in enumerate(operands):
-                if e == 0:
-                    slots.append([])
-                slots[i].append(op_node)
-        else:
-            final = s.version
-            readers = tuple(n for n, v in s.readers if v == final)
-            acc_val = val(s.alloc)
-            found.append(MoERegion(
-                module=module, form=form, where=where, x=c0.rows.x, ids=c0.rows.ids.root, top_k=c0.rows.ids.k,
-                num_experts=len(experts), weights=c0.w, template=Template(tuple(steps0), tuple(map(tuple, slots))),
-                acc=s.alloc, acc_dtype=acc_val.dtype, base=s.base, aliases=tuple(s.aliases),
-                mutations=tuple(s.mutations), readers=readers, expert_nodes=tuple(nodes)))
+        built = [_build_steps(a, s.contribs[e], templates[e]) for e in experts]
+        steps0 = built[0][0]
+        differs = next((e for e, (steps, _) in zip(experts, built) if steps != steps0), None)
+        if differs is not None:
+            found.append(Refused(module, form, where, f"expert {differs}'s MLP differs in structure from expert 0's"))
+            continue
+        slots = tuple(zip(*(operands for _, operands in built)))  # slot i -> expert 0..E-1's operand
+        readers = tuple(n for n, v in s.readers if v == s.version)
+        found.append(MoERegion(
+            module=module, form=form, where=where, x=c0.rows.x, ids=c0.rows.ids.root, top_k=c0.rows.ids.k,
+            num_experts=len(experts), weights=c0.w, template=Template(tuple(steps0), slots),
+            acc=s.alloc, acc_dtype=val(s.alloc).dtype, base=s.base, aliases=tuple(s.aliases),
+            mutations=tuple(s.mutations), readers=readers, expert_nodes=tuple(nodes)))
     return found
 
 

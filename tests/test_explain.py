@@ -66,3 +66,16 @@ def test_explain_refused_gives_reason():
 def test_explain_nothing_to_do():
     rep = moe_compile.explain(nn.Linear(16, 16), make_input((3, 16)))
     assert rep.regions == () and "0 MoE region(s) rewritten, 0 refused" in str(rep)
+
+
+def test_experts_with_different_mlps_are_refused():
+    """Expert 1 uses GELU where the others use SiLU: no single template, so the region is refused
+    (and the model still runs, unrewritten)."""
+    import torch.nn.functional as F
+
+    model = make_model(spelling="index_add", e=4, k=2)
+    expert1 = model.experts.experts[1]
+    expert1.forward = lambda x: expert1.w2(F.gelu(expert1.w1(x)) * expert1.w3(x))
+    rep = moe_compile.explain(model, make_input((2, 5, 16)))
+    assert not rep.rewritten and len(rep.rejected) == 1, str(rep)
+    assert "expert 1's MLP differs in structure" in rep.rejected[0].reason
