@@ -9,7 +9,8 @@ CUDA tensor and Triton is importable.
     route_permute(expert_ids[T,K], E)            -> perm[N] i64, inv[N] i64, offsets[E] i32
     permute_rows(x[T,H], perm, inv, offsets, K)  -> xp[N,H]          (gather; bwd = combine)
     grouped_mm(x[M,K], w[E,K,N], offsets, bias?) -> y[M,N]           (x @ w[e] per group)
-    grouped_mm_list(x, ws: E x [K,N], offsets, biases)  -> y[M,N]     (ModuleList weights, no stacking)
+    grouped_mm_list(x, ws: E x [K,N], offsets, biases)  -> y[M,N]     (ModuleList weights, no stacking;
+                                                                       transposed=True: E x [N,K])
     grouped_mm_list_cat(x, ws_a, ws_b, offsets)          -> [M,Na+Nb] (sibling linears, e.g. w1|w3)
     unpermute_combine(y[N,H], inv, weights[T,K], offsets) -> out[T,H] (weighted gather-reduce)
 
@@ -207,118 +208,159 @@ def stack_expert_weights(ws: list[torch.Tensor]) -> torch.Tensor:
     return view if view is not None else torch.stack(ws)
 
 
+def _match_inputs(ctx, grads: tuple) -> tuple:
+    """One gradient per argument the op was called with: a defaulted trailing flag that the caller
+    left out gets no entry (torch.library matches the backward's return to the call's arguments)."""
+    n = len(ctx.needs_input_grad)
+    return grads[:n] + (None,) * (n - len(grads))
+
+
+def _list_kn(ws: list[torch.Tensor], transposed: bool) -> list[torch.Tensor]:
+    """ws as [K, N] operands: ``transposed`` lists hold [N, K] (nn.Linear weights) used as ws[e].T."""
+    return [w.t() for w in ws] if transposed else ws
+
+
 @torch.library.custom_op("moe_compile::grouped_mm_list", mutates_args=())
 def grouped_mm_list(x: torch.Tensor, ws: list[torch.Tensor], offsets: torch.Tensor,
-                    biases: list[torch.Tensor]) -> torch.Tensor:
-    """``biases``: E tensors [N], or an empty list for no bias."""
+                    biases: list[torch.Tensor], transposed: bool = False) -> torch.Tensor:
+    """``biases``: E tensors [N], or an empty list for no bias. ``transposed``: ws[e] is [N, K]
+    (an nn.Linear weight) and group e computes x @ ws[e].T. The lowering passes the parameters
+    themselves this way: no per-expert view in the graph, none saved for backward (each costs host
+    time on every step: 384 of them for a 128-expert SwiGLU layer)."""
     _check(len(ws) > 0 and all(w.dim() == 2 for w in ws), "grouped_mm_list", "ws must be a non-empty list of 2-D [K, N]")
-    _check_gmm("grouped_mm_list", x, ws[0].shape, ws[0].dtype, offsets, len(ws))
-    return _impl("grouped_mm_list", x)(x, ws, offsets, biases)
+    _check_gmm("grouped_mm_list", x, ws[0].shape[::-1] if transposed else ws[0].shape, ws[0].dtype, offsets, len(ws))
+    if transposed and not biases:
+        view = strided_stack(ws)  # [E, N, K] -> one zero-copy grouped GEMM on its transpose
+        if view is not None:
+            return _impl("grouped_mm", x)(x, view.transpose(1, 2), offsets, None)
+    return _impl("grouped_mm_list", x)(x, _list_kn(ws, transposed), offsets, biases)
 
 
 @grouped_mm_list.register_fake
-def _(x, ws, offsets, biases):
-    return x.new_empty(x.shape[0], ws[0].shape[-1])
+def _(x, ws, offsets, biases, transposed=False):
+    return x.new_empty(x.shape[0], ws[0].shape[0] if transposed else ws[0].shape[-1])
 
 
 def _grouped_mm_list_setup(ctx, inputs, output):
-    x, ws, offsets, biases = inputs
+    x, ws, offsets, biases, transposed = inputs
     ctx.save_for_backward(x, offsets, *ws)
     ctx.has_bias = len(biases) > 0
     ctx.bias_dtype = biases[0].dtype if biases else None
+    ctx.transposed = transposed
+
+
+def _list_weight_grads(x, dy, offsets, ws, transposed) -> list[torch.Tensor]:
+    """Per-expert weight gradients shaped like ws[e], from one grouped weight-gradient GEMM."""
+    kn_col_major = ws[0].stride(-1) == 1 if transposed else ws[0].stride(0) == 1
+    g = _weight_grad(x, dy, offsets, len(ws), ws[0].dtype, kn_col_major)  # [E, K, N]
+    return list((g.transpose(1, 2) if transposed else g).unbind(0))
 
 
 def _grouped_mm_list_bwd(ctx, dy):
     x, offsets, *ws = ctx.saved_tensors
     dy = dy.contiguous()
     e = len(ws)
-    dx = grouped_mm_list(dy, [w.t() for w in ws], offsets, []) if ctx.needs_input_grad[0] else None
-    dws = [None] * e
-    if ctx.needs_input_grad[1]:
-        dws = list(_weight_grad(x, dy, offsets, e, ws[0].dtype, ws[0].stride(0) == 1).unbind(0))
+    # dx = dy @ W_e^T per group: with transposed ws ([N, K]) that is the list itself, untransposed
+    dx = (grouped_mm_list(dy, ws, offsets, []) if ctx.transposed else grouped_mm_list(dy, ws, offsets, [], True)) \
+        if ctx.needs_input_grad[0] else None
+    dws = _list_weight_grads(x, dy, offsets, ws, ctx.transposed) if ctx.needs_input_grad[1] else [None] * e
     dbs = [None] * e if ctx.has_bias else []
     if ctx.has_bias and ctx.needs_input_grad[3]:
         dbs = list(grouped_bias_grad(dy, offsets, e).to(ctx.bias_dtype).unbind(0))
-    return dx, dws, None, dbs
+    return _match_inputs(ctx, (dx, dws, None, dbs))
 
 
 grouped_mm_list.register_autograd(_grouped_mm_list_bwd, setup_context=_grouped_mm_list_setup)
 
 
 # --------------------------------------------------------------------------- grouped_mm_list_cat
-def pair_view(ws_a: list[torch.Tensor], ws_b: list[torch.Tensor]) -> torch.Tensor | None:
-    """[E, K, Na+Nb] zero-copy view when ws_a[e] [K, Na] and ws_b[e] [K, Nb] are the transposed
-    row blocks [0, Na) and [Na, Na+Nb) of one [E, Na+Nb, K] buffer (nn.Linear w1 | w3 re-homed
-    together, lowering/rehome.py), else None.
+def pair_view(ws_a: list[torch.Tensor], ws_b: list[torch.Tensor], transposed: bool = False) -> torch.Tensor | None:
+    """[E, K, Na+Nb] zero-copy view when ws_a[e] and ws_b[e] are the row blocks [0, Na) and
+    [Na, Na+Nb) of one row-major [E, Na+Nb, K] buffer (nn.Linear w1 | w3 re-homed together,
+    lowering/rehome.py), else None. ws[e] are [K, N] views ``W_e.t()``, or with ``transposed``
+    the [N, K] weights ``W_e`` themselves.
 
     Example: E=2, K=4, Na=Nb=3, buffer B [2, 6, 4]: ws_a[e] = B[e, :3].t(), ws_b[e] = B[e, 3:].t()
-    -> B.transpose(1, 2) (strides (24, 1, 4))."""
+    (or B[e, :3], B[e, 3:] with ``transposed``) -> B.transpose(1, 2) (strides (24, 1, 4))."""
     va, vb = strided_stack(ws_a), strided_stack(ws_b)
-    if va is None or vb is None or va.stride() != vb.stride() or va.stride(1) != 1:
+    if va is None or vb is None:
         return None
-    k, na, nb = va.shape[1], va.shape[2], vb.shape[2]
-    if va.untyped_storage().data_ptr() != vb.untyped_storage().data_ptr() or va.stride(2) != k \
+    if not transposed:
+        va, vb = va.transpose(1, 2), vb.transpose(1, 2)  # -> [E, N, K] views of the weights
+    na, nb, k = va.shape[1], vb.shape[1], va.shape[2]
+    if va.stride() != vb.stride() or va.stride(2) != 1 or va.stride(1) != k \
+            or va.untyped_storage().data_ptr() != vb.untyped_storage().data_ptr() \
             or vb.storage_offset() != va.storage_offset() + na * k or va.stride(0) < (na + nb) * k:
         return None
-    return va.as_strided((va.shape[0], k, na + nb), va.stride(), va.storage_offset())
+    return va.as_strided((va.shape[0], na + nb, k), va.stride(), va.storage_offset()).transpose(1, 2)
 
 
 @torch.library.custom_op("moe_compile::grouped_mm_list_cat", mutates_args=())
 def grouped_mm_list_cat(x: torch.Tensor, ws_a: list[torch.Tensor], ws_b: list[torch.Tensor],
-                        offsets: torch.Tensor) -> torch.Tensor:
+                        offsets: torch.Tensor, transposed: bool = False) -> torch.Tensor:
     """Two sibling grouped linears of one input, e.g. SwiGLU's w1 and w3: y = [x @ ws_a[e] | x @ ws_b[e]]
     per group -> [M, Na + Nb]. One grouped GEMM over ``pair_view`` when the weights share one buffer,
-    else two (and a concatenation)."""
+    else two (and a concatenation). ``transposed``: as in ``grouped_mm_list`` (ws[e] is [N, K])."""
     _check(len(ws_a) == len(ws_b) > 0, "grouped_mm_list_cat", "ws_a and ws_b must list the same experts")
-    _check_gmm("grouped_mm_list_cat", x, ws_a[0].shape, ws_a[0].dtype, offsets, len(ws_a))
-    _check_gmm("grouped_mm_list_cat", x, ws_b[0].shape, ws_b[0].dtype, offsets, len(ws_b))
-    view = pair_view(ws_a, ws_b)
+    for ws in (ws_a, ws_b):
+        _check_gmm("grouped_mm_list_cat", x, ws[0].shape[::-1] if transposed else ws[0].shape, ws[0].dtype,
+                   offsets, len(ws))
+    view = pair_view(ws_a, ws_b, transposed)
     if view is not None:
         return _impl("grouped_mm", x)(x, view, offsets, None)
-    gmm = _impl("grouped_mm_list", x)
-    return torch.cat([gmm(x, ws_a, offsets, []), gmm(x, ws_b, offsets, [])], dim=1)
+    return torch.cat([grouped_mm_list(x, ws_a, offsets, [], transposed),
+                      grouped_mm_list(x, ws_b, offsets, [], transposed)], dim=1)
 
 
 @grouped_mm_list_cat.register_fake
-def _(x, ws_a, ws_b, offsets):
-    return x.new_empty(x.shape[0], ws_a[0].shape[-1] + ws_b[0].shape[-1])
+def _(x, ws_a, ws_b, offsets, transposed=False):
+    d = 0 if transposed else -1
+    return x.new_empty(x.shape[0], ws_a[0].shape[d] + ws_b[0].shape[d])
 
 
 @torch.library.custom_op("moe_compile::grouped_mm_list_cat_dx", mutates_args=())
 def grouped_mm_list_cat_dx(dy: torch.Tensor, ws_a: list[torch.Tensor], ws_b: list[torch.Tensor],
-                           offsets: torch.Tensor) -> torch.Tensor:
-    """Input gradient of grouped_mm_list_cat: dy[:, :Na] @ ws_a[e].T + dy[:, Na:] @ ws_b[e].T."""
-    view = pair_view(ws_a, ws_b)
+                           offsets: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """Input gradient of grouped_mm_list_cat: dy[:, :Na] @ W_a[e]^T + dy[:, Na:] @ W_b[e]^T, where
+    W[e] = ws[e] ([K, N]), or ws[e].T with ``transposed``."""
+    view = pair_view(ws_a, ws_b, transposed)
     if view is not None:
         return _impl("grouped_mm", dy)(dy, view.transpose(1, 2), offsets, None)
-    na = ws_a[0].shape[1]
-    gmm = _impl("grouped_mm_list", dy)
-    return (gmm(dy[:, :na].contiguous(), [w.t() for w in ws_a], offsets, [])
-            + gmm(dy[:, na:].contiguous(), [w.t() for w in ws_b], offsets, []))
+    na = ws_a[0].shape[0 if transposed else 1]
+    untr = not transposed  # dy_a @ W_a^T: the [N, K] weights as they are, or the [K, N] views transposed
+    return (grouped_mm_list(dy[:, :na].contiguous(), ws_a, offsets, [], untr)
+            + grouped_mm_list(dy[:, na:].contiguous(), ws_b, offsets, [], untr))
 
 
 @grouped_mm_list_cat_dx.register_fake
-def _(dy, ws_a, ws_b, offsets):
-    return dy.new_empty(dy.shape[0], ws_a[0].shape[0])
+def _(dy, ws_a, ws_b, offsets, transposed=False):
+    return dy.new_empty(dy.shape[0], ws_a[0].shape[1 if transposed else 0])
 
 
 def _list_cat_setup(ctx, inputs, output):
-    x, ws_a, ws_b, offsets = inputs
+    x, ws_a, ws_b, offsets, transposed = inputs
     ctx.save_for_backward(x, offsets, *ws_a, *ws_b)
     ctx.e = len(ws_a)
+    ctx.transposed = transposed
 
 
 def _list_cat_bwd(ctx, dy):
     x, offsets, *ws = ctx.saved_tensors
     ws_a, ws_b = ws[:ctx.e], ws[ctx.e:]
+    tr = ctx.transposed
     dy = dy.contiguous()
-    dx = grouped_mm_list_cat_dx(dy, ws_a, ws_b, offsets) if ctx.needs_input_grad[0] else None
-    na = ws_a[0].shape[1]
+    dx = grouped_mm_list_cat_dx(dy, ws_a, ws_b, offsets, tr) if ctx.needs_input_grad[0] else None
+    na = ws_a[0].shape[0 if tr else 1]
     dwa, dwb = [None] * ctx.e, [None] * ctx.e
     if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-        g = _weight_grad(x, dy, offsets, ctx.e, ws_a[0].dtype, ws_a[0].stride(0) == 1)  # [E, K, Na+Nb]
-        dwa, dwb = list(g[:, :, :na].unbind(0)), list(g[:, :, na:].unbind(0))
-    return dx, dwa, dwb, None
+        col_major = ws_a[0].stride(-1) == 1 if tr else ws_a[0].stride(0) == 1
+        g = _weight_grad(x, dy, offsets, ctx.e, ws_a[0].dtype, col_major)  # [E, K, Na+Nb]
+        if tr:
+            g = g.transpose(1, 2)  # [E, Na+Nb, K]: the weights' own layout
+            dwa, dwb = list(g[:, :na].unbind(0)), list(g[:, na:].unbind(0))
+        else:
+            dwa, dwb = list(g[:, :, :na].unbind(0)), list(g[:, :, na:].unbind(0))
+    return _match_inputs(ctx, (dx, dwa, dwb, None))
 
 
 grouped_mm_list_cat.register_autograd(_list_cat_bwd, setup_context=_list_cat_setup)

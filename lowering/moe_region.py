@@ -9,7 +9,9 @@ After, inserted after the region's last write::
     perm, inv, offs = moe_compile.route_permute(ids, E)          # static shapes, no host sync
     h0 = moe_compile.permute_rows(x, perm, inv, offs, K)
     h_i = <template step i>     linears -> moe_compile.grouped_mm(h, W[E,K,N], offs, bias)
-                                           or grouped_mm_list(h, [W_e.t()], offs, [b_e]) (ModuleList)
+                                           or grouped_mm_list(h, [W_e], offs, [b_e], transposed=True)
+                                              (ModuleList nn.Linear weights [N, K], no per-expert view)
+                sibling linears of one input (SwiGLU w1, w3) -> one grouped_mm_list_cat(h, [W1_e], [W3_e], ...)
     out = moe_compile.unpermute_combine(h_last, inv, weights[T,K] | ones, offs).to(acc.dtype) (+ base)
 
 Every reader of the finished accumulator reads ``out``; the writes into ``acc``, the per-expert
@@ -116,8 +118,8 @@ def _emit_linear(b: _Builder, region: MoERegion, h: fx.Node, step, offs: fx.Node
     b3 = _stacked(b, bs, layout) if bs is not None else None
     if w3 is not None and (bs is None or b3 is not None):
         return b.fn(OPS.grouped_mm.default, h, w3, offs, b3)
-    w_list = [b.method("t", w) if layout == "nk" else w for w in ws]
-    return b.fn(OPS.grouped_mm_list.default, h, w_list, offs, list(bs) if bs is not None else [])
+    # nn.Linear weights [N, K] go in as they are (transposed=True): no per-expert view in the graph
+    return b.fn(OPS.grouped_mm_list.default, h, list(ws), offs, list(bs) if bs is not None else [], layout == "nk")
 
 
 def _is_list_linear(region: MoERegion, step) -> bool:
@@ -148,9 +150,8 @@ def _sibling_linears(region: MoERegion) -> dict[int, int]:
 
 
 def _emit_sibling_linears(b: _Builder, region: MoERegion, h: fx.Node, si, sj, offs: fx.Node):
-    ws_a = [b.method("t", w) for w in region.template.slots[si.linear[0]]]
-    ws_b = [b.method("t", w) for w in region.template.slots[sj.linear[0]]]
-    y = b.fn(OPS.grouped_mm_list_cat.default, h, ws_a, ws_b, offs)
+    ws_a, ws_b = list(region.template.slots[si.linear[0]]), list(region.template.slots[sj.linear[0]])
+    y = b.fn(OPS.grouped_mm_list_cat.default, h, ws_a, ws_b, offs, True)  # [N, K] weights as they are
     na = val(region.template.slots[si.linear[0]][0]).shape[0]
     return (b.fn(operator.getitem, y, (slice(None), slice(None, na))),
             b.fn(operator.getitem, y, (slice(None), slice(na, None))))

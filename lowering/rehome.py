@@ -3,7 +3,7 @@
 Runs after the rewritten graph is compiled (``backend.moe_backend``): AOTAutograd fakifies the
 inputs with their storage offsets at compile time, and the compiled code does not depend on them.
 
-Before (after ``lower_moe_region``): ``grouped_mm_list(h, [W_0.t(), ..., W_{E-1}.t()], offs, [])``
+Before (after ``lower_moe_region``): ``grouped_mm_list(h, [W_0, ..., W_{E-1}], offs, [], transposed=True)``
 where each ``W_e`` is a separately allocated nn.Linear weight [N, K]. A grouped GEMM then needs a
 table of E addresses (Triton) or a stacked copy of all expert weights every step (CUTLASS).
 
@@ -32,6 +32,14 @@ def _placeholder_of(n: fx.Node) -> fx.Node | None:
     if canon(n) in ("t", "transpose") and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder":
         return n.args[0]
     return None
+
+
+def _nk_use(node: fx.Node) -> bool:
+    """The op uses nn.Linear weights [N, K] as W.T: passed as they are with ``transposed=True``,
+    or as ``W.t()`` views."""
+    transposed = node.args[4] if len(node.args) > 4 else node.kwargs.get("transposed", False)
+    ws = (*node.args[1], *node.args[2])
+    return all(w.op == "placeholder" for w in ws) if transposed else all(canon(w) == "t" for w in ws)
 
 
 def _params(node_list, index, example_inputs) -> list[torch.Tensor] | None:
@@ -78,8 +86,7 @@ def rehome_expert_weights(gm: fx.GraphModule, example_inputs) -> list[str]:
         elif op == "grouped_mm_list_cat":
             groups = [_params(node.args[1], index, example_inputs), _params(node.args[2], index, example_inputs)]
             if None not in groups and (groups[0][0].shape[1:] != groups[1][0].shape[1:]
-                                       or groups[0][0].dtype != groups[1][0].dtype
-                                       or any(canon(w) != "t" for w in (*node.args[1], *node.args[2]))):
+                                       or groups[0][0].dtype != groups[1][0].dtype or not _nk_use(node)):
                 continue  # side by side only works for nn.Linear weights [N, K] used as W.t()
         else:
             continue

@@ -56,7 +56,7 @@ def _fresh_like(args):
     out = []
     for a in args:
         if isinstance(a, torch.Tensor) and a.is_floating_point():
-            out.append(torch.randn(a.shape, dtype=a.dtype).requires_grad_(a.requires_grad))
+            out.append(torch.randn(a.shape, dtype=a.dtype, device=a.device).requires_grad_(a.requires_grad))
         else:
             out.append(a)
     return out
@@ -76,7 +76,8 @@ def _run(fn, args, module=None):
     diff = [o for o in outs if o.requires_grad]
     if diff:
         # a fixed, non-uniform cotangent so every output element matters
-        loss = sum((o.float() * torch.linspace(-1, 1, o.numel()).view(o.shape)).sum() for o in diff)
+        loss = sum((o.float() * torch.linspace(-1, 1, o.numel(), device=o.device).view(o.shape)).sum()
+                   for o in diff)
         loss.backward()
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor) and a.requires_grad:

@@ -217,9 +217,10 @@ def test_hypothesis_ops_vs_naive(t, k, e, h, kind, seed):
         assert rel_err(g, r) <= FP32_REL if r.norm() > 0 else g.norm() == 0
 
 
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("side_by_side", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_mm_list_cat_vs_two_linears(side_by_side, dtype):
+def test_grouped_mm_list_cat_vs_two_linears(side_by_side, dtype, transposed):
     """Sibling linears (SwiGLU w1|w3) as one op equal two grouped_mm_list calls, outputs and grads,
     whether the weights are separate tensors or side by side in one buffer (one GEMM)."""
     torch.manual_seed(3)
@@ -236,7 +237,10 @@ def test_grouped_mm_list_cat_vs_two_linears(side_by_side, dtype):
             a[j].data, b[j].data = buf[j, :i], buf[j, i:]
     wa, wb = [w.t() for w in a], [w.t() for w in b]
     assert (ops.pair_view(wa, wb) is not None) == side_by_side
-    y = ops.grouped_mm_list_cat(x, wa, wb, offs)
+    assert (ops.pair_view(a, b, transposed=True) is not None) == side_by_side
+    # transposed=True: the nn.Linear weights [N, K] themselves, as the lowering passes them
+    args = (x, a, b, offs, True) if transposed else (x, wa, wb, offs)
+    y = ops.grouped_mm_list_cat(*args)
     ref = torch.cat([ops.grouped_mm_list(x, wa, offs, []), ops.grouped_mm_list(x, wb, offs, [])], dim=1)
     tol = BF16_REL if dtype == torch.bfloat16 else FP32_REL
     assert rel_err(y, ref) <= tol
@@ -245,4 +249,39 @@ def test_grouped_mm_list_cat_vs_two_linears(side_by_side, dtype):
     want = torch.autograd.grad(ref, [x, *a, *b], dy)
     for g, w in zip(got, want):
         assert rel_err(g, w) <= tol
-    torch.library.opcheck(ops.grouped_mm_list_cat, (x, wa, wb, offs))
+    torch.library.opcheck(ops.grouped_mm_list_cat, args)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_list_transposed(strided, bias, dtype):
+    """grouped_mm_list(x, [W_e], ..., transposed=True) with nn.Linear weights W_e [N, K] equals the
+    same op on the views [W_e.t()], outputs and every gradient (weights in their own layout), for
+    separate weights and for weights that are evenly spaced views of one buffer (one 3-D GEMM)."""
+    torch.manual_seed(4)
+    t, k, e, h, n = 9, 2, 5, 7, 6
+    ids = torch.randint(0, e, (t, k))
+    ids[1, 0] = e  # a dropped pair
+    ids[:, :] = torch.where(ids == 2, 3, ids)  # expert 2 gets no token
+    _, _, offs = ops.route_permute(ids, e)
+    x = torch.randn(t * k, h, dtype=dtype, requires_grad=True)
+    buf = torch.randn(e, n, h, dtype=dtype)
+    ws = [torch.nn.Parameter(buf[j].clone()) for j in range(e)]
+    if strided:
+        for j in range(e):
+            ws[j].data = buf[j]
+    assert (ops.strided_stack(ws) is not None) == strided
+    bs = [torch.randn(n, dtype=dtype, requires_grad=True) for _ in range(e)] if bias else []
+    y = ops.grouped_mm_list(x, ws, offs, bs, True)
+    ref = ops.grouped_mm_list(x, [w.t() for w in ws], offs, bs)
+    tol = BF16_REL if dtype == torch.bfloat16 else FP32_REL
+    assert rel_err(y, ref) <= tol
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, [x, *ws, *bs], dy)
+    want = torch.autograd.grad(ref, [x, *ws, *bs], dy)
+    for g, w, v in zip(got, want, [x, *ws, *bs]):
+        assert g.shape == v.shape and g.stride() == v.stride()
+        assert rel_err(g, w) <= tol
+    assert got[1 + 2].abs().sum() == 0  # expert 2 had no rows
+    torch.library.opcheck(ops.grouped_mm_list, (x, ws, offs, bs, True))

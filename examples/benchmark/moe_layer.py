@@ -13,6 +13,7 @@ measured in the same run. The table is printed last.
 from __future__ import annotations
 
 import argparse
+import ast
 import gc
 import json
 import math
@@ -133,7 +134,7 @@ def _hf_call(m):
     return call
 
 
-def build(variant, shape):
+def build(variant, shape, moe_options=None):
     t, h, i, e, k = shape
     # torch 2.11 reuses a code object's compiled entry across backends: without a reset, hf_moe ran
     # hf_inductor's compiled code (0 regions rewritten, 0.1 s "compile")
@@ -158,24 +159,28 @@ def build(variant, shape):
     if variant.endswith("_inductor"):
         return model, torch.compile(wrap(model))
     if variant.endswith("_moe"):
-        return model, torch.compile(wrap(model), backend="moe")
+        return model, torch.compile(wrap(model), backend="moe", options=moe_options)
     if variant.endswith("_moe_cg"):  # + CUDA graphs (Inductor cudagraph trees): no per-kernel launch cost
-        return model, torch.compile(wrap(model), backend="moe", mode="reduce-overhead")
+        return model, torch.compile(wrap(model), backend="moe", options={**(moe_options or {}), "triton.cudagraphs": True})
     return model, wrap(model)
 
 
 # ------------------------------------------------------------------------------------ timing
 def _events_median(fn, steps):
-    pairs = []
+    """(median GPU ms per step between CUDA events, median host ms to issue one step). A host time
+    close to the GPU time means the step is host-bound: the GPU waits for the next launch."""
+    pairs, host = [], []
     for _ in range(steps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
+        t0 = time.perf_counter()
         fn()
+        host.append((time.perf_counter() - t0) * 1e3)
         e.record()
         pairs.append((s, e))
     torch.cuda.synchronize()
     ts = sorted(s.elapsed_time(e) for s, e in pairs)
-    return ts[len(ts) // 2]
+    return ts[len(ts) // 2], sorted(host)[len(host) // 2]
 
 
 def _profile(fn, label):
@@ -192,15 +197,17 @@ def _profile(fn, label):
     print(avg.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
 
 
-def run_variant(variant, shape, steps, warmup, profile=False):
+def run_variant(variant, shape, steps, warmup, profile=False, moe_options=None):
     t, h, i, e, k = shape
     torch.manual_seed(0)
-    model, fn = build(variant, shape)
+    model, fn = build(variant, shape, moe_options)
+    params = list(model.parameters())
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
 
     def fwd_bwd():
-        model.zero_grad(set_to_none=True)
+        for p in params:  # what optimizer.zero_grad() does (model.zero_grad() walks every submodule)
+            p.grad = None
         x.grad = None
         torch.compiler.cudagraph_mark_step_begin()
         fn(x).backward(g)
@@ -224,14 +231,14 @@ def run_variant(variant, shape, steps, warmup, profile=False):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    res["fwdbwd_ms"] = _events_median(fwd_bwd, steps)
+    res["fwdbwd_ms"], res["host_ms"] = _events_median(fwd_bwd, steps)
     res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     res["act_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
     model.zero_grad(set_to_none=True)
     x.grad = None
     for _ in range(warmup):
         fwd()
-    res["fwd_ms"] = _events_median(fwd, steps)
+    res["fwd_ms"] = _events_median(fwd, steps)[0]
     if profile:
         _profile(fwd_bwd, f"{variant} fwd+bwd")
     res["compile_s"] = max(0.0, first - res["fwdbwd_ms"] / 1e3) if not variant.endswith("eager") else 0.0
@@ -267,6 +274,8 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--micro", action="store_true", help="per-kernel micro-benchmark instead of layers")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of each variant's step")
+    ap.add_argument("--moe-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="an option for the backend='moe' variants, e.g. moe.debug=True (value parsed as Python)")
     args = ap.parse_args()
     info = versions()
     print("# " + " ".join(f"{k}={v}" for k, v in info.items()), flush=True)
@@ -279,13 +288,14 @@ def main():
         moe_kernels.print_table(rows)
         return
     variants = args.variants or [v for v in VARIANTS if args.slow or v not in SLOW]
+    moe_options = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in args.moe_option)} or None
     results = []
     for name in args.shapes:
         shape = _shape(name, args)
         for v in variants:
             row = dict(shape=name, variant=v, T=shape[0])
             try:
-                row.update(run_variant(v, shape, args.steps, args.warmup, args.profile))
+                row.update(run_variant(v, shape, args.steps, args.warmup, args.profile, moe_options))
             except Exception as exc:  # one broken variant must not stop the table
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
             finally:
@@ -315,16 +325,16 @@ def _shape(name, args):
 
 def print_table(results, info):
     print(f"\n## {info['device']} torch {info['torch']} triton {info['triton']} transformers {info['transformers']}")
-    print("| shape | T | variant | fwd+bwd ms | TFLOP/s | vs best | fwd ms | TFLOP/s | vs best | peak GiB | act GiB "
-          "| compile s | regions rewritten |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| shape | T | variant | fwd+bwd ms | TFLOP/s | vs best | host ms | fwd ms | TFLOP/s | vs best | peak GiB "
+          "| act GiB | compile s | regions rewritten |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
             print(f"| {r['shape']} | {r['T']} | {r['variant']} | error: {r['error']} |")
             continue
         f = lambda key, fmt: (fmt.format(r[key]) if key in r and not math.isnan(r[key]) else "-")  # noqa: E731
         print(f"| {r['shape']} | {r['T']} | {r['variant']} | {f('fwdbwd_ms', '{:.2f}')} | {f('fwdbwd_tflops', '{:.0f}')} "
-              f"| {f('fwdbwd_vs_best', '{:.2f}x')} | {f('fwd_ms', '{:.2f}')} | {f('fwd_tflops', '{:.0f}')} "
+              f"| {f('fwdbwd_vs_best', '{:.2f}x')} | {f('host_ms', '{:.2f}')} | {f('fwd_ms', '{:.2f}')} | {f('fwd_tflops', '{:.0f}')} "
               f"| {f('fwd_vs_best', '{:.2f}x')} | {f('peak_gib', '{:.1f}')} | {f('act_gib', '{:.1f}')} "
               f"| {f('compile_s', '{:.1f}')} | {r.get('rewritten', '-')} |")
 
