@@ -131,7 +131,7 @@ def _list_plan(ws: list[torch.Tensor]) -> tuple:
         ("stack",)               anything else: torch.stack (a copy per call)
     """
     w0 = ws[0]
-    ptrs = tuple(w.data_ptr() for w in ws)
+    ptrs = tuple(map(torch.Tensor.data_ptr, ws))
     key = (ptrs, tuple(w0.shape), w0.stride(), w0.dtype, w0.device.index)
     plan = _LIST_PLANS.get(key)
     if plan is None:

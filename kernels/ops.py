@@ -160,6 +160,7 @@ def _(dy, offsets, num_experts):
 
 
 # --------------------------------------------------------------------------- grouped_mm_list
+_DATA_PTR = torch.Tensor.data_ptr  # map(_DATA_PTR, ws): the per-step address scan, ~2x a generator
 _STEP_CACHE: dict = {}   # (addresses, shape, strides, dtype, device) -> element step, 0: not evenly spaced
 
 
@@ -186,7 +187,7 @@ def strided_stack(ws: list[torch.Tensor]) -> torch.Tensor | None:
         return None
     first = ws[0]
     last = ws[-1]
-    key = (tuple(w.data_ptr() for w in ws), tuple(first.shape), first.stride(), tuple(last.shape), last.stride(),
+    key = (tuple(map(_DATA_PTR, ws)), tuple(first.shape), first.stride(), tuple(last.shape), last.stride(),
            first.dtype, first.device)
     step = _STEP_CACHE.get(key)
     if step is None:
@@ -407,3 +408,9 @@ def _(dout, y, inv, weights, offsets):
 
 OP_NAMES = ("route_permute", "permute_rows", "grouped_mm", "grouped_mm_list", "grouped_mm_list_cat",
             "unpermute_combine")
+
+
+# Backward graphs call fused.grouped_mm_wgrad_lowp. A compiled backward loaded from Inductor's /
+# AOTAutograd's cache in a new process is not re-traced, so nothing else would import fused.py
+# before the generated code looks up torch.ops.moe_compile.grouped_mm_wgrad_lowp.
+from . import fused  # noqa: E402,F401

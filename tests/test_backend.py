@@ -135,7 +135,7 @@ def test_moe_mode_option_and_mode_kwarg_run(monkeypatch):
 
     seen = []
 
-    def fake_compile(gm, example_inputs, config, inductor_options):
+    def fake_compile(gm, example_inputs, config, inductor_options, records=()):
         seen.append(config.mode)
         return aot_eager(gm, example_inputs)
 
@@ -167,6 +167,26 @@ def test_inductor_options_forwarded(monkeypatch):
     check_compiled(m, [make_input((5, 8))], expect_rewritten=1, inductor=True, fresh_inputs=0,
                    options={"epilogue_fusion": False})
     assert patches_seen and patches_seen[0].get("epilogue_fusion") is False  # later calls: compile_fx recursing
+    # ModuleList experts reach the ops as per-expert lists: the backend turns Inductor's per-input
+    # size asserts off (Dynamo guards cover them) ...
+    assert patches_seen[0].get("size_asserts") is False
+    # ... unless the user asks for them
+    patches_seen.clear()
+    check_compiled(m, [make_input((5, 8))], expect_rewritten=1, inductor=True, fresh_inputs=0,
+                   options={"size_asserts": True})
+    assert patches_seen[0].get("size_asserts") is True
+
+
+def test_inductor_defaults_only_for_list_regions():
+    from moe_compile.backend import inductor_defaults
+    from moe_compile.pipeline import RegionRecord
+
+    def rec(status, *ops):
+        return RegionRecord("m", "loop", status, "", ops, "here")
+
+    assert inductor_defaults([rec("rewritten", "grouped_mm_list_cat", "grouped_mm_list")]) == {"size_asserts": False}
+    assert inductor_defaults([rec("rewritten", "grouped_mm")]) == {}  # 3-D weights: one input per linear
+    assert inductor_defaults([rec("rejected")]) == {}
 
 
 def test_disable_pass_leaves_model_unrewritten():

@@ -285,3 +285,18 @@ def test_grouped_mm_list_transposed(strided, bias, dtype):
         assert rel_err(g, w) <= tol
     assert got[1 + 2].abs().sum() == 0  # expert 2 had no rows
     torch.library.opcheck(ops.grouped_mm_list, (x, ws, offs, bs, True))
+
+
+def test_every_op_registered_on_import():
+    """Importing the ops registers every op a compiled graph may call, also the backward-only ones:
+    a warm Inductor cache loads compiled backward code in a new process without re-tracing it
+    (found on the GPU: AttributeError for grouped_mm_wgrad_lowp on the second run)."""
+    import subprocess
+    import sys
+
+    # a fresh interpreter that imports only ops.py, as lowering/moe_region.py does
+    probe = ("import torch, moe_compile.kernels.ops\n"
+             "for n in ('grouped_mm_wgrad_lowp', 'grouped_mm_list_cat_dx', 'unpermute_combine_backward',"
+             " 'grouped_mm_wgrad', 'grouped_bias_grad', 'grouped_mm_list_cat'):\n"
+             "    getattr(torch.ops.moe_compile, n).default\n")
+    subprocess.run([sys.executable, "-c", probe], check=True)

@@ -33,7 +33,7 @@ SHAPES = {  # name: (T, H, I, E, k)
 }
 LABELS = {"qwen3": "Qwen3-30B-A3B", "gptoss": "GPT-OSS-20B-like", "mixtral": "Mixtral-8x7B", "dsv3": "DeepSeek-V3-like"}
 ANCHORS = ("loop_eager", "loop_inductor", "hf_eager", "hf_inductor")
-VARIANTS = ANCHORS + ("loop_moe", "hf_moe", "ops_eager", "ops_inductor", "ops_lowp_inductor", "loop_moe_cg")
+VARIANTS = ANCHORS + ("loop_moe", "hf_moe", "ops_eager", "ops_inductor", "ops_lowp_inductor", "loop_moe_cg", "hf_moe_cg")
 SLOW = ("loop_inductor",)  # stock Inductor on the per-expert loop: minutes of compile, graph breaks
 
 
