@@ -288,3 +288,41 @@ def test_import_is_light_and_scoped():
         print("ok")
     """)
     assert "ok" in out
+
+
+def test_rewritten_graph_keeps_dynamo_annotations(monkeypatch):
+    """The rewritten copy of Dynamo's graph keeps what AOTAutograd reads from it: the parameter
+    sources and each placeholder's source, so the parameters stay static inputs (CUDA graphs would
+    otherwise copy every expert weight on every replay) and their guards stay deduplicated."""
+    from torch._functorch._aot_autograd import frontend_utils
+
+    seen = {}
+    if hasattr(frontend_utils, "_try_get_metadata_from_dynamo"):
+        orig = frontend_utils._try_get_metadata_from_dynamo
+
+        def spy(mod, *args, **kwargs):
+            sources, static = orig(mod, *args, **kwargs)
+            seen["static"] = list(static)
+            return sources, static
+
+        monkeypatch.setattr(frontend_utils, "_try_get_metadata_from_dynamo", spy)
+    graphs = {}
+    real = pipeline.run_passes
+
+    def record(gm, example_inputs, config):
+        new, records = real(gm, example_inputs, config)
+        graphs.update(before=gm, after=new, records=records)
+        return new, records
+
+    monkeypatch.setattr(pipeline, "run_passes", record)
+    m = make_model(spelling="index_add", h=8, i=8, e=3, k=2)
+    torch._dynamo.reset()
+    torch.compile(m, backend="moe", options={"moe.inductor": False})(make_input((5, 8))).sum().backward()
+    before, after = graphs["before"], graphs["after"]
+    assert after is not before and [r.status for r in graphs["records"]] == ["rewritten"]
+    assert after._param_name_to_source is before._param_name_to_source
+    assert after.meta.get("dynamo_compile_id") == before.meta.get("dynamo_compile_id") is not None
+    src = lambda g: [getattr(n, "_dynamo_source", None) for n in g.graph.find_nodes(op="placeholder")]  # noqa: E731
+    assert src(after) == src(before) and None not in src(before)
+    if "static" in seen:  # every parameter of the model is a static input of the compiled graph
+        assert len(seen["static"]) == len(list(m.parameters()))
