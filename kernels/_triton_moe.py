@@ -251,3 +251,63 @@ def wgrad_finish(src: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtyp
     _wgrad_finish_kernel[(e, triton.cdiv(k * n, block))](src, dst, offsets, k * n, src.stride(0), BLOCK=block,
                                                         num_warps=8)
     return dst
+
+
+# ----------------------------------------------------------------------------------- swiglu
+@triton.jit
+def _swiglu_kernel(h_ptr, a_ptr, M, N, sh, sa, BM: tl.constexpr, BN: tl.constexpr):
+    """a[r, c] = silu(h[r, c]) * h[r, N + c], fp32 math, one rounding."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    base = h_ptr + rows.to(tl.int64)[:, None] * sh + cols[None, :]
+    g = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(base + N, mask=mask, other=0.0).to(tl.float32)
+    a = g * tl.sigmoid(g) * u
+    tl.store(a_ptr + rows.to(tl.int64)[:, None] * sa + cols[None, :], a.to(a_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(h_ptr, da_ptr, dh_ptr, M, N, sh, sda, sdh, BM: tl.constexpr, BN: tl.constexpr):
+    """dh[r, c] = da * u * silu'(g), dh[r, N + c] = da * silu(g): h and da read once, dh written once."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    hb = h_ptr + r64 * sh + cols[None, :]
+    g = tl.load(hb, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(hb + N, mask=mask, other=0.0).to(tl.float32)
+    d = tl.load(da_ptr + r64 * sda + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(g)
+    dg = d * u * (s + g * s * (1.0 - s))
+    du = d * g * s
+    ob = dh_ptr + r64 * sdh + cols[None, :]
+    tl.store(ob, dg.to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(ob + N, du.to(dh_ptr.dtype.element_ty), mask=mask)
+
+
+def _swiglu_grid(m: int, n: int):
+    bn = min(256, triton.next_power_of_2(max(n, 16)))
+    bm = max(1, 4096 // bn)
+    return bm, bn, (triton.cdiv(m, bm), triton.cdiv(n, bn))
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    h = h if h.stride(-1) == 1 else h.contiguous()
+    m, n = h.shape[0], h.shape[1] // 2
+    a = torch.empty(m, n, dtype=h.dtype, device=h.device)
+    if a.numel():
+        bm, bn, grid = _swiglu_grid(m, n)
+        _swiglu_kernel[grid](h, a, m, n, h.stride(0), a.stride(0), BM=bm, BN=bn, num_warps=4)
+    return a
+
+
+def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+    h = h if h.stride(-1) == 1 else h.contiguous()
+    da = da if da.stride(-1) == 1 else da.contiguous()
+    m, n = h.shape[0], h.shape[1] // 2
+    dh = torch.empty(m, 2 * n, dtype=h.dtype, device=h.device)
+    if dh.numel():
+        bm, bn, grid = _swiglu_grid(m, n)
+        _swiglu_bwd_kernel[grid](h, da, dh, m, n, h.stride(0), da.stride(0), dh.stride(0), BM=bm, BN=bn, num_warps=4)
+    return dh

@@ -19,6 +19,7 @@ What runs where (all sync-free: no .item()/.tolist()/nonzero, static launch shap
                                empty groups; otherwise a Triton kernel writing fp32 directly
     grouped_bias_grad          Triton segmented column sum (fp32, fixed order)
     unpermute_combine(+bwd)    Triton gather-reduce over top-k in fp32, routing weights fused
+    swiglu(+bwd)               Triton, fp32 math; the backward reads h and da once, writes dh once
 
 ``torch._grouped_mm`` is avoided for fp32/fp16: its fallback copies ``offs`` to the host (a sync).
 
@@ -230,6 +231,18 @@ def unpermute_combine_backward(dout, y, inv, weights, offsets):
     return _triton_moe.unpermute_combine_backward(dout, y, inv, weights, offsets)
 
 
+def swiglu(h):
+    from . import _triton_moe
+
+    return _triton_moe.swiglu(h)
+
+
+def swiglu_backward(h, da):
+    from . import _triton_moe
+
+    return _triton_moe.swiglu_backward(h, da)
+
+
 IMPLS = {
     "route_permute": route_permute,
     "permute_rows": permute_rows,
@@ -240,6 +253,8 @@ IMPLS = {
     "unpermute_combine": unpermute_combine,
     "unpermute_combine_backward": unpermute_combine_backward,
     "grouped_mm_wgrad_lowp": grouped_mm_wgrad_lowp,
+    "swiglu": swiglu,
+    "swiglu_backward": swiglu_backward,
 }
 
 for _name, _fn in IMPLS.items():

@@ -121,3 +121,20 @@ def unpermute_combine_backward(dout, y, inv, weights, offsets):
     dy.index_copy_(0, inv, dout_rows * w.unsqueeze(-1))
     dw = (dout_rows * y.float().index_select(0, inv)).sum(-1) * keep
     return dy.to(y.dtype), dw.view(t, k).to(weights.dtype)
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """a = silu(h[:, :N]) * h[:, N:] for h [M, 2N], computed in fp32 (fp64 for fp64), rounded once."""
+    n = h.shape[-1] // 2
+    ct = torch.promote_types(h.dtype, torch.float32)
+    g, u = h[:, :n].to(ct), h[:, n:].to(ct)
+    return (torch.nn.functional.silu(g) * u).to(h.dtype)
+
+
+def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+    """dh [M, 2N] for a = swiglu(h): [da * u * silu'(g) | da * silu(g)], silu'(g) = s + g s (1 - s)."""
+    n = h.shape[-1] // 2
+    ct = torch.promote_types(h.dtype, torch.float32)
+    g, u, d = h[:, :n].to(ct), h[:, n:].to(ct), da.to(ct)
+    s = torch.sigmoid(g)
+    return torch.cat([d * u * (s + g * s * (1 - s)), d * g * s], dim=1).to(h.dtype)

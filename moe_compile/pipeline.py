@@ -14,9 +14,11 @@ import time
 import torch
 import torch.fx as fx
 
+from moe_compile.passes.normalize import canon
+
 log = logging.getLogger(__name__)
 
-PASS_NAMES = ("moe_regions", "grouped_regions")
+PASS_NAMES = ("moe_regions", "grouped_regions", "swiglu")  # swiglu: fuse silu(g) * u on rewritten GEMM outputs
 
 # process-wide counters (like torch._dynamo.utils.counters): tests assert on them
 counters: collections.Counter = collections.Counter()
@@ -73,8 +75,6 @@ def _ops_used(gm: fx.GraphModule) -> tuple[str, ...]:
 
 def _surviving_syncs(gm: fx.GraphModule) -> list[str]:
     """where/nonzero nodes left after lowering (kept alive by code outside any region)."""
-    from moe_compile.passes.normalize import canon
-
     return [n.name for n in gm.graph.nodes
             if canon(n) == "nonzero" or (canon(n) == "where" and len(n.args) == 1)]
 
@@ -119,6 +119,11 @@ def run_passes(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.GraphModu
     try:
         for region in accepted:
             lower_moe_region(work, region)
+        if "swiglu" not in config.disable:
+            from moe_compile.lowering.swiglu import fuse_swiglu
+            from moe_compile.passes.swiglu import find_swiglu
+
+            fuse_swiglu(work, find_swiglu(work))
         syncs = _surviving_syncs(work)
     except Exception as exc:
         if config.strict:
@@ -130,6 +135,7 @@ def run_passes(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.GraphModu
         return gm, records
     ops = _ops_used(work)
     notes = (f"where/nonzero still needed outside the rewritten regions: {', '.join(syncs)}",) if syncs else ()
+    notes += _list_weight_note(work)
     for region in accepted:
         records.append(RegionRecord(region.module, region.form, "rewritten", "", ops, region.where,
                                     region.num_experts, region.top_k, notes))
@@ -138,6 +144,17 @@ def run_passes(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.GraphModu
         debug.log_rewrite(before, work.print_readable(print_output=False), records, time.perf_counter() - t0,
                           loud=config.debug)
     return work, records
+
+
+def _list_weight_note(gm: fx.GraphModule) -> tuple[str, ...]:
+    """Per-expert weight lists (ModuleList experts) cost host time per parameter on every step."""
+    n = sum(len(a) for node in gm.graph.nodes if (canon(node) or "").startswith("moe_compile::grouped_mm_list")
+            for a in node.args if isinstance(a, (list, tuple)))
+    if n < 64:
+        return ()
+    return (f"{n} per-expert weight tensors enter the compiled graph one by one (ModuleList experts): guards, "
+            "autograd and gradient accumulation cost host time for each on every step; if the step is host-bound, "
+            "mode=\"reduce-overhead\" (CUDA graphs) hides that (docs/benchmarks.md)",)
 
 
 def _count(records):

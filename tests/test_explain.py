@@ -79,3 +79,12 @@ def test_experts_with_different_mlps_are_refused():
     rep = moe_compile.explain(model, make_input((2, 5, 16)))
     assert not rep.rewritten and len(rep.rejected) == 1, str(rep)
     assert "expert 1's MLP differs in structure" in rep.rejected[0].reason
+
+
+def test_explain_notes_many_list_weights():
+    """ModuleList experts with many experts: the report says the per-parameter host cost and the fix."""
+    many = moe_compile.explain(make_model(h=16, i=8, e=32, k=2, spelling="index_add"), make_input((7, 16)))
+    few = moe_compile.explain(make_model(h=16, i=8, e=4, k=2, spelling="index_add"), make_input((7, 16)))
+    (r,) = many.rewritten
+    assert any("96 per-expert weight tensors" in n and "reduce-overhead" in n for n in r.notes), r.notes
+    assert not any("per-expert weight tensors" in n for r in few.rewritten for n in r.notes)

@@ -23,7 +23,10 @@ from helpers import Router, check_compiled, make_input
 # bf16 and sums E (or K) bf16 products; the rewrite sums K products in fp32 and rounds once.
 DENSE_BF16_REL = 4e-2
 # bf16 gradients through 2 GEMMs + SwiGLU + combine, with different rounding points (see above).
-DENSE_BF16_GRAD_REL = 8e-2
+# The router bias gradient is a cancelling sum: against an fp64 run of the same model, eager bf16
+# was 3.6% off and the rewrite (SwiGLU rounded once, in fp32) 4.9% off, in opposite directions
+# (8.4% apart; test_batched[True-bf16], input set 1).
+DENSE_BF16_GRAD_REL = 1e-1
 
 
 class Experts3D(nn.Module):

@@ -89,6 +89,8 @@ def test_hf_grouped_mm_matches_eager(name):
     records = [r for g in graphs for r in g]
     assert {r.module.removeprefix("m.") for r in records if r.status == "rewritten"} == LAYERS, records
     assert all(r.status == "rewritten" for r in records), records
+    # SwiGLU experts (all but GPT-OSS's clamped variant) get the fused activation op
+    assert all(("swiglu" in r.ops) == (name != "gpt_oss") for r in records), records
 
 
 @pytest.mark.parametrize("name", ["gpt_oss"])

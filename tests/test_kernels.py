@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moe_compile.kernels import ops  # noqa: F401  (registers torch.ops.moe_compile.*)
+from moe_compile.kernels import fused, ops  # noqa: F401  (registers torch.ops.moe_compile.*)
 from helpers import rel_err
 
 OPS = torch.ops.moe_compile
@@ -300,3 +300,25 @@ def test_every_op_registered_on_import():
              " 'grouped_mm_wgrad', 'grouped_bias_grad', 'grouped_mm_list_cat'):\n"
              "    getattr(torch.ops.moe_compile, n).default\n")
     subprocess.run([sys.executable, "-c", probe], check=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_swiglu_op_matches_silu_mul(dtype):
+    """moe_compile.swiglu(h) == silu(h[:, :N]) * h[:, N:], output and input gradient (fp32 math,
+    one rounding: bf16 within one rounding of the bf16 eager chain)."""
+    gen = torch.Generator().manual_seed(11)
+    h = (3 * torch.randn(37, 2 * 13, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_()
+    da = torch.randn(37, 13, generator=gen, dtype=torch.float64).to(dtype)
+    a = fused.swiglu(h)
+    hr = h.detach().double().requires_grad_()
+    ref = torch.nn.functional.silu(hr[:, :13]) * hr[:, 13:]
+    tol = {torch.float64: 1e-12, torch.float32: FP32_REL, torch.bfloat16: BF16_REL}[dtype]
+    assert a.dtype == dtype and rel_err(a, ref) <= tol
+    (g,) = torch.autograd.grad(a, h, da)
+    (gr,) = torch.autograd.grad(ref, hr, da.double())
+    assert g.dtype == dtype and rel_err(g, gr) <= tol
+    if dtype != torch.bfloat16:
+        torch.library.opcheck(fused.swiglu, (h,))
+        torch.library.opcheck(fused.swiglu_backward, (h.detach(), da))
+    with pytest.raises(ValueError, match="swiglu"):
+        fused.swiglu(torch.randn(3, 5))

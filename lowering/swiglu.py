@@ -1,0 +1,45 @@
+"""fuse_swiglu: replace each ``passes.swiglu.SwiGLUMatch`` with one moe_compile.swiglu op.
+
+Before: ``a = silu(h[:, :N]) * h[:, N:]`` on a grouped GEMM output h [M, 2N].
+After:  ``a = moe_compile.swiglu(h)`` (fp32 math, one rounding; its backward reads h and da once).
+The slices and silu are erased when nothing else reads them; ``meta["example_value"]`` of the new
+node is computed under the graph's fake mode; the graph is linted and recompiled.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from moe_compile.kernels import fused as _fused  # noqa: F401  (registers moe_compile::swiglu)
+from moe_compile.passes.normalize import val
+from moe_compile.passes.swiglu import SwiGLUMatch
+
+
+class SwiGLULoweringError(RuntimeError):
+    pass
+
+
+def fuse_swiglu(gm: fx.GraphModule, matches: list[SwiGLUMatch]) -> int:
+    """Rewrite every match; returns how many were fused."""
+    from .moe_region import _is_impure
+
+    g = gm.graph
+    for m in matches:
+        hv = val(m.h)
+        mode = getattr(hv, "fake_mode", None)
+        if mode is None:
+            raise SwiGLULoweringError("fuse_swiglu: the GEMM output has no fake value to propagate metadata from")
+        with g.inserting_before(m.mul):
+            node = g.call_function(torch.ops.moe_compile.swiglu.default, (m.h,))
+        with mode:
+            node.meta["example_value"] = torch.ops.moe_compile.swiglu.default(hv)
+        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+            if key in m.mul.meta:
+                node.meta[key] = m.mul.meta[key]
+        m.mul.replace_all_uses_with(node)
+        g.erase_node(m.mul)
+    if matches:
+        g.eliminate_dead_code(is_impure_node=_is_impure)
+        g.lint()
+        gm.recompile()
+    return len(matches)
