@@ -138,8 +138,9 @@ def _list_plan(ws: list[torch.Tensor]) -> tuple:
     if plan is None:
         es = w0.element_size()
         uniform = all(w.shape == w0.shape and w.stride() == w0.stride() and w.dtype == w0.dtype for w in ws)
-        if uniform and _zero_copy_stack(ws):
-            plan = ("view", (ptrs[1] - ptrs[0]) // es if len(ws) > 1 else 0)
+        step = ops.even_step(ws) if len(ws) > 1 else 0
+        if uniform and (len(ws) == 1 or step):
+            plan = ("view", step)
         elif uniform and not any(p % 16 for p in ptrs):
             plan = ("table", torch.tensor([(p - ptrs[0]) // es for p in ptrs], dtype=torch.int64).pin_memory())
         else:
@@ -171,15 +172,6 @@ def grouped_mm_list(x: torch.Tensor, ws: list[torch.Tensor], offsets: torch.Tens
     offsets = offsets.to(torch.int32) if offsets.dtype != torch.int32 else offsets
     y = _triton_gmm.grouped_mm(x, w0, offsets, bias, w_table=plan[1])
     return _triton_moe.rows_fixup(y, offsets, None)
-
-
-def _zero_copy_stack(ws: list[torch.Tensor]) -> bool:
-    first = ws[0]
-    if len(ws) < 2 or any(w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for w in ws):
-        return len(ws) == 1
-    step = ws[1].storage_offset() - first.storage_offset()
-    return step > 0 and all(w.stride() == first.stride() and w.storage_offset() == first.storage_offset() + e * step
-                            for e, w in enumerate(ws))
 
 
 def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, num_experts: int):

@@ -100,7 +100,7 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
     _check_swiglu(h)
     ops._check(da.shape == (h.shape[0], h.shape[1] // 2), "swiglu_backward",
                f"da {tuple(da.shape)} must be [M, N] for h {tuple(h.shape)}")
-    return _impl("swiglu_backward", h)(h, da.contiguous())
+    return _impl("swiglu_backward", h)(h, da)
 
 
 @swiglu_backward.register_fake

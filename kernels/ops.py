@@ -250,10 +250,14 @@ def _grouped_mm_list_setup(ctx, inputs, output):
     ctx.transposed = transposed
 
 
+def _kn_col_major(w: torch.Tensor, transposed: bool) -> bool:
+    """The [K, N] operand that w stands for (w, or w.T when ``transposed``) is column-major."""
+    return w.stride(-1) == 1 if transposed else w.stride(0) == 1
+
+
 def _list_weight_grads(x, dy, offsets, ws, transposed) -> list[torch.Tensor]:
     """Per-expert weight gradients shaped like ws[e], from one grouped weight-gradient GEMM."""
-    kn_col_major = ws[0].stride(-1) == 1 if transposed else ws[0].stride(0) == 1
-    g = _weight_grad(x, dy, offsets, len(ws), ws[0].dtype, kn_col_major)  # [E, K, N]
+    g = _weight_grad(x, dy, offsets, len(ws), ws[0].dtype, _kn_col_major(ws[0], transposed))  # [E, K, N]
     return list((g.transpose(1, 2) if transposed else g).unbind(0))
 
 
@@ -262,8 +266,7 @@ def _grouped_mm_list_bwd(ctx, dy):
     dy = dy.contiguous()
     e = len(ws)
     # dx = dy @ W_e^T per group: with transposed ws ([N, K]) that is the list itself, untransposed
-    dx = (grouped_mm_list(dy, ws, offsets, []) if ctx.transposed else grouped_mm_list(dy, ws, offsets, [], True)) \
-        if ctx.needs_input_grad[0] else None
+    dx = grouped_mm_list(dy, ws, offsets, [], not ctx.transposed) if ctx.needs_input_grad[0] else None
     dws = _list_weight_grads(x, dy, offsets, ws, ctx.transposed) if ctx.needs_input_grad[1] else [None] * e
     dbs = [None] * e if ctx.has_bias else []
     if ctx.has_bias and ctx.needs_input_grad[3]:
@@ -354,8 +357,7 @@ def _list_cat_bwd(ctx, dy):
     na = ws_a[0].shape[0 if tr else 1]
     dwa, dwb = [None] * ctx.e, [None] * ctx.e
     if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-        col_major = ws_a[0].stride(-1) == 1 if tr else ws_a[0].stride(0) == 1
-        g = _weight_grad(x, dy, offsets, ctx.e, ws_a[0].dtype, col_major)  # [E, K, Na+Nb]
+        g = _weight_grad(x, dy, offsets, ctx.e, ws_a[0].dtype, _kn_col_major(ws_a[0], tr))  # [E, K, Na+Nb]
         if tr:
             g = g.transpose(1, 2)  # [E, Na+Nb, K]: the weights' own layout
             dwa, dwb = list(g[:, :na].unbind(0)), list(g[:, na:].unbind(0))

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from moe_compile.kernels.ops import even_step
-from moe_compile.passes.normalize import canon
+from moe_compile.passes.normalize import arg, canon
 
 
 def _placeholder_of(n: fx.Node) -> fx.Node | None:
@@ -37,9 +37,10 @@ def _placeholder_of(n: fx.Node) -> fx.Node | None:
 def _nk_use(node: fx.Node) -> bool:
     """The op uses nn.Linear weights [N, K] as W.T: passed as they are with ``transposed=True``,
     or as ``W.t()`` views."""
-    transposed = node.args[4] if len(node.args) > 4 else node.kwargs.get("transposed", False)
     ws = (*node.args[1], *node.args[2])
-    return all(w.op == "placeholder" for w in ws) if transposed else all(canon(w) == "t" for w in ws)
+    if arg(node, 4, "transposed", False):
+        return all(w.op == "placeholder" for w in ws)
+    return all(canon(w) == "t" for w in ws)
 
 
 def _params(node_list, index, example_inputs) -> list[torch.Tensor] | None:

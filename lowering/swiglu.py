@@ -21,21 +21,14 @@ class SwiGLULoweringError(RuntimeError):
 
 def fuse_swiglu(gm: fx.GraphModule, matches: list[SwiGLUMatch]) -> int:
     """Rewrite every match; returns how many were fused."""
-    from .moe_region import _is_impure
+    from .moe_region import _Builder, _is_impure
 
     g = gm.graph
     for m in matches:
-        hv = val(m.h)
-        mode = getattr(hv, "fake_mode", None)
+        mode = getattr(val(m.h), "fake_mode", None)
         if mode is None:
             raise SwiGLULoweringError("fuse_swiglu: the GEMM output has no fake value to propagate metadata from")
-        with g.inserting_before(m.mul):
-            node = g.call_function(torch.ops.moe_compile.swiglu.default, (m.h,))
-        with mode:
-            node.meta["example_value"] = torch.ops.moe_compile.swiglu.default(hv)
-        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-            if key in m.mul.meta:
-                node.meta[key] = m.mul.meta[key]
+        node = _Builder(g, m.mul.prev, mode, m.mul).fn(torch.ops.moe_compile.swiglu.default, m.h)
         m.mul.replace_all_uses_with(node)
         g.erase_node(m.mul)
     if matches:
