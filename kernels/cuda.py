@@ -7,9 +7,11 @@ What runs where (all sync-free: no .item()/.tolist()/nonzero, static launch shap
 
     route_permute              torch: int32 stable sort + searchsorted + scatter (no atomics)
     permute_rows               Triton gather (dropped rows written as 0)
-    grouped_mm  bf16, sm90+,   torch._grouped_mm (CUTLASS, offsets stay on the device) + one
-                aligned, big   Triton pass that zeros rows past offsets[-1] and adds the bias
-                groups         (> AUTO_TRITON_MAX_ROWS_PER_GROUP rows per expert on average)
+    grouped_mm  bf16, sm90,    Triton TMA grouped GEMM (_triton_tma: bias in the epilogue; 2-9%
+                aligned, big   faster than CUTLASS on the benchmark layers) + one pass that zeros
+                groups         rows past offsets[-1]; on sm100 torch._grouped_mm (CUTLASS, offsets
+                               stay on the device) + that pass, which also adds the bias
+                               (big: > AUTO_TRITON_MAX_ROWS_PER_GROUP rows per expert on average)
                 otherwise      Triton persistent grouped GEMM (fp32 via tf32x3 / tf32 following
                                torch.get_float32_matmul_precision()), bias in the epilogue
     grouped_mm_list            one strided view + the grouped_mm path when the weights are evenly
@@ -38,9 +40,10 @@ try:  # Triton is optional: without it the references stay in place.
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
-# Forward/dgrad grouped GEMM backend. "auto": CUTLASS (torch._grouped_mm) where legal and the
-# groups are large, else Triton. "cutlass": CUTLASS wherever legal. "triton": always Triton. Tests
-# set the last two to cover both paths on one GPU (there is no CUTLASS path for fp32).
+# Forward/dgrad grouped GEMM backend. "auto": for large groups, the TMA kernel on sm90 (bf16/fp16,
+# aligned), else CUTLASS (torch._grouped_mm) where legal; small groups and the rest: the Triton
+# pointer kernel. "tma" / "cutlass": that kernel wherever legal. "triton": always the pointer kernel.
+# Tests set each to cover every path on one GPU (fp32 always takes the pointer kernel).
 GMM_BACKEND = "auto"
 # auto picks Triton when the average group is at most this many rows: measured on an H200,
 # DeepSeek-V3-like (E=256, 128 rows/expert) up projection 373 TFLOP/s Triton vs 297 CUTLASS;
@@ -57,6 +60,18 @@ def _cutlass_device(t: torch.Tensor) -> bool:
     if ok is None:
         ok = hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(t.device)[0] in (9, 10)
         _CUTLASS_DEVICE[t.device.index] = ok
+    return ok
+
+
+_TMA_DEVICE: dict[int | None, bool] = {}
+
+
+def _tma_device(t: torch.Tensor) -> bool:
+    """sm90 (Hopper): where the TMA grouped GEMM (``_triton_tma``) was tuned and measured."""
+    ok = _TMA_DEVICE.get(t.device.index)
+    if ok is None:
+        ok = torch.cuda.get_device_capability(t.device)[0] == 9
+        _TMA_DEVICE[t.device.index] = ok
     return ok
 
 
@@ -104,8 +119,13 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: to
     from . import _triton_gmm, _triton_moe
 
     offsets = offsets.to(torch.int32) if offsets.dtype != torch.int32 else offsets
-    large = GMM_BACKEND == "cutlass" or x.shape[0] > AUTO_TRITON_MAX_ROWS_PER_GROUP * w.shape[0]
-    if large and _use_cutlass(x, w) and w.shape[2] % 8 == 0 and x.shape[0] > 0:
+    large = GMM_BACKEND in ("cutlass", "tma") or x.shape[0] > AUTO_TRITON_MAX_ROWS_PER_GROUP * w.shape[0]
+    if large and GMM_BACKEND in ("auto", "tma") and x.shape[0] > 0 and _tma_device(x):
+        from . import _triton_tma
+
+        if _triton_tma.supported(x, w):
+            return _triton_moe.rows_fixup(_triton_tma.grouped_mm(x, w, offsets, bias), offsets, None)
+    if large and GMM_BACKEND != "tma" and _use_cutlass(x, w) and w.shape[2] % 8 == 0 and x.shape[0] > 0:
         y = torch._grouped_mm(x, w, offs=offsets)
         if y.stride(-1) != 1 or y.stride(0) != y.shape[1]:  # padded rows: never expected for N % 8 == 0
             y = y.contiguous()

@@ -64,6 +64,22 @@ def run(name: str, shape, steps: int = 10):
         finally:
             kcuda.GMM_BACKEND = old
 
+    def gmm_tma(xx, ww):  # the TMA kernel whatever the group size
+        old, kcuda.GMM_BACKEND = kcuda.GMM_BACKEND, "tma"
+        try:
+            return kcuda.grouped_mm(xx, ww, offs)
+        finally:
+            kcuda.GMM_BACKEND = old
+
+    def gmm_tma_full_tail(xx, ww):  # the TMA kernel without its half-height last tile
+        from moe_compile.kernels import _triton_tma
+
+        old, _triton_tma.HALF_TAIL = _triton_tma.HALF_TAIL, False
+        try:
+            return kcuda.grouped_mm(xx, ww, offs)
+        finally:
+            _triton_tma.HALF_TAIL = old
+
     cases = [  # (op, fn, flop, bytes)
         ("route_permute", lambda: kcuda.route_permute(ids, e), 0, n * 8 + 2 * n * 8 + e * 4),
         ("route_permute (torch reference)", lambda: reference.route_permute(ids, e), 0, n * 8 + 2 * n * 8 + e * 4),
@@ -74,13 +90,25 @@ def run(name: str, shape, steps: int = 10):
          (n * h + e * h * 2 * i + n * 2 * i) * B),
         ("up   triton gmm", lambda: gmm_triton(xp, w13t), 2 * n * h * 2 * i, (n * h + e * h * 2 * i + n * 2 * i) * B),
         ("down gmm [N,I]x[I,H]", lambda: kcuda.grouped_mm(a, w2t, offs), 2 * n * i * h, (n * i + e * h * i + n * h) * B),
+        ("up   tma gmm", lambda: gmm_tma(xp, w13t), 2 * n * h * 2 * i, (n * h + e * h * 2 * i + n * 2 * i) * B),
+        ("up   gmm, full-height last tile", lambda: gmm_tma_full_tail(xp, w13t), 2 * n * h * 2 * i,
+         (n * h + e * h * 2 * i + n * 2 * i) * B),
         ("down triton gmm", lambda: gmm_triton(a, w2t), 2 * n * i * h, (n * i + e * h * i + n * h) * B),
+        ("down torch._grouped_mm alone", lambda: torch._grouped_mm(a, w2t, offs=offs), 2 * n * i * h,
+         (n * i + e * h * i + n * h) * B),
+        ("down tma gmm", lambda: gmm_tma(a, w2t), 2 * n * i * h, (n * i + e * h * i + n * h) * B),
+        ("down gmm, full-height last tile", lambda: gmm_tma_full_tail(a, w2t), 2 * n * i * h,
+         (n * i + e * h * i + n * h) * B),
         ("combine", lambda: kcuda.unpermute_combine(y, inv, topw, offs), 0, (n + t) * h * B),
         ("combine bwd", lambda: kcuda.unpermute_combine_backward(dout, y, inv, topw, offs), 0, (t + 2 * n) * h * B),
         ("down dgrad [N,H]x[H,I]", lambda: kcuda.grouped_mm(dy_h, w2t.transpose(1, 2), offs), 2 * n * i * h,
          (n * i + e * h * i + n * h) * B),
+        ("down dgrad torch._grouped_mm alone", lambda: torch._grouped_mm(dy_h, w2t.transpose(1, 2), offs=offs),
+         2 * n * i * h, (n * i + e * h * i + n * h) * B),
         ("up   dgrad [N,2I]x[2I,H]", lambda: kcuda.grouped_mm(dy_2i, w13t.transpose(1, 2), offs), 2 * n * h * 2 * i,
          (n * h + e * h * 2 * i + n * 2 * i) * B),
+        ("up   dgrad torch._grouped_mm alone", lambda: torch._grouped_mm(dy_2i, w13t.transpose(1, 2), offs=offs),
+         2 * n * h * 2 * i, (n * h + e * h * 2 * i + n * 2 * i) * B),
         ("down wgrad fp32 out (contract)", lambda: kcuda.grouped_mm_wgrad(a, dy_h, offs, e), 2 * n * i * h,
          (n * i + n * h) * B + e * h * i * 4),
         ("down wgrad fp32 + .to(bf16)", lambda: kcuda.grouped_mm_wgrad(a, dy_h, offs, e).to(torch.bfloat16),

@@ -132,22 +132,32 @@ def test_route_permute_and_permute_rows(shape, routing, gen):
 
 
 # ------------------------------------------------------------------------------- grouped GEMM
-@pytest.mark.parametrize("backend", ["cutlass", "triton"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("backend", ["tma", "cutlass", "triton"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_grouped_mm(shape, routing, dtype, backend, gen):
+def test_grouped_mm(shape, routing, dtype, backend, gen, monkeypatch):
     t, k, e, h, n = shape
     ids = make_ids(t, k, e, routing, gen)
     _, _, offsets = kcuda.route_permute(ids, e)
     m, total = t * k, total_rows(offsets)
     x = rand((m, h), dtype, gen)
-    tol = BF16_GEMM_REL if dtype == torch.bfloat16 else FP32_GEMM_REL
+    # fp16 has 3 more mantissa bits than bf16: the bf16 bound holds with room
+    tol = FP32_GEMM_REL if dtype == torch.float32 else BF16_GEMM_REL
     w_plain = rand((e, h, n), dtype, gen, h ** -0.5)
     w_trans = rand((e, n, h), dtype, gen, h ** -0.5).transpose(1, 2)  # the backward's layout
+    # experts not N*K apart (a padded buffer): the TMA kernel's 3-D weight descriptor
+    w_padded = rand((e, n + 8, h), dtype, gen, h ** -0.5)[:, :n].transpose(1, 2)
     bias = rand((e, n), dtype, gen)
+    tma_calls = []
+    if backend == "tma":
+        if torch.cuda.get_device_capability()[0] != 9:
+            pytest.skip("the TMA grouped GEMM runs on sm90 only")
+        from moe_compile.kernels import _triton_tma
+        real = _triton_tma.grouped_mm
+        monkeypatch.setattr(_triton_tma, "grouped_mm", lambda *a: tma_calls.append(1) or real(*a))
     with gmm_backend(backend):
-        for w in (w_plain, w_trans):
+        for w in (w_plain, w_trans, w_padded):
             for b in (None, bias):
                 poison(((m, n), dtype))
                 y = kcuda.grouped_mm(x, w, offsets, b)
@@ -156,6 +166,8 @@ def test_grouped_mm(shape, routing, dtype, backend, gen):
                 assert not y.isnan().any(), "unwritten rows"
                 assert torch.all(y[total:] == 0), "dropped rows must be zero"
                 assert rel(y, ref) <= tol, (rel(y, ref), b is None, w.stride())
+        if backend == "tma":  # every 16-bit case here is TMA-legal: a silent fallback must fail
+            assert len(tma_calls) == (0 if dtype == torch.float32 or m == 0 else 6), len(tma_calls)
         # grouped_mm_list: ModuleList-style separate tensors (nn.Linear [N, K] viewed .t()), read
         # in place through the address table, and evenly spaced views of one buffer (zero-copy)
         separate = [rand((n, h), dtype, gen, h ** -0.5).t() for _ in range(e)]
