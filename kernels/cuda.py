@@ -7,11 +7,12 @@ What runs where (all sync-free: no .item()/.tolist()/nonzero, static launch shap
 
     route_permute              torch: int32 stable sort + searchsorted + scatter (no atomics)
     permute_rows               Triton gather (dropped rows written as 0)
-    grouped_mm  bf16, sm90,    Triton TMA grouped GEMM (_triton_tma: bias in the epilogue; 2-9%
-                aligned, big   faster than CUTLASS on the benchmark layers) + one pass that zeros
-                groups         rows past offsets[-1]; on sm100 torch._grouped_mm (CUTLASS, offsets
-                               stay on the device) + that pass, which also adds the bias
-                               (big: > AUTO_TRITON_MAX_ROWS_PER_GROUP rows per expert on average)
+    grouped_mm  16-bit, sm90,  Triton TMA grouped GEMM (_triton_tma: bias in the epilogue; 2-28%
+                aligned        faster than CUTLASS, 4-8% faster than the pointer kernel on the
+                               benchmark layers) + one pass that zeros rows past offsets[-1]
+                bf16, sm100,   torch._grouped_mm (CUTLASS, offsets stay on the device) + that
+                big groups     pass, which also adds the bias (big: more than
+                               AUTO_TRITON_MAX_ROWS_PER_GROUP rows per expert on average)
                 otherwise      Triton persistent grouped GEMM (fp32 via tf32x3 / tf32 following
                                torch.get_float32_matmul_precision()), bias in the epilogue
     grouped_mm_list            one strided view + the grouped_mm path when the weights are evenly
@@ -40,12 +41,13 @@ try:  # Triton is optional: without it the references stay in place.
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 
-# Forward/dgrad grouped GEMM backend. "auto": for large groups, the TMA kernel on sm90 (bf16/fp16,
-# aligned), else CUTLASS (torch._grouped_mm) where legal; small groups and the rest: the Triton
-# pointer kernel. "tma" / "cutlass": that kernel wherever legal. "triton": always the pointer kernel.
+# Forward/dgrad grouped GEMM backend. "auto": the TMA kernel on sm90 (bf16/fp16, aligned); elsewhere
+# CUTLASS (torch._grouped_mm) for large groups where legal, the Triton pointer kernel for the rest.
+# "tma" / "cutlass": that kernel wherever legal. "triton": always the pointer kernel.
 # Tests set each to cover every path on one GPU (fp32 always takes the pointer kernel).
 GMM_BACKEND = "auto"
-# auto picks Triton when the average group is at most this many rows: measured on an H200,
+# Off sm90 (or for inputs the TMA kernel cannot describe), auto picks the pointer kernel when the
+# average group is at most this many rows: measured on an H200 before the TMA kernel existed,
 # DeepSeek-V3-like (E=256, 128 rows/expert) up projection 373 TFLOP/s Triton vs 297 CUTLASS;
 # Qwen3-30B-A3B (512 rows/expert) 467 Triton vs 500-565 CUTLASS; GPT-OSS/Mixtral (1024) CUTLASS ahead.
 AUTO_TRITON_MAX_ROWS_PER_GROUP = 128
@@ -119,8 +121,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: to
     from . import _triton_gmm, _triton_moe
 
     offsets = offsets.to(torch.int32) if offsets.dtype != torch.int32 else offsets
-    large = GMM_BACKEND in ("cutlass", "tma") or x.shape[0] > AUTO_TRITON_MAX_ROWS_PER_GROUP * w.shape[0]
-    if large and GMM_BACKEND in ("auto", "tma") and x.shape[0] > 0 and _tma_device(x):
+    large = GMM_BACKEND == "cutlass" or x.shape[0] > AUTO_TRITON_MAX_ROWS_PER_GROUP * w.shape[0]
+    if GMM_BACKEND in ("auto", "tma") and x.shape[0] > 0 and _tma_device(x):
         from . import _triton_tma
 
         if _triton_tma.supported(x, w):
