@@ -18,11 +18,11 @@ is used only when BK divides K, so a k-step never reads the next expert's rows.
 When the last tile of a group has at most BM/2 rows (half of the groups on a 512-row-per-expert
 layer), it runs a BM/2-row tile: half the tensor-core work on rows that would be thrown away.
 
-Measured on one H200 (an interleaved A/B script over 9 configs, bf16, top-k routing; TFLOP/s, this kernel vs
-``torch._grouped_mm``'s CUTLASS kernel in the same run): Qwen3-30B-A3B up 521-542 vs 509-511,
-down 482-489 vs 452-456, up dgrad 513-531 vs 486-495, down dgrad 509-520 vs 492-494; GPT-OSS up
-600-605 vs 564-584; Mixtral down 657-687 vs 649-651. (Weight gradients stay on CUTLASS: a TMA
-version of the 2Dx2D form was 5-15% slower.)
+Measured on one H200 (``examples/benchmark/gmm_ab.py``, 3 interleaved rounds, TFLOP/s, this
+kernel vs ``torch._grouped_mm``'s CUTLASS kernel): Qwen3-30B-A3B up 529 vs 502, down 484 vs 427,
+up dgrad 515 vs 486, down dgrad 509 vs 470; GPT-OSS up 601 vs 586, up dgrad 606 vs 564; Mixtral
+up 646 vs 624, down 599 vs 610 (the one shape where CUTLASS is ahead). Weight gradients stay on
+CUTLASS: a TMA version of the 2Dx2D form was 5-15% slower.
 """
 from __future__ import annotations
 

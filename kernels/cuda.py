@@ -7,9 +7,10 @@ What runs where (all sync-free: no .item()/.tolist()/nonzero, static launch shap
 
     route_permute              torch: int32 stable sort + searchsorted + scatter (no atomics)
     permute_rows               Triton gather (dropped rows written as 0)
-    grouped_mm  16-bit, sm90,  Triton TMA grouped GEMM (_triton_tma: bias in the epilogue; 2-28%
-                aligned        faster than CUTLASS, 4-8% faster than the pointer kernel on the
-                               benchmark layers) + one pass that zeros rows past offsets[-1]
+    grouped_mm  16-bit, sm90,  Triton TMA grouped GEMM (_triton_tma: bias in the epilogue; 0.98-1.13x
+                aligned        CUTLASS and 1.1-1.3x the pointer kernel on the benchmark layers'
+                               GEMMs, examples/benchmark/gmm_ab.py) + one pass that zeros rows
+                               past offsets[-1]
                 bf16, sm100,   torch._grouped_mm (CUTLASS, offsets stay on the device) + that
                 big groups     pass, which also adds the bias (big: more than
                                AUTO_TRITON_MAX_ROWS_PER_GROUP rows per expert on average)

@@ -1,0 +1,83 @@
+"""A/B of the grouped GEMM kernels on the forward and dgrad products of the benchmark layers.
+
+    python examples/benchmark/gmm_ab.py                 # all shapes, 3 interleaved rounds
+    python examples/benchmark/gmm_ab.py --rounds 5 --shapes qwen3_down mixtral_down
+
+Per shape and round, each kernel is timed right after the other (triton.testing.do_bench, median,
+L2 flushed), so clock drift between kernels is small; kernel-to-kernel differences of a few percent
+are below run-to-run noise otherwise. Kernels: "tma" = kernels/_triton_tma.py (what backend="moe"
+runs on sm90), "cutlass" = torch._grouped_mm, "pointer" = kernels/_triton_gmm.py. Routing is top-k
+of random logits (group sizes vary around T*k/E), operands bf16 random normal, fan-in scaled.
+Prints TFLOP/s per round and the median over rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+# name: (routed rows M = T*k, experts E, contraction K, output N, weight storage)
+# "nk": the nn.Linear layout [E, N, K] seen as [E, K, N] (forward); "kn": row-major [E, K, N] (dgrad)
+SHAPES = {
+    "qwen3_up": (65536, 128, 2048, 1536, "nk"),
+    "qwen3_down": (65536, 128, 768, 2048, "nk"),
+    "qwen3_up_dgrad": (65536, 128, 1536, 2048, "kn"),
+    "qwen3_down_dgrad": (65536, 128, 2048, 768, "kn"),
+    "gptoss_up": (32768, 32, 2880, 5760, "nk"),
+    "gptoss_up_dgrad": (32768, 32, 5760, 2880, "kn"),
+    "mixtral_up": (8192, 8, 4096, 28672, "nk"),
+    "mixtral_down": (8192, 8, 14336, 4096, "nk"),
+}
+
+
+def main():
+    import triton.testing as tt
+
+    from moe_compile.kernels import _triton_gmm, _triton_tma
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}")
+    kernels = {
+        "tma": lambda x, w, o: _triton_tma.grouped_mm(x, w, o),
+        "cutlass": lambda x, w, o: torch._grouped_mm(x, w, offs=o),
+        "pointer": lambda x, w, o: _triton_gmm.grouped_mm(x, w, o),
+    }
+    g = torch.Generator(device="cuda")
+    g.manual_seed(0)
+    table = {}
+    for name in args.shapes:
+        m, e, k, n, layout = SHAPES[name]
+        top_k = m // {128: 8192, 32: 8192, 8: 4096}[e]
+        ids = torch.randn(m // top_k, e, device="cuda", generator=g).topk(top_k, dim=-1).indices.reshape(-1)
+        offs = torch.cumsum(torch.bincount(ids, minlength=e), 0).to(torch.int32)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        if layout == "nk":
+            w = (torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k**-0.5).transpose(1, 2)
+        else:
+            w = torch.randn(e, k, n, device="cuda", dtype=torch.bfloat16, generator=g) * k**-0.5
+        ref = torch._grouped_mm(x, w, offs=offs).float()
+        for kname, fn in kernels.items():  # same function before timing it
+            err = ((fn(x, w, offs).float() - ref).norm() / ref.norm()).item()
+            assert err < 1e-2, (name, kname, err)
+        flop = 2.0 * m * k * n
+        for r in range(args.rounds):
+            for kname, fn in kernels.items():
+                ms = tt.do_bench(lambda: fn(x, w, offs), warmup=25, rep=150, return_mode="median")
+                table.setdefault((name, kname), []).append(flop / ms / 1e9)
+    print("\n| GEMM | " + " | ".join(f"{k} TFLOP/s (rounds)" for k in kernels) + " | tma / cutlass |")
+    print("|---|" + "---|" * (len(kernels) + 1))
+    for name in args.shapes:
+        cells = []
+        for kname in kernels:
+            v = table[(name, kname)]
+            cells.append(f"**{statistics.median(v):.0f}** ({', '.join(f'{x:.0f}' for x in v)})")
+        ratio = statistics.median(table[(name, "tma")]) / statistics.median(table[(name, "cutlass")])
+        print(f"| {name} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
