@@ -22,6 +22,39 @@ import triton.language as tl
 
 
 @triton.jit
+def group_tiles(offs_ptr, M, N, E, E_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Per-group row ranges and tile counts from ``offsets`` (module docstring's worked example):
+    (eidx, starts, counts, m_tiles, g_tiles, g_end, total)."""
+    eidx = tl.arange(0, E_P2)
+    emask = eidx < E
+    ends = tl.minimum(tl.load(offs_ptr + eidx, mask=emask, other=0), M)
+    starts = tl.minimum(tl.load(offs_ptr + eidx - 1, mask=emask & (eidx > 0), other=0), M)
+    counts = tl.where(emask, tl.maximum(ends - starts, 0), 0)
+    m_tiles = (counts + BM - 1) // BM
+    g_tiles = m_tiles * tl.cdiv(N, BN)
+    g_end = tl.cumsum(g_tiles, 0)
+    return eidx, starts, counts, m_tiles, g_tiles, g_end, tl.sum(g_tiles, 0)
+
+
+@triton.jit
+def tile_coords(tile, eidx, starts, counts, m_tiles, g_tiles, g_end, N, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Global tile index -> (group e, its first row, its end row, m-tile, n-tile), GROUP_M swizzle
+    inside the group."""
+    n_tiles = tl.cdiv(N, BN)
+    e = tl.sum((g_end <= tile).to(tl.int32), 0)
+    sel = eidx == e
+    g_first = tl.sum(tl.where(sel, g_end - g_tiles, 0), 0)
+    mt_e = tl.sum(tl.where(sel, m_tiles, 0), 0)
+    row_start = tl.sum(tl.where(sel, starts, 0), 0)
+    row_end = tl.sum(tl.where(sel, starts + counts, 0), 0)
+    local = tile - g_first
+    width = GROUP_M * n_tiles
+    first_m = (local // width) * GROUP_M
+    gsz = tl.minimum(mt_e - first_m, GROUP_M)
+    return e, row_start, row_end, first_m + (local % width) % gsz, (local % width) // gsz
+
+
+@triton.jit
 def _gmm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, offs_ptr, idx_ptr, wtab_ptr,
                 M, N, K, E,
                 sxm, sxk, swe, swk, swn, sbe, sym,
@@ -33,30 +66,10 @@ def _gmm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, offs_ptr, idx_ptr, wtab_ptr,
     x[idx[r] // TOP_K] (the permutation fused into the load); with W_TABLE, w[e] starts at the
     element offset wtab[e] from w_ptr (per-expert tensors read in place, e.g. ModuleList weights)."""
     pid = tl.program_id(0)
-    eidx = tl.arange(0, E_P2)
-    emask = eidx < E
-    ends = tl.minimum(tl.load(offs_ptr + eidx, mask=emask, other=0), M)
-    starts = tl.minimum(tl.load(offs_ptr + eidx - 1, mask=emask & (eidx > 0), other=0), M)
-    counts = tl.where(emask, tl.maximum(ends - starts, 0), 0)
-    n_tiles = tl.cdiv(N, BN)
-    m_tiles = (counts + BM - 1) // BM
-    g_tiles = m_tiles * n_tiles
-    g_end = tl.cumsum(g_tiles, 0)
-    total = tl.sum(g_tiles, 0)
+    eidx, starts, counts, m_tiles, g_tiles, g_end, total = group_tiles(offs_ptr, M, N, E, E_P2, BM, BN)
     for tile in range(pid, total, NUM_PROGS):
-        e = tl.sum((g_end <= tile).to(tl.int32), 0)
-        sel = eidx == e
-        g_first = tl.sum(tl.where(sel, g_end - g_tiles, 0), 0)
-        mt_e = tl.sum(tl.where(sel, m_tiles, 0), 0)
-        row_start = tl.sum(tl.where(sel, starts, 0), 0)
-        row_end = tl.sum(tl.where(sel, starts + counts, 0), 0)
-        local = tile - g_first
-        width = GROUP_M * n_tiles
-        first_m = (local // width) * GROUP_M
-        gsz = tl.minimum(mt_e - first_m, GROUP_M)
-        pid_m = first_m + (local % width) % gsz
-        pid_n = (local % width) // gsz
-
+        e, row_start, row_end, pid_m, pid_n = tile_coords(tile, eidx, starts, counts, m_tiles, g_tiles, g_end,
+                                                          N, BN, GROUP_M)
         rows = row_start + pid_m * BM + tl.arange(0, BM)
         rmask = rows < row_end
         cols = pid_n * BN + tl.arange(0, BN)

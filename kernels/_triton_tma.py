@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._triton_gmm import num_sms
+from ._triton_gmm import group_tiles, num_sms, tile_coords
 
 
 @triton.jit
@@ -53,12 +53,19 @@ def _load_b(b_desc, e, n0, k0, K, N, B_NK: tl.constexpr, B3D: tl.constexpr, BN: 
 
 
 @triton.jit
+def _with_bias(acc, bias_ptr, e, sbe, n0, N, HAS_BIAS: tl.constexpr, BN: tl.constexpr):
+    if HAS_BIAS:
+        cols = n0 + tl.arange(0, BN)
+        acc += tl.load(bias_ptr + e.to(tl.int64) * sbe + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
 def _store_masked(c_ptr, acc, bias_ptr, e, sbe, m0, n0, row_end, N, stride_cm, HAS_BIAS: tl.constexpr,
                   ROWS: tl.constexpr, BN: tl.constexpr):
     rows = m0 + tl.arange(0, ROWS)
     cols = n0 + tl.arange(0, BN)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + e.to(tl.int64) * sbe + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    acc = _with_bias(acc, bias_ptr, e, sbe, n0, N, HAS_BIAS, BN)
     tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=(rows < row_end)[:, None] & (cols < N)[None, :])
 
@@ -70,30 +77,11 @@ def _tma_gmm_kernel(a_desc, ah_desc, b_desc, c_desc, c_ptr, bias_ptr, offs_ptr, 
                     E_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
-    eidx = tl.arange(0, E_P2)
-    emask = eidx < E
-    ends = tl.minimum(tl.load(offs_ptr + eidx, mask=emask, other=0), M)
-    starts = tl.minimum(tl.load(offs_ptr + eidx - 1, mask=emask & (eidx > 0), other=0), M)
-    counts = tl.where(emask, tl.maximum(ends - starts, 0), 0)
-    n_tiles = tl.cdiv(N, BN)
-    m_tiles = (counts + BM - 1) // BM
-    g_tiles = m_tiles * n_tiles
-    g_end = tl.cumsum(g_tiles, 0)
-    total = tl.sum(g_tiles, 0)
+    eidx, starts, counts, m_tiles, g_tiles, g_end, total = group_tiles(offs_ptr, M, N, E, E_P2, BM, BN)
     k_tiles = tl.cdiv(K, BK)
     for tile in range(pid, total, num_progs):
-        e = tl.sum((g_end <= tile).to(tl.int32), 0)
-        sel = eidx == e
-        g_first = tl.sum(tl.where(sel, g_end - g_tiles, 0), 0)
-        mt_e = tl.sum(tl.where(sel, m_tiles, 0), 0)
-        row_start = tl.sum(tl.where(sel, starts, 0), 0)
-        row_end = tl.sum(tl.where(sel, starts + counts, 0), 0)
-        local = tile - g_first
-        width = GROUP_M * n_tiles
-        first_m = (local // width) * GROUP_M
-        gsz = tl.minimum(mt_e - first_m, GROUP_M)
-        pid_m = first_m + (local % width) % gsz
-        pid_n = (local % width) // gsz
+        e, row_start, row_end, pid_m, pid_n = tile_coords(tile, eidx, starts, counts, m_tiles, g_tiles, g_end,
+                                                          N, BN, GROUP_M)
         m0 = row_start + pid_m * BM
         n0 = pid_n * BN
         if HALF_TAIL and row_end - m0 <= BM // 2:
@@ -110,10 +98,7 @@ def _tma_gmm_kernel(a_desc, ah_desc, b_desc, c_desc, c_ptr, bias_ptr, offs_ptr, 
                 b = _load_b(b_desc, e, n0, ki * BK, K, N, B_NK, B3D, BN, BK)
                 acc = tl.dot(a, b, acc)
             if m0 + BM <= row_end:
-                if HAS_BIAS:
-                    cols = n0 + tl.arange(0, BN)
-                    acc += tl.load(bias_ptr + e.to(tl.int64) * sbe + cols, mask=cols < N,
-                                   other=0.0).to(tl.float32)[None, :]
+                acc = _with_bias(acc, bias_ptr, e, sbe, n0, N, HAS_BIAS, BN)
                 c_desc.store([m0, n0], acc.to(c_ptr.dtype.element_ty))
             else:
                 _store_masked(c_ptr, acc, bias_ptr, e, sbe, m0, n0, row_end, N, stride_cm, HAS_BIAS, BM, BN)

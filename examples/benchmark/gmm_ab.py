@@ -17,17 +17,17 @@ import statistics
 
 import torch
 
-# name: (routed rows M = T*k, experts E, contraction K, output N, weight storage)
+# name: (tokens T, top-k, experts E, contraction K, output N, weight storage); routed rows M = T*k.
 # "nk": the nn.Linear layout [E, N, K] seen as [E, K, N] (forward); "kn": row-major [E, K, N] (dgrad)
 SHAPES = {
-    "qwen3_up": (65536, 128, 2048, 1536, "nk"),
-    "qwen3_down": (65536, 128, 768, 2048, "nk"),
-    "qwen3_up_dgrad": (65536, 128, 1536, 2048, "kn"),
-    "qwen3_down_dgrad": (65536, 128, 2048, 768, "kn"),
-    "gptoss_up": (32768, 32, 2880, 5760, "nk"),
-    "gptoss_up_dgrad": (32768, 32, 5760, 2880, "kn"),
-    "mixtral_up": (8192, 8, 4096, 28672, "nk"),
-    "mixtral_down": (8192, 8, 14336, 4096, "nk"),
+    "qwen3_up": (8192, 8, 128, 2048, 1536, "nk"),
+    "qwen3_down": (8192, 8, 128, 768, 2048, "nk"),
+    "qwen3_up_dgrad": (8192, 8, 128, 1536, 2048, "kn"),
+    "qwen3_down_dgrad": (8192, 8, 128, 2048, 768, "kn"),
+    "gptoss_up": (8192, 4, 32, 2880, 5760, "nk"),
+    "gptoss_up_dgrad": (8192, 4, 32, 5760, 2880, "kn"),
+    "mixtral_up": (4096, 2, 8, 4096, 28672, "nk"),
+    "mixtral_down": (4096, 2, 8, 14336, 4096, "nk"),
 }
 
 
@@ -50,9 +50,9 @@ def main():
     g.manual_seed(0)
     table = {}
     for name in args.shapes:
-        m, e, k, n, layout = SHAPES[name]
-        top_k = m // {128: 8192, 32: 8192, 8: 4096}[e]
-        ids = torch.randn(m // top_k, e, device="cuda", generator=g).topk(top_k, dim=-1).indices.reshape(-1)
+        t, top_k, e, k, n, layout = SHAPES[name]
+        m = t * top_k
+        ids = torch.randn(t, e, device="cuda", generator=g).topk(top_k, dim=-1).indices.reshape(-1)
         offs = torch.cumsum(torch.bincount(ids, minlength=e), 0).to(torch.int32)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
         if layout == "nk":

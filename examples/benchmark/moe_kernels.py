@@ -57,28 +57,22 @@ def run(name: str, shape, steps: int = 10):
     dout = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
     B = 2  # bytes per bf16 element
 
-    def gmm_triton(xx, ww):
-        old, kcuda.GMM_BACKEND = kcuda.GMM_BACKEND, "triton"
-        try:
-            return kcuda.grouped_mm(xx, ww, offs)
-        finally:
-            kcuda.GMM_BACKEND = old
+    from moe_compile.kernels import _triton_tma
 
-    def gmm_tma(xx, ww):  # the TMA kernel whatever the group size
-        old, kcuda.GMM_BACKEND = kcuda.GMM_BACKEND, "tma"
-        try:
-            return kcuda.grouped_mm(xx, ww, offs)
-        finally:
-            kcuda.GMM_BACKEND = old
+    def gmm_with(mod, attr, value):
+        """kcuda.grouped_mm with ``mod.attr = value`` for the call (kernel choice, last-tile height)."""
+        def fn(xx, ww):
+            old = getattr(mod, attr)
+            setattr(mod, attr, value)
+            try:
+                return kcuda.grouped_mm(xx, ww, offs)
+            finally:
+                setattr(mod, attr, old)
+        return fn
 
-    def gmm_tma_full_tail(xx, ww):  # the TMA kernel without its half-height last tile
-        from moe_compile.kernels import _triton_tma
-
-        old, _triton_tma.HALF_TAIL = _triton_tma.HALF_TAIL, False
-        try:
-            return kcuda.grouped_mm(xx, ww, offs)
-        finally:
-            _triton_tma.HALF_TAIL = old
+    gmm_triton = gmm_with(kcuda, "GMM_BACKEND", "triton")
+    gmm_tma = gmm_with(kcuda, "GMM_BACKEND", "tma")  # the TMA kernel whatever the group size
+    gmm_tma_full_tail = gmm_with(_triton_tma, "HALF_TAIL", False)  # without its half-height last tile
 
     cases = [  # (op, fn, flop, bytes)
         ("route_permute", lambda: kcuda.route_permute(ids, e), 0, n * 8 + 2 * n * 8 + e * 4),
