@@ -9,6 +9,7 @@ grid, no host sync, CUDA-graph safe); what differs is how tiles move:
     B tile   w[e][k0 : k0+BK, n0 : n0+BN]      TMA load   (descriptor over w's storage, 2-D or 3-D)
     C tile   full tile of the group            TMA store  (descriptor over y [M, N])
              last tile of a group              masked stores (rows < group end, cols < N)
+             rows past the last group's end    zeros, masked stores (after the tile loop)
 
 Rows an A tile reads past its group's end belong to the next group (or are zero-filled past M):
 they only feed output rows that are never stored. Weight tiles of the 2-D [E*N, K] view that run
@@ -102,6 +103,14 @@ def _tma_gmm_kernel(a_desc, ah_desc, b_desc, c_desc, c_ptr, bias_ptr, offs_ptr, 
                 c_desc.store([m0, n0], acc.to(c_ptr.dtype.element_ty))
             else:
                 _store_masked(c_ptr, acc, bias_ptr, e, sbe, m0, n0, row_end, N, stride_cm, HAS_BIAS, BM, BN)
+    # rows past the last group's end belong to no expert: zeroed here rather than by a second launch
+    tail0 = tl.max(starts + counts, 0)
+    n_tiles = tl.cdiv(N, BN)
+    for zt in range(pid, tl.cdiv(M - tail0, BM) * n_tiles, num_progs):
+        rows = tail0 + (zt // n_tiles) * BM + tl.arange(0, BM)
+        cols = (zt % n_tiles) * BN + tl.arange(0, BN)
+        tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :],
+                 tl.zeros((BM, BN), dtype=c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
 
 
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -137,7 +146,7 @@ def _config(n: int) -> dict:
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """[M, N] = per-group x @ w[e] (+ bias[e]); rows past offsets[-1] are NOT written here.
+    """[M, N] = per-group x @ w[e] (+ bias[e]); rows past offsets[-1] are 0.
 
     Needs ``supported(x, w)`` and int32 offsets on x's device.
     """

@@ -127,7 +127,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: to
         from . import _triton_tma
 
         if _triton_tma.supported(x, w):
-            return _triton_moe.rows_fixup(_triton_tma.grouped_mm(x, w, offsets, bias), offsets, None)
+            return _triton_tma.grouped_mm(x, w, offsets, bias)  # zeroes rows past offsets[-1] itself
     if large and GMM_BACKEND != "tma" and _use_cutlass(x, w) and w.shape[2] % 8 == 0 and x.shape[0] > 0:
         y = torch._grouped_mm(x, w, offs=offsets)
         if y.stride(-1) != 1 or y.stride(0) != y.shape[1]:  # padded rows: never expected for N % 8 == 0

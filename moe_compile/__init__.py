@@ -2,13 +2,14 @@
 
     model = torch.compile(model, backend="moe")          # no import needed (entry point)
     report = moe_compile.explain(model, inputs)          # what was matched / rewritten / refused
+    with moe_compile.compiled_backward(): loss.backward()  # one compiled backward (ModuleList experts)
 
 Importing this package is cheap: it initialises neither CUDA nor Triton and changes no global
 torch configuration.
 """
 from .config import MoEConfig
 
-__all__ = ["MoEConfig", "Report", "counters", "explain", "moe_backend"]
+__all__ = ["MoEConfig", "Report", "compiled_backward", "counters", "explain", "moe_backend"]
 __version__ = "0.1.0"
 
 
@@ -19,6 +20,9 @@ def __getattr__(name):  # lazy: keep `import moe_compile` light
     if name == "counters":  # rewritten / rejected region counts, process-wide
         from .pipeline import counters
         return counters
+    if name == "compiled_backward":
+        from .autograd import compiled_backward
+        return compiled_backward
     if name in ("explain", "Report"):
         from . import report
         return getattr(report, name)

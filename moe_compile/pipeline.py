@@ -154,9 +154,10 @@ def _list_weight_note(gm: fx.GraphModule) -> tuple[str, ...]:
         return ()
     return (f"{n} per-expert weight tensors enter the compiled graph one by one (ModuleList experts): guards, "
             "autograd and gradient accumulation cost host time for each on every step (~10 us each); if the step is "
-            "host-bound, mode=\"reduce-overhead\" (CUDA graphs) hides the kernel launches, and storing each "
-            "projection's experts as one 3-D parameter [E, N, K] (as transformers 5 does) removes the per-parameter "
-            "cost (docs/benchmarks.md)",)
+            "host-bound, mode=\"reduce-overhead\" (CUDA graphs) hides the kernel launches, "
+            "`with moe_compile.compiled_backward(): loss.backward()` runs the backward and its per-parameter "
+            "gradient accumulation as one compiled graph, and storing each projection's experts as one 3-D "
+            "parameter [E, N, K] (as transformers 5 does) removes the per-parameter cost (docs/benchmarks.md)",)
 
 
 def _count(records):

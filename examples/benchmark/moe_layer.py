@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import gc
 import json
 import math
@@ -33,7 +34,7 @@ SHAPES = {  # name: (T, H, I, E, k)
 }
 LABELS = {"qwen3": "Qwen3-30B-A3B", "gptoss": "GPT-OSS-20B-like", "mixtral": "Mixtral-8x7B", "dsv3": "DeepSeek-V3-like"}
 ANCHORS = ("loop_eager", "loop_inductor", "hf_eager", "hf_inductor")
-VARIANTS = ANCHORS + ("loop_moe", "hf_moe", "ops_eager", "ops_inductor", "ops_lowp_inductor", "loop_moe_cg", "hf_moe_cg")
+VARIANTS = ANCHORS + ("loop_moe", "hf_moe", "ops_eager", "ops_inductor", "ops_lowp_inductor", "loop_moe_cg", "hf_moe_cg", "loop_moe_ca")
 SLOW = ("loop_inductor",)  # stock Inductor on the per-expert loop: minutes of compile, graph breaks
 
 
@@ -158,7 +159,7 @@ def build(variant, shape, moe_options=None):
     wrap = _hf_call if variant.startswith("hf") else (lambda m: m)
     if variant.endswith("_inductor"):
         return model, torch.compile(wrap(model))
-    if variant.endswith("_moe"):
+    if variant.endswith("_moe") or variant.endswith("_moe_ca"):  # _ca: + compiled_backward (run_variant)
         return model, torch.compile(wrap(model), backend="moe", options=moe_options)
     if variant.endswith("_moe_cg"):  # + CUDA graphs (Inductor cudagraph trees): no per-kernel launch cost
         return model, torch.compile(wrap(model), backend="moe", options={**(moe_options or {}), "triton.cudagraphs": True})
@@ -204,21 +205,25 @@ def run_variant(variant, shape, steps, warmup, profile=False, moe_options=None):
     params = list(model.parameters())
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    import moe_compile
+
+    # _ca: the backward through compiled autograd (one compiled graph instead of an engine node per parameter)
+    backward_ctx = moe_compile.compiled_backward if variant.endswith("_ca") else contextlib.nullcontext
 
     def fwd_bwd():
         for p in params:  # what optimizer.zero_grad() does (model.zero_grad() walks every submodule)
             p.grad = None
         x.grad = None
         torch.compiler.cudagraph_mark_step_begin()
-        fn(x).backward(g)
+        y = fn(x)
+        with backward_ctx():
+            y.backward(g)
 
     def fwd():
         torch.compiler.cudagraph_mark_step_begin()
         fn(x)
 
     res = {}
-    import moe_compile
-
     rewritten0 = moe_compile.counters["rewritten"]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
