@@ -5,6 +5,7 @@ Legend: T tokens, K top-k, E experts, H model width, I expert width.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -90,13 +91,14 @@ def _run(fn, args, module=None):
 
 def check_compiled(fn, args, *, expect_rewritten: int, expect_rejected: int = 0, rel: float | None = None,
                    grad_rel: float | None = None, inductor: bool = False, options: dict | None = None,
-                   fresh_inputs: int = 1, grads: bool = True):
+                   fresh_inputs: int = 1, grads: bool = True, compiled_ctx=contextlib.nullcontext):
     """Compile a deep copy of ``fn`` with backend="moe" and compare it with eager ``fn``.
 
     Outputs and every gradient (inputs that require grad and all parameters) must match on ``args``
     and on ``fresh_inputs`` further sets of fresh random inputs of the same shapes; the backend's
     counters must show exactly ``expect_rewritten`` rewritten and ``expect_rejected`` refused regions
-    (so a rewrite that silently did not fire fails). Returns the counter deltas.
+    (so a rewrite that silently did not fire fails). The compiled side's forward and backward run
+    inside ``compiled_ctx()`` (e.g. ``moe_compile.compiled_backward``). Returns the counter deltas.
     """
     torch._dynamo.reset()
     dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), torch.float32)
@@ -115,8 +117,9 @@ def check_compiled(fn, args, *, expect_rewritten: int, expect_rejected: int = 0,
             eager.zero_grad(set_to_none=True)
             compiled_src.zero_grad(set_to_none=True)
         ref_out, ref_g = _run(eager, _clone_args(a))
-        got_out, got_g = _run(compiled, _clone_args(a),
-                              module=compiled_src if isinstance(fn, nn.Module) else None)
+        with compiled_ctx():
+            got_out, got_g = _run(compiled, _clone_args(a),
+                                  module=compiled_src if isinstance(fn, nn.Module) else None)
         for i, (g, r) in enumerate(zip(got_out, ref_out)):
             assert_close_rel(g, r, rel, f"input set {n}: output {i}")
         assert len(got_out) == len(ref_out)

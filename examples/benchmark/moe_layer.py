@@ -159,7 +159,7 @@ def build(variant, shape, moe_options=None):
     wrap = _hf_call if variant.startswith("hf") else (lambda m: m)
     if variant.endswith("_inductor"):
         return model, torch.compile(wrap(model))
-    if variant.endswith("_moe") or variant.endswith("_moe_ca"):  # _ca: + compiled_backward (run_variant)
+    if variant.endswith(("_moe", "_moe_ca")):  # _ca: + compiled_backward (run_variant)
         return model, torch.compile(wrap(model), backend="moe", options=moe_options)
     if variant.endswith("_moe_cg"):  # + CUDA graphs (Inductor cudagraph trees): no per-kernel launch cost
         return model, torch.compile(wrap(model), backend="moe", options={**(moe_options or {}), "triton.cudagraphs": True})
