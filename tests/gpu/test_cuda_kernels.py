@@ -368,3 +368,42 @@ def test_swiglu_kernels(m, n, dtype, gen):
     assert rel(dh, reference.swiglu_backward(h, da)) <= tol
     hs = rand((m, 4 * n), dtype, gen)[:, ::2]  # a strided h is accepted (copied once)
     assert rel(kcuda.swiglu(hs), reference.swiglu(hs)) <= tol
+
+
+# ----------------------------------------------------- SwiGLU in the TMA GEMM's epilogue (A/B only)
+# Not used by the rewrite (measured slower or within noise: examples/benchmark/fusion_ab.py,
+# docs/benchmarks.md); tested so that the A/B measures correct kernels.
+@pytest.mark.parametrize("sub", [1, 2])
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_tma_swiglu_epilogues(shape, routing, sub, gen, monkeypatch):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the TMA grouped GEMM is built for sm90")
+    from moe_compile.kernels import _triton_tma as tma
+
+    monkeypatch.setattr(tma, "EPI_SUB", sub)
+    t, k, e, hd, n = shape
+    ids = make_ids(t, k, e, routing, gen)
+    _, _, offsets = kcuda.route_permute(ids, e)
+    m, dt = t * k, torch.bfloat16
+    kept = total_rows(offsets)
+    x, dy = rand((m, hd), dt, gen), rand((m, hd), dt, gen)
+    for layout in ("nk", "kn"):
+        if layout == "nk":  # nn.Linear storage [E, 2N, H] / [E, H, N] seen through a transpose
+            w_up = rand((e, 2 * n, hd), dt, gen, hd**-0.5).transpose(1, 2)
+            w_dn = rand((e, n, hd), dt, gen, hd**-0.5).transpose(1, 2)
+        else:
+            w_up, w_dn = rand((e, hd, 2 * n), dt, gen, hd**-0.5), rand((e, hd, n), dt, gen, hd**-0.5)
+        assert tma.swiglu_supported(x, w_up) and tma.supported(dy, w_dn)
+        poison(((m, 2 * n), dt), ((m, n), dt))
+        a, h = tma.grouped_mm_swiglu(x, w_up, offsets)
+        poison(((m, 2 * n), dt))
+        dh = tma.grouped_mm_dswiglu(dy, w_dn, offsets, h)
+        for out in (a, h, dh):
+            assert not out.isnan().any()
+            assert out[kept:].eq(0).all()
+        assert rel(h, reference.grouped_mm(x, w_up, offsets)) <= BF16_GEMM_REL
+        assert rel(a, reference.swiglu(h)) <= BF16_ACT_REL  # from the rounded h, as the unfused op
+        # dh from the fp32 da (never rounded to bf16 in the fused kernel)
+        da = reference.grouped_mm(dy.float(), w_dn.float(), offsets)
+        assert rel(dh, reference.swiglu_backward(h.float(), da)) <= BF16_GEMM_REL
