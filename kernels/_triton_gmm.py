@@ -176,10 +176,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: to
     With ``gather_idx`` (the route permutation), A row r is x[gather_idx[r] // top_k] and M is
     ``num_rows`` (= gather_idx.numel()): the gather fused into the A-load, kept for
     ``examples/benchmark/fusion_ab.py`` (21-28% slower on an H200 than permute_rows plus the TMA
-    kernel, and in training the weight gradient needs the gathered rows anyway). With ``w_table`` (int64 [E] element offsets, multiples of
-    8; device memory or pinned host memory, which the kernel reads through unified addressing),
-    ``w`` is expert 0's [K, N] weight giving dtype and strides, and expert e starts at
-    ``w.data_ptr() + w_table[e] * w.element_size()``.
+    kernel, and in training the weight gradient needs the gathered rows anyway). With ``w_table``
+    (int64 [E] element offsets, multiples of 8; device memory or pinned host memory, which the
+    kernel reads through unified addressing), ``w`` is expert 0's [K, N] weight giving dtype and
+    strides, and expert e starts at ``w.data_ptr() + w_table[e] * w.element_size()``.
     """
     m = num_rows if num_rows is not None else x.shape[0]
     if w_table is not None:

@@ -255,6 +255,19 @@ def wgrad_finish(src: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtyp
 
 # ----------------------------------------------------------------------------------- swiglu
 @triton.jit
+def silu_mul(g, u):
+    """silu(g) * u, in the precision of g and u (fp32 here and in the TMA GEMM's epilogue)."""
+    return g * tl.sigmoid(g) * u
+
+
+@triton.jit
+def swiglu_grads(g, u, d):
+    """(dL/dg, dL/du) of d-weighted silu(g) * u: (d * u * silu'(g), d * silu(g)), silu'(g) = s + g s (1 - s)."""
+    s = tl.sigmoid(g)
+    return d * u * (s + g * s * (1.0 - s)), d * g * s
+
+
+@triton.jit
 def _swiglu_kernel(h_ptr, a_ptr, M, N, sh, sa, BM: tl.constexpr, BN: tl.constexpr):
     """a[r, c] = silu(h[r, c]) * h[r, N + c], fp32 math, one rounding."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -263,7 +276,7 @@ def _swiglu_kernel(h_ptr, a_ptr, M, N, sh, sa, BM: tl.constexpr, BN: tl.constexp
     base = h_ptr + rows.to(tl.int64)[:, None] * sh + cols[None, :]
     g = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(base + N, mask=mask, other=0.0).to(tl.float32)
-    a = g * tl.sigmoid(g) * u
+    a = silu_mul(g, u)
     tl.store(a_ptr + rows.to(tl.int64)[:, None] * sa + cols[None, :], a.to(a_ptr.dtype.element_ty), mask=mask)
 
 
@@ -278,9 +291,7 @@ def _swiglu_bwd_kernel(h_ptr, da_ptr, dh_ptr, M, N, sh, sda, sdh, BM: tl.constex
     g = tl.load(hb, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(hb + N, mask=mask, other=0.0).to(tl.float32)
     d = tl.load(da_ptr + r64 * sda + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = tl.sigmoid(g)
-    dg = d * u * (s + g * s * (1.0 - s))
-    du = d * g * s
+    dg, du = swiglu_grads(g, u, d)
     ob = dh_ptr + r64 * sdh + cols[None, :]
     tl.store(ob, dg.to(dh_ptr.dtype.element_ty), mask=mask)
     tl.store(ob + N, du.to(dh_ptr.dtype.element_ty), mask=mask)

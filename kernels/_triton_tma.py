@@ -41,6 +41,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._triton_gmm import group_tiles, num_sms, tile_coords
+from ._triton_moe import silu_mul, swiglu_grads
 
 
 @triton.jit
@@ -112,8 +113,7 @@ def _swiglu_fwd_part(g_acc, u_acc, c_desc, c_ptr, g_desc, u_desc, h_ptr, m0, n0,
     u = u_acc.to(h_ptr.dtype.element_ty)
     _put(g_desc, h_ptr, g, m0, n0, row_end, N, stride_h, FULL, ROWS, BN)
     _put(u_desc, h_ptr + N, u, m0, n0, row_end, N, stride_h, FULL, ROWS, BN)
-    gf = g.to(tl.float32)
-    _put(c_desc, c_ptr, gf * tl.sigmoid(gf) * u.to(tl.float32), m0, n0, row_end, N, stride_cm, FULL, ROWS, BN)
+    _put(c_desc, c_ptr, silu_mul(g.to(tl.float32), u.to(tl.float32)), m0, n0, row_end, N, stride_cm, FULL, ROWS, BN)
 
 
 @triton.jit
@@ -121,9 +121,9 @@ def _swiglu_bwd_part(da, g_desc, u_desc, c_ptr, h_ptr, m0, n0, row_end, N, strid
                      FULL: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr):
     g = _get(h_ptr, m0, n0, row_end, N, stride_h, ROWS, BN)
     u = _get(h_ptr + N, m0, n0, row_end, N, stride_h, ROWS, BN)
-    s = tl.sigmoid(g)
-    _put(g_desc, c_ptr, da * u * (s + g * s * (1.0 - s)), m0, n0, row_end, N, stride_cm, FULL, ROWS, BN)
-    _put(u_desc, c_ptr + N, da * g * s, m0, n0, row_end, N, stride_cm, FULL, ROWS, BN)
+    dg, du = swiglu_grads(g, u, da)
+    _put(g_desc, c_ptr, dg, m0, n0, row_end, N, stride_cm, FULL, ROWS, BN)
+    _put(u_desc, c_ptr + N, du, m0, n0, row_end, N, stride_cm, FULL, ROWS, BN)
 
 
 @triton.jit
@@ -204,13 +204,9 @@ def _tma_gmm_kernel(a_desc, ah_desc, b_desc, c_desc, c_ptr, g_desc, u_desc, h_pt
                           stride_cm, stride_h, EPI, HAS_BIAS, False, SUB, BM, BN)
     # rows past the last group's end belong to no expert: zeroed here rather than by a second launch
     tail0 = tl.max(starts + counts, 0)
-    if EPI == 0:
-        _zero_rows(c_ptr, tail0, M, N, stride_cm, pid, num_progs, BM, BN)
-    elif EPI == 1:
-        _zero_rows(c_ptr, tail0, M, N, stride_cm, pid, num_progs, BM, BN)
+    _zero_rows(c_ptr, tail0, M, 2 * N if EPI == 2 else N, stride_cm, pid, num_progs, BM, BN)  # dh is [M, 2N]
+    if EPI == 1:
         _zero_rows(h_ptr, tail0, M, 2 * N, stride_h, pid, num_progs, BM, BN)
-    else:
-        _zero_rows(c_ptr, tail0, M, 2 * N, stride_cm, pid, num_progs, BM, BN)
 
 
 _DTYPES = (torch.bfloat16, torch.float16)

@@ -7,12 +7,12 @@ What runs where (all sync-free: no .item()/.tolist()/nonzero, static launch shap
 
     route_permute              torch: int32 stable sort + searchsorted + scatter (no atomics)
     permute_rows               Triton gather (dropped rows written as 0)
-    grouped_mm  16-bit, sm90,  Triton TMA grouped GEMM (_triton_tma: bias in the epilogue; 0.98-1.13x
-                aligned        CUTLASS and 1.1-1.3x the pointer kernel on the benchmark layers'
-                               GEMMs, examples/benchmark/gmm_ab.py) + one pass that zeros rows
-                               past offsets[-1]
-                bf16, sm100,   torch._grouped_mm (CUTLASS, offsets stay on the device) + that
-                big groups     pass, which also adds the bias (big: more than
+    grouped_mm  16-bit, sm90,  Triton TMA grouped GEMM (_triton_tma: bias in the epilogue, rows past
+                aligned        offsets[-1] zeroed in the same launch; 0.98-1.13x CUTLASS and 1.1-1.3x
+                               the pointer kernel on the benchmark layers' GEMMs,
+                               examples/benchmark/gmm_ab.py)
+                bf16, sm100,   torch._grouped_mm (CUTLASS, offsets stay on the device) + one pass
+                big groups     that zeros rows past offsets[-1] and adds the bias (big: more than
                                AUTO_TRITON_MAX_ROWS_PER_GROUP rows per expert on average)
                 otherwise      Triton persistent grouped GEMM (fp32 via tf32x3 / tf32 following
                                torch.get_float32_matmul_precision()), bias in the epilogue

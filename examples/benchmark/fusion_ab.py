@@ -21,7 +21,6 @@ why the rewrite keeps the unfused kernels.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
@@ -37,17 +36,9 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert err < TOLERANCE, f"fusion_ab: {what} differs from its unfused pair (relative error {err:.3g})"
 
 
-def _with_sub(tma, sub, fn):
-    def run():
-        old, tma.EPI_SUB = tma.EPI_SUB, sub
-        try:
-            return fn()
-        finally:
-            tma.EPI_SUB = old
-    return run
-
-
 def cases(name: str, g: torch.Generator) -> dict:
+    from ab import with_attr
+
     from moe_compile.kernels import _triton_gmm, _triton_moe, _triton_tma as tma, cuda
 
     t, k, e, hd, i = SHAPES[name]
@@ -67,14 +58,20 @@ def cases(name: str, g: torch.Generator) -> dict:
     n_routed = int(off[-1])  # setup only: rows past the last group are not written by this kernel
     _close(yg[:n_routed], tma.grouped_mm(xp, w_up, off)[:n_routed], "gather-fused up GEMM")
     up_flop, dn_flop = 2.0 * t * k * hd * 2 * i, 2.0 * t * k * hd * i
-    return {
+
+    def up_fused():
+        return tma.grouped_mm_swiglu(xp, w_up, off)
+
+    def dn_fused():
+        return tma.grouped_mm_dswiglu(dy, w_dn_t, off, h)
+
+    return {  # product: (FLOP, what runs, {fused variant: fn})
         "up + SwiGLU": (up_flop, lambda: _triton_moe.swiglu(tma.grouped_mm(xp, w_up, off)),
-                        {"epilogue": _with_sub(tma, 1, lambda: tma.grouped_mm_swiglu(xp, w_up, off)),
-                         "epilogue sub2": _with_sub(tma, 2, lambda: tma.grouped_mm_swiglu(xp, w_up, off))}),
+                        {"epilogue": with_attr(tma, "EPI_SUB", 1, up_fused),
+                         "epilogue sub2": with_attr(tma, "EPI_SUB", 2, up_fused)}),
         "down dgrad + dSwiGLU": (dn_flop, lambda: _triton_moe.swiglu_backward(h, tma.grouped_mm(dy, w_dn_t, off)),
-                                 {"epilogue": _with_sub(tma, 1, lambda: tma.grouped_mm_dswiglu(dy, w_dn_t, off, h)),
-                                  "epilogue sub2": _with_sub(tma, 2, lambda: tma.grouped_mm_dswiglu(dy, w_dn_t, off,
-                                                                                                   h))}),
+                                 {"epilogue": with_attr(tma, "EPI_SUB", 1, dn_fused),
+                                  "epilogue sub2": with_attr(tma, "EPI_SUB", 2, dn_fused)}),
         "gather + up": (up_flop, lambda: tma.grouped_mm(_triton_moe.permute_rows(x, perm, off, k), w_up, off),
                         {"pointer, gather in A-load": lambda: _triton_gmm.grouped_mm(
                             x, w_up, off, gather_idx=perm, top_k=k, num_rows=perm.numel())}),
@@ -82,37 +79,27 @@ def cases(name: str, g: torch.Generator) -> dict:
 
 
 def main():
-    import triton.testing as tt
+    from ab import cell, header, interleave, parse_args
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--rounds", type=int, default=3)
-    args = ap.parse_args()
-    import triton
-
-    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    args = parse_args(SHAPES)
+    header()
     g = torch.Generator(device="cuda")
     g.manual_seed(0)
     rows = []
     for name in args.shapes:
         cs = cases(name, g)
-        times: dict = {}
-        for _ in range(args.rounds):
-            for op, (_, base, fused) in cs.items():
-                for label, fn in [("unfused", base), *fused.items()]:
-                    ms = tt.do_bench(fn, warmup=10, rep=100, return_mode="median")
-                    times.setdefault((op, label), []).append(ms)
+        fns = {(op, label): fn for op, (_, base, fused) in cs.items()
+               for label, fn in [("unfused", base), *fused.items()]}
+        times = interleave(fns, args.rounds, warmup=10, rep=100)
         for op, (flop, _, fused) in cs.items():
             base = statistics.median(times[(op, "unfused")])
             for label in ["unfused", *fused]:
-                v = times[(op, label)]
-                med = statistics.median(v)
-                rows.append((name, op, label, med, ", ".join(f"{x:.3f}" for x in v), flop / med / 1e9, med / base))
+                med, rounds = cell(times[(op, label)], ".3f")
+                rows.append((name, op, label, med, rounds, flop / med / 1e9, med / base))
     print("\n| shape | product | kernel | ms (median) | rounds | TFLOP/s | vs unfused |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.3f} | {r[4]} | {r[5]:.0f} | {r[6]:.2f}x |")
-
 
 if __name__ == "__main__":
     main()

@@ -12,9 +12,6 @@ Prints TFLOP/s per round and the median over rounds.
 """
 from __future__ import annotations
 
-import argparse
-import statistics
-
 import torch
 
 # name: (tokens T, top-k, experts E, contraction K, output N, weight storage); routed rows M = T*k.
@@ -32,15 +29,12 @@ SHAPES = {
 
 
 def main():
-    import triton.testing as tt
+    from ab import cell, header, interleave, parse_args
 
     from moe_compile.kernels import _triton_gmm, _triton_tma
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--rounds", type=int, default=3)
-    args = ap.parse_args()
-    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}")
+    args = parse_args(SHAPES)
+    header()
     kernels = {
         "tma": lambda x, w, o: _triton_tma.grouped_mm(x, w, o),
         "cutlass": lambda x, w, o: torch._grouped_mm(x, w, offs=o),
@@ -64,20 +58,16 @@ def main():
             err = ((fn(x, w, offs).float() - ref).norm() / ref.norm()).item()
             assert err < 1e-2, (name, kname, err)
         flop = 2.0 * m * k * n
-        for r in range(args.rounds):
-            for kname, fn in kernels.items():
-                ms = tt.do_bench(lambda: fn(x, w, offs), warmup=25, rep=150, return_mode="median")
-                table.setdefault((name, kname), []).append(flop / ms / 1e9)
+        times = interleave({kname: (lambda fn=fn: fn(x, w, offs)) for kname, fn in kernels.items()},
+                           args.rounds, warmup=25, rep=150)
+        for kname, ms in times.items():
+            table[(name, kname)] = [flop / r / 1e9 for r in ms]
     print("\n| GEMM | " + " | ".join(f"{k} TFLOP/s (rounds)" for k in kernels) + " | tma / cutlass |")
     print("|---|" + "---|" * (len(kernels) + 1))
     for name in args.shapes:
-        cells = []
-        for kname in kernels:
-            v = table[(name, kname)]
-            cells.append(f"**{statistics.median(v):.0f}** ({', '.join(f'{x:.0f}' for x in v)})")
-        ratio = statistics.median(table[(name, "tma")]) / statistics.median(table[(name, "cutlass")])
-        print(f"| {name} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
-
+        meds = {kname: cell(table[(name, kname)]) for kname in kernels}
+        cells = [f"**{med:.0f}** ({rounds})" for med, rounds in meds.values()]
+        print(f"| {name} | " + " | ".join(cells) + f" | {meds['tma'][0] / meds['cutlass'][0]:.2f}x |")
 
 if __name__ == "__main__":
     main()

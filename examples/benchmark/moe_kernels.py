@@ -57,22 +57,16 @@ def run(name: str, shape, steps: int = 10):
     dout = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
     B = 2  # bytes per bf16 element
 
+    from ab import with_attr
+
     from moe_compile.kernels import _triton_tma
 
-    def gmm_with(mod, attr, value):
-        """kcuda.grouped_mm with ``mod.attr = value`` for the call (kernel choice, last-tile height)."""
-        def fn(xx, ww):
-            old = getattr(mod, attr)
-            setattr(mod, attr, value)
-            try:
-                return kcuda.grouped_mm(xx, ww, offs)
-            finally:
-                setattr(mod, attr, old)
-        return fn
+    def gmm(xx, ww):
+        return kcuda.grouped_mm(xx, ww, offs)
 
-    gmm_triton = gmm_with(kcuda, "GMM_BACKEND", "triton")
-    gmm_tma = gmm_with(kcuda, "GMM_BACKEND", "tma")  # the TMA kernel whatever the group size
-    gmm_tma_full_tail = gmm_with(_triton_tma, "HALF_TAIL", False)  # without its half-height last tile
+    gmm_triton = with_attr(kcuda, "GMM_BACKEND", "triton", gmm)
+    gmm_tma = with_attr(kcuda, "GMM_BACKEND", "tma", gmm)  # the TMA kernel whatever the group size
+    gmm_tma_full_tail = with_attr(_triton_tma, "HALF_TAIL", False, gmm)  # without its half-height last tile
 
     cases = [  # (op, fn, flop, bytes)
         ("route_permute", lambda: kcuda.route_permute(ids, e), 0, n * 8 + 2 * n * 8 + e * 4),
