@@ -226,9 +226,22 @@ def lower_moe_region(gm: fx.GraphModule, region: MoERegion) -> None:
 def _finish(gm: fx.GraphModule, region: MoERegion) -> None:
     g = gm.graph
     _erase_region_asserts(g)
-    g.eliminate_dead_code(is_impure_node=_is_impure)
+    eliminate_dead_code(g)
     g.lint()
     gm.recompile()
+
+
+def eliminate_dead_code(g: fx.Graph) -> None:
+    """Erase nodes without users that ``_is_impure`` calls pure, in this graph only.
+
+    Not ``fx.Graph.eliminate_dead_code``: that one also walks every subgraph the graph reaches
+    through ``get_attr`` (the bodies of higher-order ops such as a custom autograd Function's
+    forward and backward) with torch's default impurity rule, which calls Dynamo's in-place
+    method calls pure. It erased ``scatter_add_`` from the backward of Hugging Face PhiMoE's
+    ``PhimoeMultiplier`` and trained the router with a wrong gradient."""
+    for node in reversed(g.nodes):
+        if not node.users and not _is_impure(node):
+            g.erase_node(node)
 
 
 def _rewire_output(g: fx.Graph, region: MoERegion, out: fx.Node) -> None:

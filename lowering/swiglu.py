@@ -21,7 +21,7 @@ class SwiGLULoweringError(RuntimeError):
 
 def fuse_swiglu(gm: fx.GraphModule, matches: list[SwiGLUMatch]) -> int:
     """Rewrite every match; returns how many were fused."""
-    from .moe_region import _Builder, _is_impure
+    from .moe_region import _Builder, eliminate_dead_code
 
     g = gm.graph
     for m in matches:
@@ -32,7 +32,7 @@ def fuse_swiglu(gm: fx.GraphModule, matches: list[SwiGLUMatch]) -> int:
         m.mul.replace_all_uses_with(node)
         g.erase_node(m.mul)
     if matches:
-        g.eliminate_dead_code(is_impure_node=_is_impure)
+        eliminate_dead_code(g)
         g.lint()
         gm.recompile()
     return len(matches)

@@ -55,6 +55,12 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     if out is not None:
         graph.output(out[0] if isinstance(out, tuple) else out.args[0])
     new = fx.GraphModule(gm, graph)
+    # subgraphs of higher-order ops (autograd.Function bodies, checkpoint, cond) are copied too:
+    # the copy must share no graph with the original, which is what runs if a pass fails
+    for node in graph.find_nodes(op="get_attr"):
+        sub = getattr(new, node.target, None)
+        if isinstance(sub, fx.GraphModule) and "." not in node.target:
+            setattr(new, node.target, copy_graph_module(sub))
     new.meta.update(getattr(gm, "meta", {}))
     for name in _DYNAMO_GM_ATTRS:
         if hasattr(gm, name):

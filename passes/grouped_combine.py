@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .normalize import arg, canon, shape, val
+from .normalize import arg, canon, distinct_per_row, shape, val
 
 CASTS = {"to", "float", "long", "int", "type", "contiguous", "bfloat16", "half", "double"}
 
@@ -40,6 +40,12 @@ class CombineRules:
             ids, w, _ = ro.info
             if shape(ids) != shape(w) or len(shape(ids)) != 2:
                 g.problem = g.problem or "the routing matrix is scattered from ids/weights of different shapes"
+                return None
+            if not distinct_per_row(ids):
+                g.problem = g.problem or (
+                    f"the routing matrix is scattered from ids `{ids.name}` that may repeat an expert within a "
+                    "row (not from topk/argmax): scatter keeps one of the repeated weights, a routed rewrite "
+                    "would add them all; take the ids from torch.topk to have this rewritten")
                 return None
             g.ids, g.k = ids, shape(ids)[1]
             return w

@@ -134,3 +134,23 @@ def common_module(nodes) -> str:
             i += 1
         prefix = prefix[:i]
     return ".".join(prefix)
+
+
+_SAME_VALUES = {"to", "long", "int", "contiguous", "clone", "detach"}
+
+
+def distinct_per_row(ids: fx.Node) -> bool:
+    """True if the integer tensor ``ids`` [T, K] cannot name one expert twice in a row: it is the
+    index output of ``topk`` / ``max(dim)`` / ``argmax`` (through casts and copies), or K == 1."""
+    s = shape(ids)
+    if s is not None and len(s) == 2 and s[-1] == 1:
+        return True
+    n = ids
+    while canon(n) in _SAME_VALUES and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    op = canon(n)
+    if op == "getitem" and isinstance(n.args[0], fx.Node) and canon(n.args[0]) in ("topk", "max") and n.args[1] == 1:
+        return True
+    if op == "getattr" and isinstance(n.args[0], fx.Node) and canon(n.args[0]) == "topk" and n.args[1] == "indices":
+        return True
+    return op == "argmax"

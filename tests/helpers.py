@@ -91,14 +91,18 @@ def _run(fn, args, module=None):
 
 def check_compiled(fn, args, *, expect_rewritten: int, expect_rejected: int = 0, rel: float | None = None,
                    grad_rel: float | None = None, inductor: bool = False, options: dict | None = None,
-                   fresh_inputs: int = 1, grads: bool = True, compiled_ctx=contextlib.nullcontext):
+                   fresh_inputs: int = 1, grads: bool = True, compiled_ctx=contextlib.nullcontext,
+                   seed: int | None = None):
     """Compile a deep copy of ``fn`` with backend="moe" and compare it with eager ``fn``.
 
     Outputs and every gradient (inputs that require grad and all parameters) must match on ``args``
     and on ``fresh_inputs`` further sets of fresh random inputs of the same shapes; the backend's
     counters must show exactly ``expect_rewritten`` rewritten and ``expect_rejected`` refused regions
     (so a rewrite that silently did not fire fails). The compiled side's forward and backward run
-    inside ``compiled_ctx()`` (e.g. ``moe_compile.compiled_backward``). Returns the counter deltas.
+    inside ``compiled_ctx()`` (e.g. ``moe_compile.compiled_backward``). ``seed``: reseed torch's RNG
+    before each side runs (sampling routers, dropout: both sides draw the same numbers; with
+    ``inductor=True`` this also needs ``torch._inductor.config.fallback_random``). Returns the
+    counter deltas.
     """
     torch._dynamo.reset()
     dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), torch.float32)
@@ -116,7 +120,11 @@ def check_compiled(fn, args, *, expect_rewritten: int, expect_rejected: int = 0,
         if isinstance(fn, nn.Module):
             eager.zero_grad(set_to_none=True)
             compiled_src.zero_grad(set_to_none=True)
+        if seed is not None:
+            torch.manual_seed(seed + n)
         ref_out, ref_g = _run(eager, _clone_args(a))
+        if seed is not None:
+            torch.manual_seed(seed + n)
         with compiled_ctx():
             got_out, got_g = _run(compiled, _clone_args(a),
                                   module=compiled_src if isinstance(fn, nn.Module) else None)

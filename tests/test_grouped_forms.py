@@ -143,11 +143,13 @@ class BatchedMoE(nn.Module):
 
 class DenseMoE(nn.Module):
     """Every token through every expert (bmm on 3-D weights), combined by a [T, E] routing matrix:
-    sparse top-k (zeros.scatter(1, ids, w)), or ``soft`` (a full softmax: must be refused)."""
+    sparse top-k (zeros.scatter(1, ids, w)), or ``soft`` (a full softmax: must be refused), or
+    ``sampled`` (ids drawn with replacement: a row may name an expert twice, and scatter keeps one of
+    the two weights, so a routed rewrite that adds both would be wrong: must be refused)."""
 
-    def __init__(self, h=16, i=12, e=4, k=2, router="softmax_topk", routing="random", soft=False):
+    def __init__(self, h=16, i=12, e=4, k=2, router="softmax_topk", routing="random", soft=False, sampled=False):
         super().__init__()
-        self.h, self.e, self.soft = h, e, soft
+        self.h, self.e, self.soft, self.sampled = h, e, soft, sampled
         self.router = Router(h, e, k, router, routing)
         self.experts = Experts3D(h, i, e)
 
@@ -157,6 +159,10 @@ class DenseMoE(nn.Module):
         t = x.shape[0]
         if self.soft:
             routing = F.softmax(self.router.proj(x), dim=-1).to(x.dtype)
+        elif self.sampled:
+            probs = F.softmax(self.router.proj(x), dim=-1)
+            ids = torch.multinomial(probs, 2, replacement=True)
+            routing = torch.zeros(t, self.e, dtype=x.dtype).scatter(1, ids, probs.gather(1, ids))
         else:
             w, ids = self.router(x)
             routing = torch.zeros(t, self.e, dtype=x.dtype).scatter(1, ids, w.to(x.dtype))
@@ -167,11 +173,12 @@ class DenseMoE(nn.Module):
         return (y * routing.t().unsqueeze(-1)).sum(dim=0).view(shape)
 
 
-def _run(cls, dtype=torch.float32, shape=(2, 8, 16), expect=1, rejected=0, rel=None, grad_rel=None, **kw):
+def _run(cls, dtype=torch.float32, shape=(2, 8, 16), expect=1, rejected=0, rel=None, grad_rel=None, seed=None, **kw):
     torch.manual_seed(0)
     model = cls(h=shape[-1], **kw).to(dtype)
     x = make_input(shape, dtype)
-    return check_compiled(model, [x], expect_rewritten=expect, expect_rejected=rejected, rel=rel, grad_rel=grad_rel)
+    return check_compiled(model, [x], expect_rewritten=expect, expect_rejected=rejected, rel=rel, grad_rel=grad_rel,
+                          seed=seed)
 
 
 SORTED_SPELLINGS = [
@@ -225,6 +232,18 @@ def test_dense_soft_moe_is_refused_with_reason():
     _run(DenseMoE, expect=0, rejected=1, soft=True)
     rep = explain(model, make_input((2, 8, 16)))
     assert len(rep.rejected) == 1 and "soft MoE" in rep.rejected[0].reason, str(rep)
+
+
+def test_dense_with_ids_that_may_repeat_is_refused():
+    """Sampled with replacement (2 draws from 4 experts over 16 tokens: repeats are near certain):
+    the scatter keeps one weight per repeated expert, so only the unrewritten graph is right."""
+    from moe_compile import explain
+
+    torch.manual_seed(0)
+    _run(DenseMoE, expect=0, rejected=1, sampled=True, seed=3)
+    torch.manual_seed(3)
+    rep = explain(DenseMoE(sampled=True), make_input((2, 8, 16)))
+    assert len(rep.rejected) == 1 and "repeat" in rep.rejected[0].reason, str(rep)
 
 
 @settings(max_examples=4, deadline=None)
