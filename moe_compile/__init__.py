@@ -3,13 +3,15 @@
     model = torch.compile(model, backend="moe")          # no import needed (entry point)
     report = moe_compile.explain(model, inputs)          # what was matched / rewritten / refused
     with moe_compile.compiled_backward(): loss.backward()  # one compiled backward (ModuleList experts)
+    moe_compile.parallelize_experts(model, mesh)         # expert parallelism over an "ep" mesh (parallel.py)
 
 Importing this package is cheap: it initialises neither CUDA nor Triton and changes no global
 torch configuration.
 """
 from .config import MoEConfig
 
-__all__ = ["MoEConfig", "Report", "compiled_backward", "counters", "explain", "moe_backend"]
+__all__ = ["ExpertParallel", "MoEConfig", "Report", "compiled_backward", "counters", "explain", "moe_backend",
+           "parallelize_experts", "stack_experts"]
 __version__ = "0.1.0"
 
 
@@ -23,6 +25,9 @@ def __getattr__(name):  # lazy: keep `import moe_compile` light
     if name == "compiled_backward":
         from .autograd import compiled_backward
         return compiled_backward
+    if name in ("parallelize_experts", "ExpertParallel", "stack_experts"):  # imports torch.distributed
+        from . import parallel
+        return getattr(parallel, name)
     if name in ("explain", "Report"):
         from . import report
         return getattr(report, name)

@@ -1,0 +1,347 @@
+"""Expert parallelism, the user side: shard stacked expert weights over an "ep" device mesh.
+
+    mesh = init_device_mesh("cuda", (ep,), mesh_dim_names=("ep",))
+    moe_compile.parallelize_experts(model, mesh)            # in place; returns model
+    model = torch.compile(model, backend="moe")             # rewrites each MoE layer into dispatch/combine
+    # or: parallelize_module(model, mesh, {"layers.*.mlp.experts": ExpertParallel()})
+
+Legend: E experts, ep ranks in the mesh, E_local = E / ep; rank r owns global experts
+[r*E_local, (r+1)*E_local).
+
+An *expert container* is a module (not a torch.nn built-in such as Conv1d) whose direct 3-D
+Parameters share dim 0 = E: Hugging Face transformers 5 ``*Experts`` modules (``gate_up_proj
+[E, 2I, H]``, ``down_proj [E, H, I]``, optional biases ``[E, N]``) or plain code alike. Its direct
+2-D Parameters with E rows are per-expert biases and are sharded too (so a router weight [E, H]
+must live in another module, as in every HF model). For each container, in place:
+
+* each sharded Parameter ``name`` keeps only rows [rank*E_local, (rank+1)*E_local), as a new
+  Parameter ``_ep_local_<name>``; ``name`` leaves ``_parameters``;
+* the module's class becomes a subclass whose *property* ``name`` returns
+  ``torch.ops.moe_compile.ep_experts(self._ep_local_<name>, E, group_name)``: Dynamo traces it, so
+  the graph holds the marker with the local shard as its input, and the backend's lowering turns
+  the layer into ep_plan / ep_dispatch / grouped GEMMs on the shard / ep_combine
+  (kernels/ep.py). Eager code that reads the property raises (the marker never computes);
+* ``state_dict()`` shows ``name`` again, as a DTensor with ``Shard(0)`` and the global shape;
+  ``load_state_dict`` takes such DTensors or plain full [E, ...] tensors (this rank's rows are
+  kept), so torch.distributed.checkpoint saves at one ep and loads at another (or unsharded);
+* ``ep_info(module)`` returns an ``EPInfo`` saying what was sharded.
+
+Experts held as an ``nn.ModuleList`` raise with the fix: ``stack_experts`` (opt-in; state_dict keys
+change). Dynamically created classes: ``copy.deepcopy`` works, pickling the whole module does not
+(save state_dicts).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from moe_compile.kernels import ep as _ep_ops  # noqa: F401  (registers torch.ops.moe_compile.ep_*)
+
+__all__ = ["EPInfo", "ExpertParallel", "StackedExperts", "ep_info", "ep_infos", "parallelize_experts",
+           "stack_experts"]
+
+LOCAL_PREFIX = "_ep_local_"
+_MESHES: dict[str, DeviceMesh] = {}        # group_name -> the mesh it came from (for state_dict)
+_EP_CLASSES: dict[tuple, type] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class EPInfo:
+    """What ``parallelize_experts`` did to one expert container."""
+    path: str                  # module path inside the model given to parallelize_experts ("" = itself)
+    names: tuple[str, ...]     # original names of the sharded parameters
+    num_experts: int           # E (global)
+    ep: int
+    rank: int
+    group_name: str            # ProcessGroup.group_name of the ep mesh dimension
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.ep
+
+    @property
+    def expert_range(self) -> range:
+        """The global expert ids this rank owns."""
+        return range(self.rank * self.experts_per_rank, (self.rank + 1) * self.experts_per_rank)
+
+    @staticmethod
+    def local_name(name: str) -> str:
+        return LOCAL_PREFIX + name
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        return _MESHES[self.group_name]
+
+
+def ep_info(obj: nn.Module | torch.Tensor) -> EPInfo | None:
+    """The EPInfo of a parallelized container, or of one of its local shard Parameters (the latter
+    does not survive ``copy.deepcopy``: torch's Parameter copy keeps no attributes). None if neither."""
+    return getattr(obj, "_moe_ep_info", None)
+
+
+def ep_infos(model: nn.Module) -> dict[str, EPInfo]:
+    """{module path: EPInfo} for every parallelized container in ``model``."""
+    return {name: info for name, m in model.named_modules() if (info := ep_info(m)) is not None}
+
+
+# --------------------------------------------------------------------------- finding containers
+def _is_builtin(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("torch.nn.")
+
+
+def expert_parameters(module: nn.Module) -> tuple[int, tuple[str, ...]] | None:
+    """(E, names of the per-expert Parameters) if ``module`` is an expert container, else None."""
+    if _is_builtin(module) or ep_info(module) is not None:
+        return None
+    params = dict(module.named_parameters(recurse=False))
+    stacked = {n: p for n, p in params.items() if p.dim() == 3}
+    if not stacked:
+        return None
+    rows = {p.shape[0] for p in stacked.values()}
+    if len(rows) != 1:
+        shapes = {n: tuple(p.shape) for n, p in stacked.items()}
+        raise ValueError(f"parallelize_experts: {type(module).__name__} has 3-D parameters with different "
+                         f"dim 0 {shapes}; expert weights must be stacked [E, ...] with one E")
+    (e,) = rows
+    return e, tuple(n for n, p in params.items() if p.dim() in (2, 3) and p.shape[0] == e)
+
+
+def _module_list_experts(name: str, module: nn.Module) -> bool:
+    """An nn.ModuleList of identical expert modules that still own their parameters."""
+    if not isinstance(module, nn.ModuleList) or len(module) < 2 or "expert" not in name.rsplit(".", 1)[-1].lower():
+        return False
+    kinds = {type(m) for m in module}
+    return len(kinds) == 1 and all(any(True for _ in m.parameters()) for m in module)
+
+
+def find_expert_containers(model: nn.Module) -> list[tuple[str, nn.Module, int, tuple[str, ...]]]:
+    """[(path, module, E, names)] for every expert container; raises for ModuleList experts."""
+    found = []
+    for name, module in model.named_modules():
+        if _module_list_experts(name, module):
+            raise ValueError(
+                f"parallelize_experts: '{name}' holds {len(module)} experts as an nn.ModuleList of "
+                f"{type(module[0]).__name__}; expert parallelism shards stacked 3-D expert weights. Convert it "
+                f"first: parent.{name.rsplit('.', 1)[-1]} = moe_compile.stack_experts(parent.{name.rsplit('.', 1)[-1]}) "
+                f"(its state_dict keys change: see stack_experts)")
+        hit = expert_parameters(module)
+        if hit is not None:
+            found.append((name, module, *hit))
+    return found
+
+
+# --------------------------------------------------------------------------- sharding
+def _ep_dim(mesh: DeviceMesh) -> DeviceMesh:
+    if mesh.ndim == 1:
+        return mesh
+    names = mesh.mesh_dim_names or ()
+    if "ep" not in names:
+        raise ValueError(f"parallelize_experts: a {mesh.ndim}-D mesh needs a dimension named 'ep', got {names}")
+    return mesh["ep"]
+
+
+def _ep_class(cls: type, names: tuple[str, ...], num_experts: int, group_name: str) -> type:
+    """``cls`` plus one property per sharded name returning the ep_experts marker of the local shard."""
+    key = (cls, names, num_experts, group_name)
+    if key not in _EP_CLASSES:
+        def marker(name):
+            local = LOCAL_PREFIX + name
+
+            def get(self):
+                return torch.ops.moe_compile.ep_experts(getattr(self, local), num_experts, group_name)
+            get.__name__ = name
+            return property(get, doc=f"[E={num_experts}, ...] expert-parallel view of {local} (marker op)")
+
+        ns = {n: marker(n) for n in names}
+        ns["__module__"] = cls.__module__
+        _EP_CLASSES[key] = type(f"ExpertParallel{cls.__name__}", (cls,), ns)
+    return _EP_CLASSES[key]
+
+
+def _state_dict_post_hook(module, state_dict, prefix, local_metadata):
+    info = module._moe_ep_info
+    mesh = info.mesh
+    for name in info.names:
+        local = state_dict.pop(prefix + LOCAL_PREFIX + name, None)
+        if local is None:
+            continue
+        shape = torch.Size((info.num_experts, *local.shape[1:]))
+        stride = torch.empty(shape, device="meta").stride()
+        state_dict[prefix + name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape,
+                                                       stride=stride)
+
+
+def _local_rows(value: torch.Tensor, info: EPInfo, key: str) -> torch.Tensor | str:
+    """This rank's rows of a checkpoint value (DTensor or full tensor), or an error message."""
+    if isinstance(value, DTensor):
+        if tuple(value.placements) == (Shard(0),) and value.device_mesh == info.mesh:
+            return value.to_local()
+        value = value.full_tensor()
+    if value.dim() < 1 or value.shape[0] != info.num_experts:
+        return (f"size mismatch for {key}: parallelize_experts expects the global [{info.num_experts}, ...] "
+                f"tensor (or a Shard(0) DTensor), got {tuple(value.shape)}")
+    r = info.expert_range
+    return value[r.start:r.stop]
+
+
+def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+    info = module._moe_ep_info
+    for name in info.names:
+        if prefix + name not in state_dict:
+            continue
+        rows = _local_rows(state_dict.pop(prefix + name), info, prefix + name)
+        if isinstance(rows, str):
+            error_msgs.append(rows)
+        else:
+            state_dict[prefix + LOCAL_PREFIX + name] = rows
+
+
+def _shard(path: str, module: nn.Module, num_experts: int, names: tuple[str, ...], mesh: DeviceMesh) -> None:
+    ep, rank = mesh.size(), mesh.get_local_rank()
+    group_name = mesh.get_group().group_name
+    if num_experts % ep:
+        raise ValueError(f"parallelize_experts: '{path or type(module).__name__}' has {num_experts} experts, "
+                         f"not divisible by the ep mesh size {ep}")
+    info = EPInfo(path, names, num_experts, ep, rank, group_name)
+    r = info.expert_range
+    for name in names:
+        full = module._parameters.pop(name)
+        local = nn.Parameter(full.detach()[r.start:r.stop].clone(), requires_grad=full.requires_grad)
+        local.__dict__.update(full.__dict__)       # keep flags such as HF's _is_hf_initialized
+        local._moe_ep_info = info
+        module.register_parameter(LOCAL_PREFIX + name, local)
+    module.__class__ = _ep_class(type(module), names, num_experts, group_name)
+    module._moe_ep_info = info
+    module.register_state_dict_post_hook(_state_dict_post_hook)
+    module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
+
+
+def parallelize_experts(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Shard every expert container of ``model`` over ``mesh`` (1-D, or its "ep" dimension), in place.
+
+    Raises ValueError when no container is found, when E is not divisible by the mesh size, and for
+    experts held as an nn.ModuleList (convert them with ``stack_experts`` first). Parameters stay on
+    their device (move the model to the mesh's device type before or after)."""
+    mesh = _ep_dim(mesh)
+    found = find_expert_containers(model)
+    if not found:
+        raise ValueError(f"parallelize_experts: {type(model).__name__} has no expert container (a module whose "
+                         f"3-D parameters are stacked per expert, [E, ...])")
+    _MESHES[mesh.get_group().group_name] = mesh
+    for path, module, num_experts, names in found:
+        _shard(path, module, num_experts, names, mesh)
+    return model
+
+
+class ExpertParallel(ParallelStyle):
+    """``parallelize_module(model, mesh, {"layers.*.mlp.experts": ExpertParallel()})``: the same as
+    ``parallelize_experts`` on each matched module (EPInfo.path is then "", the plan names it)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return parallelize_experts(module, device_mesh)
+
+
+# --------------------------------------------------------------------------- stack_experts
+_VIEW_CLASSES: dict[tuple, type] = {}
+
+
+def _stacked_name(path: str) -> str:
+    return path.replace(".", "_")
+
+
+def _view_class(cls: type, leaves: tuple[tuple[str, str], ...]) -> type:
+    """``cls`` plus one property per (leaf, stacked name): ``owner.<stacked>[self._stack_index]``."""
+    key = (cls, leaves)
+    if key not in _VIEW_CLASSES:
+        def view(leaf, stacked):
+            def get(self):
+                return getattr(self._stack_owner, stacked)[self._stack_index]
+            get.__name__ = leaf
+            return property(get, doc=f"view [e] of the stacked parameter {stacked}")
+
+        ns = {leaf: view(leaf, stacked) for leaf, stacked in leaves}
+        ns["__module__"] = cls.__module__
+        _VIEW_CLASSES[key] = type(f"Stacked{cls.__name__}", (cls,), ns)
+    return _VIEW_CLASSES[key]
+
+
+class StackedExperts(nn.Module):
+    """E identical expert modules whose parameters live in stacked [E, ...] Parameters.
+
+    Drop-in for the ModuleList it replaces: ``experts[e](x)``, ``len(experts)`` and iteration work
+    as before; each expert's submodules (e.g. nn.Linear) read their parameters as views ``P[e]``
+    of the stacked Parameters, so gradients land in the stacked ones. Built by ``stack_experts``.
+    """
+
+    def __init__(self, experts: nn.ModuleList):
+        super().__init__()
+        first = experts[0]
+        shapes = {n: (p.shape, p.dtype, p.device) for n, p in first.named_parameters()}
+        for e, m in enumerate(experts):
+            got = {n: (p.shape, p.dtype, p.device) for n, p in m.named_parameters()}
+            if type(m) is not type(first) or got != shapes:
+                raise ValueError(f"stack_experts: expert {e} ({type(m).__name__}) differs from expert 0 "
+                                 f"({type(first).__name__}) in type or parameters; experts must be identical")
+        if not shapes:
+            raise ValueError("stack_experts: the experts have no parameters")
+        self.per_expert_names = tuple(shapes)                     # e.g. "w1.weight"
+        for n in self.per_expert_names:
+            ps = [m.get_parameter(n) for m in experts]
+            self.register_parameter(_stacked_name(n), nn.Parameter(torch.stack([p.detach() for p in ps]),
+                                                                   requires_grad=ps[0].requires_grad))
+        leaves_by_module: dict[str, list[tuple[str, str]]] = {}  # "w1" -> [("weight", "w1_weight"), ...]
+        for n in self.per_expert_names:
+            mod_path, _, leaf = n.rpartition(".")
+            leaves_by_module.setdefault(mod_path, []).append((leaf, _stacked_name(n)))
+        for e, m in enumerate(experts):
+            for mod_path, leaves in leaves_by_module.items():
+                sub = m.get_submodule(mod_path)
+                for leaf, _ in leaves:
+                    del sub._parameters[leaf]
+                sub.__class__ = _view_class(type(sub), tuple(leaves))
+                object.__setattr__(sub, "_stack_owner", self)      # not a submodule: no cycle in modules()
+                object.__setattr__(sub, "_stack_index", e)
+        self._experts = experts                                    # parameter-free now; buffers stay there
+        self.register_load_state_dict_pre_hook(_load_per_expert_keys)
+
+    def __getitem__(self, e):
+        return self._experts[e]
+
+    def __len__(self):
+        return len(self._experts)
+
+    def __iter__(self):
+        return iter(self._experts)
+
+
+def _load_per_expert_keys(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                          error_msgs):
+    """Accept a ModuleList checkpoint: stack ``{e}.<path>`` keys into ``<path with _>``."""
+    n_exp = len(module)
+    for n in module.per_expert_names:
+        old = [f"{prefix}{e}.{n}" for e in range(n_exp)]
+        if prefix + _stacked_name(n) not in state_dict and all(k in state_dict for k in old):
+            state_dict[prefix + _stacked_name(n)] = torch.stack([state_dict.pop(k) for k in old])
+
+
+def stack_experts(experts: nn.ModuleList) -> StackedExperts:
+    """Convert a ModuleList of identical expert modules (e.g. SwiGLU of nn.Linear) into a
+    ``StackedExperts`` with one [E, ...] Parameter per per-expert parameter, for
+    ``parallelize_experts``. Opt-in, in place on the experts (they keep working, reading views).
+
+    The state_dict keys change: ``<prefix>.<e>.<path>`` ([...] per expert) becomes
+    ``<prefix>.<path with "." -> "_">`` ([E, ...]), e.g. ``experts.3.w1.weight`` [I, H] ->
+    ``experts.w1_weight`` [E, I, H]. ``load_state_dict`` still accepts the old per-expert keys
+    (it stacks them); checkpoints saved after stacking have the new keys only. Buffers, if the
+    experts have any, stay per expert under ``<prefix>._experts.<e>.<path>``.
+    Use: ``block.experts = moe_compile.stack_experts(block.experts)``; optimizers built before the
+    conversion hold the old parameters: build them after."""
+    if not isinstance(experts, nn.ModuleList) or len(experts) == 0:
+        raise ValueError(f"stack_experts: expected a non-empty nn.ModuleList, got {type(experts).__name__}")
+    return StackedExperts(experts)

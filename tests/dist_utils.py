@@ -1,0 +1,43 @@
+"""Run a test body in ``world_size`` spawned processes joined by a gloo process group (CPU).
+
+    run_distributed(body, 2, *args)      # body(rank, world_size, *args) in every process
+
+``body`` must be a module-level function (spawned children import it by name). An exception in
+any rank fails the call with that rank's traceback; a run past ``timeout_s`` is killed. Every
+spawn costs a few seconds (a fresh interpreter importing torch): group cases into one body.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT_S = 60   # a rank stuck in a collective fails instead of hanging the suite
+
+
+def _entry(rank: int, body, world_size: int, init_file: str, args: tuple) -> None:
+    torch.set_num_threads(1)  # the CI machine has 2 cores for all ranks
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    try:
+        body(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(body, world_size: int = 2, *args, timeout_s: float = 240) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(_entry, args=(body, world_size, os.path.join(tmp, "store"), args),
+                                 nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        while not ctx.join(timeout=5):  # raises ProcessRaisedException / ProcessExitedException
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"run_distributed: {body.__name__} ran past {timeout_s} s")

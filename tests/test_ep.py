@@ -1,0 +1,543 @@
+"""Expert parallelism: ep_plan / ep_dispatch / ep_combine, the ep_experts marker, parallelize_experts,
+stack_experts.
+
+Multi-rank bodies run in spawned gloo processes (dist_utils); each groups many cases to pay the
+spawn once. Ops level: an expert-parallel MoE forward built by hand from the project's ops
+(route_permute -> permute_rows -> ep_plan -> ep_dispatch -> grouped_mm on the local shard ->
+ep_combine -> unpermute_combine) must match single-process eager on the full model, outputs and
+every gradient: expert-weight gradients gathered from the shards equal the gradient of the
+concatenated batch, router/dense/input gradients equal the rank's own. Movement: exactly equal to a
+pure-torch reference (host loops), round trip and adjointness.
+
+Legend: T tokens per rank, K top-k, N = T*K, E experts, ep ranks, E_local = E / ep, H width, I expert width.
+"""
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import moe_compile.kernels.ep as ep_ops
+from moe_compile.kernels.ep_transport import padded_layout
+from dist_utils import run_distributed
+
+OPS = torch.ops.moe_compile
+# EP (grouped GEMM on the shard, fp32 accumulation, gather-reduce combine) vs eager per-expert
+# matmuls + index_add in fp32: same products, different summation order; ~1e-7 measured.
+EP_FP32_REL = 1e-5
+# adjointness <dispatch(x), y> = <x, combine(y)> in fp64: two sums of the same products in
+# different orders; ~1e-16 relative.
+ADJOINT_REL = 1e-12
+# a reference gradient whose norm is below this is zero (an expert that got no rows): then the
+# EP gradient must be zero too, up to this norm.
+ZERO_NORM = 1e-6
+
+
+def rel_err(got, ref) -> float:
+    got, ref = got.double(), ref.double()
+    return (got - ref).norm().item() / max(ref.norm().item(), 1e-30)
+
+
+def assert_close(got, ref, what, rel=EP_FP32_REL):
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    assert torch.isfinite(got).all(), f"{what}: non-finite values"
+    if ref.double().norm() < ZERO_NORM:
+        assert got.double().norm() < ZERO_NORM, f"{what}: reference is zero, got norm {got.norm()}"
+    else:
+        assert rel_err(got, ref) <= rel, f"{what}: relative error {rel_err(got, ref):.3g} > {rel:.3g}"
+
+
+# ==================================================================================== models
+class StackedSwiGLUExperts(nn.Module):
+    """Plain-code expert container: y = (silu(x @ Wg) * (x @ Wu)) @ Wd per expert, weights [E, ...]."""
+
+    def __init__(self, e, h, i, bias=False):
+        super().__init__()
+        self.i = i
+        self.gate_up = nn.Parameter(torch.randn(e, h, 2 * i) / h ** 0.5)
+        self.down = nn.Parameter(torch.randn(e, i, h) / i ** 0.5)
+        self.gate_up_bias = nn.Parameter(0.1 * torch.randn(e, 2 * i)) if bias else None
+
+    def forward(self, x, ids, w):  # eager reference: loop over experts, masks, index_add
+        out = torch.zeros_like(x)
+        for e in range(self.gate_up.shape[0]):
+            tok, slot = torch.where(ids == e)
+            a = x[tok] @ self.gate_up[e] + (self.gate_up_bias[e] if self.gate_up_bias is not None else 0)
+            y = (F.silu(a[:, :self.i]) * a[:, self.i:]) @ self.down[e]
+            out = out.index_add(0, tok, y * w[tok, slot, None])
+        return out
+
+
+class TinyMoE(nn.Module):
+    """dense Linear -> softmax top-k router (+ a fixed logit bias that steers routing) -> experts.
+    ``drop`` [T, K] marks slots whose id becomes -1 (outside [0, E): dropped)."""
+
+    def __init__(self, h=8, i=6, e=4, k=2, bias=False, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.k = k
+        self.dense = nn.Linear(h, h)
+        self.router = nn.Linear(h, e, bias=False)
+        self.experts = StackedSwiGLUExperts(e, h, i, bias)
+
+    def route(self, x, logit_bias, drop):
+        h = self.dense(x)
+        w, ids = (self.router(h) + logit_bias).softmax(-1).topk(self.k, dim=-1)
+        if self.k > 1:  # top-1 keeps the raw probability (renormalised it would be 1: no router gradient)
+            w = w / w.sum(-1, keepdim=True)
+        return h, torch.where(drop, -1, ids), w
+
+    def forward(self, x, logit_bias, drop):
+        return self.experts(*self.route(x, logit_bias, drop))
+
+
+def ep_forward(model: TinyMoE, x, logit_bias, drop):
+    """The hand-built expert-parallel forward of TinyMoE (what the backend's lowering emits)."""
+    from moe_compile.parallel import ep_info
+
+    h, ids, w = model.route(x, logit_bias, drop)
+    ex, info = model.experts, ep_info(model.experts)
+    e, g, i = info.num_experts, info.group_name, ex.i
+    perm, inv, offsets = OPS.route_permute(ids, e)
+    xp = OPS.permute_rows(h, perm, inv, offsets, ids.shape[1])
+    plan, recv_offsets = OPS.ep_plan(offsets, e, g)
+    xr = OPS.ep_dispatch(xp, plan, g)
+    bias = getattr(ex, "_ep_local_gate_up_bias", None)
+    a = OPS.grouped_mm(xr, ex._ep_local_gate_up, recv_offsets, bias)
+    yr = OPS.grouped_mm(F.silu(a[:, :i]) * a[:, i:], ex._ep_local_down, recv_offsets)
+    return OPS.unpermute_combine(OPS.ep_combine(yr, plan, g), inv, w, offsets)
+
+
+# ==================================================================================== routing cases
+# name: (T, K, E per rank of ep, expert bias, routing); E = E_LOCAL * ep
+CASES = {
+    "random_top2": (6, 2, 2, False, "random"),
+    "top1_odd_tokens": (5, 1, 2, False, "random"),
+    "top3_bias": (7, 3, 3, True, "random"),
+    "all_to_rank0": (5, 2, 2, False, "rank0"),      # every other rank receives nothing
+    "all_to_next_rank": (4, 2, 2, False, "next"),   # no rank keeps a row
+    "hot_expert": (6, 2, 2, False, "hot"),
+    "uneven": (9, 2, 3, False, "uneven"),
+    "dropped": (6, 2, 2, True, "dropped"),
+    "all_dropped_on_rank0": (3, 2, 2, False, "rank0_drops_all"),
+    "one_token": (1, 2, 2, False, "random"),
+}
+
+
+def case_inputs(case, ep, rank, e, t, k, h):
+    """x [T, H], logit bias [T, E], drop [T, K] for ``rank`` (every rank can build every rank's)."""
+    g = torch.Generator().manual_seed(1000 * rank + 7)
+    routing = CASES[case][4]
+    x = torch.randn(t, h, generator=g)
+    bias = torch.zeros(t, e)
+    drop = torch.zeros(t, k, dtype=torch.bool)
+    e_local = e // ep
+    if routing == "rank0":
+        bias[:, :e_local] = 50.0
+    elif routing == "next":
+        nxt = (rank + 1) % ep
+        bias[:, nxt * e_local:(nxt + 1) * e_local] = 50.0
+    elif routing == "hot":
+        bias[:, e - 1] = 50.0
+    elif routing == "uneven":
+        bias += 3.0 * torch.randn(e, generator=g)
+    elif routing == "dropped":
+        drop = torch.rand(t, k, generator=g) < 0.4
+    elif routing == "rank0_drops_all":
+        drop[:] = rank == 0
+    return x, bias, drop
+
+
+def _grads(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in params.items()}
+
+
+def check_moe_case(case, rank, ep, mesh):
+    from moe_compile.parallel import parallelize_experts
+
+    t, k, e_local, bias, _ = CASES[case]
+    e, h = e_local * ep, 8
+    full = TinyMoE(h=h, e=e, k=k, bias=bias)
+    model = parallelize_experts(copy.deepcopy(full), mesh)
+    inputs = [case_inputs(case, ep, r, e, t, k, h) for r in range(ep)]
+    cot = [torch.linspace(-1, 1, t * h).view(t, h) * (r + 1) for r in range(ep)]  # fixed, non-uniform
+
+    x = inputs[rank][0].clone().requires_grad_()
+    out = ep_forward(model, x, *inputs[rank][1:])
+    (out * cot[rank]).sum().backward()
+
+    # reference 1: the full model on the concatenated batch -> outputs and expert-weight gradients
+    ref = copy.deepcopy(full)
+    ref_out = ref(*[torch.cat(z) for z in zip(*inputs)])
+    (ref_out * torch.cat(cot)).sum().backward()
+    assert_close(out.detach(), ref_out.detach()[rank * t:(rank + 1) * t], f"{case}: rank {rank} output")
+    for name, p in _grads(dict(model.experts.named_parameters())).items():
+        shards = [torch.empty_like(p) for _ in range(ep)]
+        dist.all_gather(shards, p.contiguous())
+        orig = name.removeprefix("_ep_local_")
+        assert_close(torch.cat(shards), _grads(dict(ref.experts.named_parameters()))[orig],
+                     f"{case}: gradient of experts.{orig} (gathered)")
+    # reference 2: the full model on this rank's batch only -> router / dense / input gradients
+    own = copy.deepcopy(full)
+    x_own = inputs[rank][0].clone().requires_grad_()
+    (own(x_own, *inputs[rank][1:]) * cot[rank]).sum().backward()
+    assert_close(x.grad, x_own.grad, f"{case}: rank {rank} input gradient")
+    dense = {n: p for n, p in model.named_parameters() if not n.startswith("experts.")}
+    own_dense = _grads({n: p for n, p in own.named_parameters() if not n.startswith("experts.")})
+    for name, g in _grads(dense).items():
+        assert_close(g, own_dense[name], f"{case}: rank {rank} gradient of {name}")
+
+
+# ==================================================================================== movement reference
+def reference_movement(xps, offsets, ep):
+    """Pure torch with host loops: per rank (plan, recv_offsets, dispatched [ep*N, H])."""
+    e = offsets[0].numel()
+    el, n = e // ep, xps[0].shape[0]
+    counts = [torch.diff(o.long(), prepend=torch.zeros(1, dtype=torch.long)) for o in offsets]
+    starts = [(o.long() - c).tolist() for o, c in zip(offsets, counts)]
+    result = []
+    for r in range(ep):
+        send = counts[r].view(ep, el)
+        recv = torch.stack([counts[s][r * el:(r + 1) * el] for s in range(ep)])
+        rows = [xps[s][starts[s][g]:starts[s][g] + int(counts[s][g])]
+                for g in range(r * el, (r + 1) * el) for s in range(ep)]
+        got = torch.cat(rows)
+        disp = torch.cat([got, got.new_zeros(ep * n - got.shape[0], got.shape[1])])
+        result.append((torch.stack([send, recv]), recv.sum(0).cumsum(0).to(torch.int32), disp))
+    return result
+
+
+def reference_combine(ys, offsets, ep, n):
+    """Inverse of reference_movement: per source rank [N, H2] in its xp order, unsent rows zero."""
+    e = offsets[0].numel()
+    el = e // ep
+    counts = [torch.diff(o.long(), prepend=torch.zeros(1, dtype=torch.long)).tolist() for o in offsets]
+    outs = [ys[0].new_zeros(n, ys[0].shape[1]) for _ in range(ep)]
+    for r in range(ep):
+        pos = 0
+        for g in range(r * el, (r + 1) * el):
+            for s in range(ep):
+                c, start = counts[s][g], sum(counts[s][:g])
+                outs[s][start:start + c] = ys[r][pos:pos + c]
+                pos += c
+    return outs
+
+
+def random_offsets(e, n, gen, kind):
+    """int32 cumulative ends for N rows over E experts (kind: random, empty, some rows dropped)."""
+    if kind == "empty":
+        return torch.zeros(e, dtype=torch.int32)
+    ids = torch.randint(0, e, (n - (n // 3 if kind == "dropped" else 0),), generator=gen)
+    return torch.bincount(ids, minlength=e).cumsum(0).to(torch.int32)
+
+
+def check_movement(rank, ep, group_name):
+    n, h, h2 = 7, 3, 5
+    for e_local in (1, 3):
+        for kinds in (["random"] * ep, ["dropped"] * ep, ["empty"] + ["random"] * (ep - 1)):
+            e = e_local * ep
+            gen = torch.Generator().manual_seed(e_local)
+            offsets = [random_offsets(e, n, gen, kinds[s]) for s in range(ep)]
+            xps = [torch.randn(n, h, generator=gen) for _ in range(ep)]
+            for s in range(ep):  # rows past offsets[-1] are never sent: poison them
+                xps[s][int(offsets[s][-1]):] = float("nan")
+            ys = [torch.randn(ep * n, h2, generator=gen) for _ in range(ep)]
+            plan_ref, recv_ref, disp_ref = reference_movement(xps, offsets, ep)[rank]
+            what = f"E_local={e_local} {kinds}"
+            plan, recv_offsets = OPS.ep_plan(offsets[rank], e, group_name)
+            assert torch.equal(plan, plan_ref) and torch.equal(recv_offsets, recv_ref), what
+            disp = OPS.ep_dispatch(xps[rank], plan, group_name)
+            assert torch.equal(disp, disp_ref), f"{what}: dispatch"
+            total = int(recv_offsets[-1])
+            ys[rank][total:] = float("nan")  # rows past recv_offsets[-1] are never returned
+            comb = OPS.ep_combine(ys[rank], plan, group_name)
+            assert torch.equal(comb, reference_combine(ys, offsets, ep, n)[rank]), f"{what}: combine"
+            back = OPS.ep_combine(disp, plan, group_name)
+            sent = xps[rank].clone()
+            sent[int(offsets[rank][-1]):] = 0
+            assert torch.equal(back, sent), f"{what}: combine(dispatch(x)) != x"
+            # adjointness (what autograd relies on): sum over ranks of <D x, y> == <x, C y>
+            x64, y64 = xps[rank].nan_to_num(0).double(), torch.randn(ep * n, h, generator=gen).double()
+            dots = torch.stack([(OPS.ep_dispatch(x64, plan, group_name) * y64).sum(),
+                                (x64 * OPS.ep_combine(y64, plan, group_name)).sum()])
+            dist.all_reduce(dots)
+            assert abs(dots[0] - dots[1]) <= ADJOINT_REL * dots.abs().max(), f"{what}: adjoint {dots}"
+
+
+def check_errors(rank, group_name):
+    plan, _ = OPS.ep_plan(torch.tensor([2, 4, 4, 4], dtype=torch.int32), 4, group_name)
+    n = 4 + 2 * rank  # ranks route different row counts: must fail on every rank, not hang
+    with pytest.raises(ValueError, match=r"ep_dispatch: every rank .* same number of rows"):
+        OPS.ep_dispatch(torch.zeros(n, 2), plan, group_name)
+    with pytest.raises(ValueError, match="ep_plan: 3 experts do not split"):
+        OPS.ep_plan(torch.tensor([1, 2, 3], dtype=torch.int32), 3, group_name)
+
+
+def body_ops(rank, ep):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+    group_name = mesh.get_group().group_name
+    check_movement(rank, ep, group_name)
+    check_errors(rank, group_name)
+    for case in CASES:
+        check_moe_case(case, rank, ep, mesh)
+    # the ops under AOTAutograd (fake impls, autograd formulas), one case, fullgraph
+    xp, offsets = torch.randn(6, 4, requires_grad=True), torch.tensor([1, 1, 4, 5], dtype=torch.int32)
+    for opname, args in (("ep_plan", (offsets, 4, group_name)),):
+        torch.library.opcheck(getattr(OPS, opname), args)
+    plan, _ = OPS.ep_plan(offsets, 4, group_name)
+    torch.library.opcheck(OPS.ep_dispatch, (xp, plan, group_name))
+    torch.library.opcheck(OPS.ep_combine, (torch.randn(ep * 6, 3, requires_grad=True), plan, group_name))
+
+
+def test_ep2_ops_match_single_process():
+    run_distributed(body_ops, 2)
+
+
+@pytest.mark.slow
+def test_ep4_ops_match_single_process():
+    run_distributed(body_ops, 4)
+
+
+# ==================================================================================== single process
+def test_padded_layout_is_sync_free():
+    """The index math runs under FakeTensorMode: any .item()/.tolist()/nonzero (a host sync, a
+    data-dependent size) would raise here."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        lay = padded_layout(torch.zeros(2, 4, 3, dtype=torch.int64), 5)
+    assert lay.src.shape == (20,) and lay.unpack_src.shape == (5,)
+
+
+def test_ep_experts_eager_raises_and_has_the_global_shape():
+    with pytest.raises(RuntimeError, match=r'ep_experts: .*parallelize_experts.*backend="moe".*explain'):
+        OPS.ep_experts(torch.zeros(2, 3, 4), 4, "any group")
+    assert ep_ops.EP_EXPERTS_ERROR.startswith("moe_compile.ep_experts:")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        assert OPS.ep_experts(torch.empty(2, 3, 4), 8, "any group").shape == (8, 3, 4)
+
+
+def test_import_stays_light():
+    code = ("import sys, moe_compile; assert 'moe_compile.parallel' not in sys.modules; "
+            "assert 'torch.distributed.tensor' not in sys.modules; moe_compile.parallelize_experts")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ==================================================================================== parallelize_experts
+def body_parallel(rank, ep, tmp):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from moe_compile.parallel import EPInfo, ep_infos, parallelize_experts
+
+    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+    full = TinyMoE(e=2 * ep, bias=True)
+    model = parallelize_experts(copy.deepcopy(full), mesh)
+    el, rows = 2, slice(2 * rank, 2 * rank + 2)
+    names = ("gate_up", "down", "gate_up_bias")
+    assert ep_infos(model) == {"experts": EPInfo("experts", names, 2 * ep, ep, rank, mesh.get_group().group_name)}
+    for n in names:
+        assert n not in model.experts._parameters  # Dynamo reads _parameters before the class property
+        assert torch.equal(getattr(model.experts, "_ep_local_" + n), full.experts.get_parameter(n)[rows])
+    with pytest.raises(RuntimeError, match=r'ep_experts: .*backend="moe"'):
+        model(*case_inputs("random_top2", ep, rank, 2 * ep, 4, 2, 8))  # eager reads the marker property
+
+    # state_dict: original keys, Shard(0) DTensors of the global shape; loads DTensors and full tensors
+    sd = model.state_dict()
+    assert sd.keys() == full.state_dict().keys()
+    for n in names:
+        v = sd["experts." + n]
+        assert isinstance(v, DTensor) and tuple(v.placements) == (Shard(0),), n
+        assert v.shape == full.experts.get_parameter(n).shape and v.to_local().shape[0] == el, n
+        assert torch.equal(v.full_tensor(), full.experts.get_parameter(n)), n
+    other = TinyMoE(e=2 * ep, bias=True, seed=1)
+    for source in (other.state_dict(), parallelize_experts(copy.deepcopy(other), mesh).state_dict()):
+        fresh = parallelize_experts(TinyMoE(e=2 * ep, bias=True, seed=2), mesh)
+        fresh.load_state_dict(source)
+        for n in names:
+            assert torch.equal(getattr(fresh.experts, "_ep_local_" + n), other.experts.get_parameter(n)[rows]), n
+    bad = {k: (v[:1] if k == "experts.down" else v) for k, v in other.state_dict().items()}
+    with pytest.raises(RuntimeError, match="parallelize_experts expects the global"):
+        fresh.load_state_dict(bad)
+
+    # DCP: save at EP=ep, load into an unsharded model: same weights, same logits; and back
+    dcp.save(model.state_dict(), checkpoint_id=f"{tmp}/ep")
+    unsharded = TinyMoE(e=2 * ep, bias=True, seed=3)
+    sd1 = unsharded.state_dict()
+    dcp.load(sd1, checkpoint_id=f"{tmp}/ep", no_dist=True)
+    unsharded.load_state_dict(sd1)
+    inputs = case_inputs("random_top2", ep, rank, 2 * ep, 5, 2, 8)
+    assert_close(unsharded(*inputs).detach(), ep_forward(model, *inputs).detach(), "DCP EP -> EP1 logits")
+    if rank == 0:
+        dcp.save(other.state_dict(), checkpoint_id=f"{tmp}/one", no_dist=True)
+    dist.barrier()
+    back = parallelize_experts(TinyMoE(e=2 * ep, bias=True, seed=4), mesh)
+    sd2 = back.state_dict()
+    dcp.load(sd2, checkpoint_id=f"{tmp}/one")
+    back.load_state_dict(sd2)
+    assert torch.equal(back.experts._ep_local_down, other.experts.down[rows])
+    assert torch.equal(back.dense.weight, other.dense.weight)
+
+    with pytest.raises(ValueError, match="has 3 experts, not divisible by the ep mesh size"):
+        parallelize_experts(TinyMoE(e=3), mesh)
+    # the marker's backward (traced if a graph keeps it): the global gradient's rows of this rank
+    ctx = types.SimpleNamespace(rows=el, group_name=mesh.get_group().group_name)
+    grad = torch.randn(2 * ep, 3)
+    assert torch.equal(ep_ops._ep_experts_bwd(ctx, grad)[0], grad[rows])
+
+
+def test_ep2_parallelize_state_dict_and_dcp(tmp_path):
+    run_distributed(body_parallel, 2, str(tmp_path))
+
+
+# ==================================================================================== single process, ep = 1
+@pytest.fixture(scope="module")
+def mesh1(tmp_path_factory):
+    """A one-rank gloo group in this process (expert containers, Dynamo, ModuleList: no peer needed)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "f"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_marker_reaches_the_graph_and_raises_when_run(mesh1):
+    from moe_compile.parallel import parallelize_experts
+
+    model = parallelize_experts(TinyMoE(), mesh1)
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def f(m, x):
+        return x @ m.experts.gate_up[1]
+
+    torch._dynamo.reset()
+    x = torch.randn(3, 8)
+    with pytest.raises(RuntimeError, match=r"ep_experts: .*rewrites the MoE layer"):
+        torch.compile(f, backend=record, fullgraph=True)(model, x)
+    (marker,) = [n for n in graphs[0].graph.nodes if n.target in (OPS.ep_experts, OPS.ep_experts.default)]
+    assert marker.args[0].op == "placeholder" and marker.args[1:] == (4, mesh1.get_group().group_name)
+    with pytest.raises(RuntimeError, match=r"ep_experts: .*rewrites the MoE layer"):
+        torch.compile(f, backend="aot_eager", fullgraph=True)(model, x)  # fake impl + autograd trace fine
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, h, i):
+        super().__init__()
+        self.w1, self.w3, self.w2 = nn.Linear(h, i), nn.Linear(h, i), nn.Linear(i, h, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class LoopMoE(nn.Module):
+    """Mixtral-style: ModuleList of SwiGLU experts, one by index, one by iteration."""
+
+    def __init__(self, h=8, i=6, e=4, k=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.k = k
+        self.router = nn.Linear(h, e, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(h, i) for _ in range(e))
+
+    def forward(self, x):
+        w, ids = self.router(x).softmax(-1).topk(self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.where(ids == e)
+            y = (self.experts[e] if e % 2 else expert)(x[tok])
+            out = out.index_add(0, tok, y * w[tok, slot, None])
+        return out
+
+
+def test_stack_experts_matches_module_list():
+    from moe_compile.parallel import StackedExperts, stack_experts
+
+    ref, model = LoopMoE(), LoopMoE()
+    old_sd = ref.state_dict()
+    model.experts = stack_experts(model.experts)
+    assert isinstance(model.experts, StackedExperts) and len(model.experts) == 4
+    assert {k: tuple(v.shape) for k, v in model.experts.state_dict().items()} == {
+        "w1_weight": (4, 6, 8), "w1_bias": (4, 6), "w3_weight": (4, 6, 8), "w3_bias": (4, 6), "w2_weight": (4, 8, 6)}
+    x = torch.randn(9, 8)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_ref, out = ref(x1), model(x2)
+    assert torch.equal(out, out_ref)
+    cot = torch.linspace(-1, 1, out.numel()).view(out.shape)
+    (out_ref * cot).sum().backward()
+    (out * cot).sum().backward()
+    assert torch.equal(x2.grad, x1.grad) and torch.equal(model.router.weight.grad, ref.router.weight.grad)
+    for n in ("w1.weight", "w1.bias", "w3.weight", "w2.weight"):
+        stacked = torch.stack([ex.get_parameter(n).grad for ex in ref.experts])
+        assert torch.equal(model.experts.get_parameter(n.replace(".", "_")).grad, stacked), n
+    fresh = LoopMoE()
+    fresh.experts = stack_experts(fresh.experts)
+    with torch.no_grad():
+        fresh.experts.w2_weight.zero_()
+    fresh.load_state_dict(old_sd)  # a ModuleList checkpoint still loads (keys stacked)
+    assert torch.equal(fresh.experts.w2_weight, model.experts.w2_weight)
+
+
+def test_module_list_refused_then_stacked_and_parallelized(mesh1):
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from moe_compile import ExpertParallel, parallelize_experts, stack_experts
+    from moe_compile.parallel import ep_info
+
+    model = LoopMoE()
+    with pytest.raises(ValueError, match=r"'experts' holds 4 experts as an nn.ModuleList.*stack_experts"):
+        parallelize_experts(model, mesh1)
+    model.experts = stack_experts(model.experts)
+    parallelize_module(model, mesh1, {"experts": ExpertParallel()})
+    info = ep_info(model.experts)
+    assert info.names == ("w1_weight", "w1_bias", "w3_weight", "w3_bias", "w2_weight") and info.num_experts == 4
+    assert isinstance(model.state_dict()["experts.w1_weight"], DTensor)
+    with pytest.raises(RuntimeError, match="ep_experts"):
+        model.experts[0](torch.randn(2, 8))  # the expert's Linear reads a view of the marker
+
+
+HF_COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=64, use_cache=False, head_dim=8)
+HF_SPECS = {  # config class, model class, MoE overrides, expected sharded names
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=16, decoder_sparse_step=1, mlp_only_layers=[]), ("gate_up_proj", "down_proj")),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                intermediate_size=16, sliding_window=8),
+                ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HF_SPECS))
+def test_hf_experts_found(name, mesh1):
+    transformers = pytest.importorskip("transformers")
+    from moe_compile.parallel import ep_infos, parallelize_experts
+
+    cfg_name, lm_name, kw, names = HF_SPECS[name]
+    model = getattr(transformers, lm_name)._from_config(getattr(transformers, cfg_name)(**HF_COMMON, **kw))
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    parallelize_experts(model, mesh1)
+    infos = ep_infos(model)
+    assert set(infos) == {f"model.layers.{i}.mlp.experts" for i in range(2)}
+    assert all(sorted(i.names) == sorted(names) and i.num_experts == 4 for i in infos.values()), infos
+    assert {k: v.shape for k, v in model.state_dict().items()} == shapes
