@@ -1,7 +1,8 @@
 """CUDA implementations of the moe_compile ops, registered lazily on first CUDA use.
 
-Imported by ``ops._impl`` the first time an op sees a CUDA tensor. Never imported on CPU, so CPU
-CI never needs Triton. If Triton is missing, nothing is registered and the references run.
+Imported by ``registry.implementation`` the first time an op sees a CUDA tensor, which reads
+``IMPLS``; never imported on CPU, so CPU CI never needs Triton. If Triton is missing, only the
+plain-torch route_permute is listed and the references run the rest.
 
 What runs where (all sync-free: no .item()/.tolist()/nonzero, static launch shapes):
 
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ops
+from .layout import even_step
 
 try:  # Triton is optional: without it the references stay in place.
     import triton  # noqa: F401
@@ -161,7 +162,7 @@ def _list_plan(ws: list[torch.Tensor]) -> tuple:
     if plan is None:
         es = w0.element_size()
         uniform = all(w.shape == w0.shape and w.stride() == w0.stride() and w.dtype == w0.dtype for w in ws)
-        step = ops.even_step(ws) if len(ws) > 1 else 0
+        step = even_step(ws) if len(ws) > 1 else 0
         if uniform and (len(ws) == 1 or step):
             plan = ("view", step)
         elif uniform and not any(p % 16 for p in ptrs):
@@ -258,7 +259,7 @@ def swiglu_backward(h, da):
     return _triton_moe.swiglu_backward(h, da)
 
 
-IMPLS = {
+_ALL = {
     "route_permute": route_permute,
     "permute_rows": permute_rows,
     "grouped_mm": grouped_mm,
@@ -272,6 +273,5 @@ IMPLS = {
     "swiglu_backward": swiglu_backward,
 }
 
-for _name, _fn in IMPLS.items():
-    if triton is not None or _name == "route_permute":  # route_permute is plain torch
-        ops.register_impl(_name, "cuda", _fn)
+# op name -> implementation on CUDA tensors (registry.py reads this); route_permute is plain torch
+IMPLS = {name: fn for name, fn in _ALL.items() if triton is not None or name == "route_permute"}

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from .ep_transport import resolve_group, select_transport
-from .ops import _check
+from .common import check as _check
 
 EP_EXPERTS_ERROR = (
     "moe_compile.ep_experts: these experts are sharded over an expert-parallel mesh by "

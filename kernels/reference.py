@@ -92,6 +92,11 @@ def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, n
     return dw
 
 
+def grouped_mm_wgrad_lowp(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, num_experts: int):
+    """grouped_mm_wgrad rounded once to x.dtype."""
+    return grouped_mm_wgrad(x, dy, offsets, num_experts).to(x.dtype)
+
+
 def grouped_bias_grad(dy: torch.Tensor, offsets: torch.Tensor, num_experts: int):
     """db[e] = sum of dy over the rows of group e -> [E, N] (fp32)."""
     db = torch.zeros(num_experts, dy.shape[1], dtype=torch.float32, device=dy.device)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from moe_compile.kernels.ops import even_step
+from moe_compile.kernels.layout import even_step
 from moe_compile.passes.normalize import arg, canon
 
 
@@ -95,13 +95,3 @@ def rehome_expert_weights(gm: fx.GraphModule, example_inputs) -> list[str]:
             continue  # unusable, or already side by side in one buffer
         notes.append(_rehome(groups))
     return notes
-
-
-def rehome_notes(gm: fx.GraphModule, example_inputs, records):
-    """Run ``rehome_expert_weights`` and attach what it did to the rewritten regions' records."""
-    import dataclasses
-
-    notes = tuple(rehome_expert_weights(gm, example_inputs))
-    if not notes:
-        return records
-    return [dataclasses.replace(r, notes=r.notes + notes) if r.status == "rewritten" else r for r in records]

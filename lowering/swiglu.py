@@ -10,25 +10,18 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from moe_compile.kernels import fused as _fused  # noqa: F401  (registers moe_compile::swiglu)
-from moe_compile.passes.normalize import val
+from moe_compile.kernels import ops as _ops  # noqa: F401  (registers moe_compile::swiglu)
 from moe_compile.passes.swiglu import SwiGLUMatch
 
-
-class SwiGLULoweringError(RuntimeError):
-    pass
+from .graph_edit import GraphBuilder, eliminate_dead_code
 
 
 def fuse_swiglu(gm: fx.GraphModule, matches: list[SwiGLUMatch]) -> int:
     """Rewrite every match; returns how many were fused."""
-    from .moe_region import _Builder, eliminate_dead_code
-
     g = gm.graph
     for m in matches:
-        mode = getattr(val(m.h), "fake_mode", None)
-        if mode is None:
-            raise SwiGLULoweringError("fuse_swiglu: the GEMM output has no fake value to propagate metadata from")
-        node = _Builder(g, m.mul.prev, mode, m.mul).fn(torch.ops.moe_compile.swiglu.default, m.h)
+        mode = GraphBuilder.fake_mode_of(m.h, "fuse_swiglu")
+        node = GraphBuilder(g, m.mul.prev, mode, m.mul).fn(torch.ops.moe_compile.swiglu.default, m.h)
         m.mul.replace_all_uses_with(node)
         g.erase_node(m.mul)
     if matches:

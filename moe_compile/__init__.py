@@ -19,8 +19,8 @@ def __getattr__(name):  # lazy: keep `import moe_compile` light
     if name == "moe_backend":
         from .backend import moe_backend
         return moe_backend
-    if name == "counters":  # rewritten / rejected region counts, process-wide
-        from .pipeline import counters
+    if name == "counters":  # rewritten / refused region counts, process-wide
+        from .records import counters
         return counters
     if name == "compiled_backward":
         from .autograd import compiled_backward

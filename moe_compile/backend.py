@@ -2,9 +2,11 @@
 
     torch.compile(model, backend="moe", mode=None, options={"moe.debug": True, ...})
 
-Pipeline: Dynamo graph -> find/check/lower MoE regions (``pipeline.run_passes``) -> Inductor via
-``compile_fx`` with the mode's options and the non-``moe.*`` options as scoped config patches
-(or, with ``moe.inductor=False``, AOTAutograd with eager kernels).
+Pipeline (``pipeline.PASSES``): the dynamo stage on a copy of Dynamo's graph (find, check, lower
+MoE regions) -> Inductor via ``compile_fx`` with the mode's options and the non-``moe.*`` options as
+scoped config patches, the post_grad stage hooked in as Inductor's ``post_grad_custom_post_pass``
+(or, with ``moe.inductor=False``, AOTAutograd with eager kernels and the post_grad stage in its
+compilers) -> the after_compile stage -> the region records are published.
 
 Capture of data-dependent ops. Per-expert loops (``torch.where(sel == i)``, ``nonzero``, boolean
 masks) reach a backend as ONE graph only when Dynamo's ``capture_dynamic_output_shape_ops`` is on
@@ -66,32 +68,73 @@ def inductor_defaults(records) -> dict:
     return {"size_asserts": False} if listy else {}
 
 
-def _compile_rewritten(gm, example_inputs, config: MoEConfig, inductor_options: dict, records=()):
-    if not config.inductor:
-        from torch._dynamo.backends.debugging import aot_eager
+class _PostGradPass:
+    """The post_grad stage as Inductor's ``post_grad_custom_post_pass`` (a CustomGraphPass: its
+    uuid keeps Inductor's FX graph cache correct), after the user's own pass if they set one."""
 
-        return aot_eager(gm, example_inputs)
+    def __init__(self, hook, user_pass=None):
+        self.hook, self.user_pass = hook, user_pass
+
+    def __call__(self, graph):
+        if self.user_pass is not None:
+            self.user_pass(graph)
+        self.hook(graph)
+
+    def uuid(self):
+        from moe_compile import __version__
+
+        user = getattr(self.user_pass, "uuid", lambda: repr(self.user_pass))() if self.user_pass else None
+        return ("moe_compile.post_grad", __version__, user)
+
+
+def _aot_eager(gm, example_inputs, hook):
+    """AOTAutograd with eager kernels (as ``aot_eager``), the post_grad stage run on each graph."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def compiler(fx_g, inputs):
+        if hook is not None:
+            hook(fx_g.graph)
+        return boxed_nop(fx_g, inputs)
+
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=min_cut_rematerialization_partition,
+                        keep_inference_input_mutations=True)(gm, example_inputs)
+
+
+def _compile_rewritten(gm, example_inputs, config: MoEConfig, inductor_options: dict, records, notes: list):
+    from .pipeline import post_grad_hook
+
+    hook = post_grad_hook(config, notes)
+    if not config.inductor:
+        return _aot_eager(gm, example_inputs, hook)
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
     patches = {**inductor_defaults(records), **list_mode_options(config.mode), **inductor_options}
+    if hook is not None:
+        patches["post_grad_custom_post_pass"] = _PostGradPass(hook, patches.get("post_grad_custom_post_pass"))
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
 def moe_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
     """torch.compile backend: rewrite MoE regions into moe_compile ops, then hand over to Inductor."""
-    from . import pipeline, report
+    import dataclasses
+
+    from . import pipeline, records as records_mod
 
     config, inductor_options = MoEConfig.from_options(mode, options)
-    gm, records = pipeline.run_passes(gm, example_inputs, config)
-    compiled = _compile_rewritten(gm, example_inputs, config, inductor_options, records)
-    if config.rehome_weights and records:
+    gm, records = pipeline.run_dynamo_stage(gm, example_inputs, config)
+    notes: list = []
+    compiled = _compile_rewritten(gm, example_inputs, config, inductor_options, records, notes)
+    if records:
         # after compiling: AOTAutograd's fake inputs were made with the parameters' old storage
         # offsets; the compiled code itself does not depend on them (lowering/rehome.py)
-        from moe_compile.lowering.rehome import rehome_notes
-
-        records = rehome_notes(gm, example_inputs, records)
-    report.publish(records)
+        records = pipeline.run_after_compile(gm, example_inputs, records, config)
+    if notes:
+        records = [dataclasses.replace(r, notes=r.notes + tuple(dict.fromkeys(notes))) if r.status == "rewritten"
+                   else r for r in records]
+    records_mod.publish(records)
     return compiled
 
 

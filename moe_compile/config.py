@@ -30,8 +30,9 @@ class MoEConfig:
         capture_dynamic_output_shape_ops), scoped to this backend's frames.
     strict: raise on an internal error of a pass instead of leaving the graph unchanged.
     rehome_weights: move ModuleList expert weights into one buffer per linear at compile time
-        (same Parameters and values; lets the grouped GEMM read them as one 3-D tensor, no per-step copy).
-    disable: names of passes to skip (see moe_compile.pipeline.PASSES).
+        (same Parameters and values; lets the grouped GEMM read them as one 3-D tensor, no per-step
+        copy). False is the same as listing "rehome_weights" in ``disable``.
+    disable: names of optional passes to skip (``moe_compile.pipeline.OPTIONAL_PASSES``).
     mode: the Inductor mode, for when torch.compile's own ``mode=`` cannot be combined with options.
     """
 
@@ -52,11 +53,15 @@ class MoEConfig:
             raise ValueError(f"MoEConfig: moe.mode={self.mode!r} is not one of {_INDUCTOR_MODES} (default 'default')")
         if isinstance(self.disable, str):
             object.__setattr__(self, "disable", (self.disable,))
-        from .pipeline import PASS_NAMES
+        from .pipeline import OPTIONAL_PASSES, PASS_NAMES
 
-        unknown = [p for p in self.disable if p not in PASS_NAMES]
+        unknown = [p for p in self.disable if p not in OPTIONAL_PASSES]
         if unknown:
-            raise ValueError(f"MoEConfig: moe.disable names unknown passes {unknown}; known: {list(PASS_NAMES)}")
+            required = [p for p in unknown if p in PASS_NAMES]
+            raise ValueError(f"MoEConfig: moe.disable names {'passes that cannot be disabled' if required else 'unknown passes'} "
+                             f"{unknown}; optional passes: {list(OPTIONAL_PASSES)}")
+        if not self.rehome_weights and "rehome_weights" not in self.disable:
+            object.__setattr__(self, "disable", (*self.disable, "rehome_weights"))
 
     @classmethod
     def allowed_keys(cls) -> list[str]:

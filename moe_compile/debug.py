@@ -1,4 +1,4 @@
-"""Debug output: region tables, graphs before/after, TORCH_TRACE artifacts.
+"""Debug output: region tables, the graph after each pass, TORCH_TRACE artifacts.
 
 Enabled by ``options={"moe.debug": True}`` or ``MOE_COMPILE_DEBUG=1`` (logs at WARNING so it shows
 without logging setup), and always available at DEBUG level through ``TORCH_LOGS="+moe_compile"``.
@@ -9,19 +9,27 @@ import logging
 
 log = logging.getLogger("moe_compile")
 
+_WIDTHS = (48, 28, 10, 7, 5, 60, 30)
+
 
 def format_records(records) -> str:
-    rows = [("module", "form", "status", "experts", "top_k", "ops / reason", "where")]
+    """A table (reasons and fixes in full on the lines under a refused region)."""
+    rows = [("module", "form", "status", "experts", "top_k", "ops / reason code", "where")]
     for r in records:
-        detail = ", ".join(r.ops) if r.status == "rewritten" else r.reason
-        rows.append((r.module or "<top>", r.form, r.status, str(r.num_experts or "-"), str(r.top_k or "-"),
-                     detail, r.where))
-    widths = [min(max(len(row[i]) for row in rows), 60 if i == 5 else 40) for i in range(len(rows[0]))]
+        detail = ", ".join(r.ops) if r.status == "rewritten" else (r.code or "refused")
+        rows.append((r.module or "<top>", r.form, r.status, str(r.num_experts or "-"), str(r.top_k or "-"), detail,
+                     r.where))
+    widths = [min(max(len(row[i]) for row in rows), cap) for i, cap in enumerate(_WIDTHS)]
     lines = []
     for j, row in enumerate(rows):
-        lines.append("  ".join(cell[:w].ljust(w) for cell, w in zip(row, widths)).rstrip())
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
+        elif records[j - 1].status != "rewritten":
+            r = records[j - 1]
+            lines.append(f"    reason: {r.reason}")
+            if r.fix:
+                lines.append(f"    fix:    {r.fix}")
     return "\n".join(lines)
 
 
@@ -35,13 +43,13 @@ def _trace(name: str, payload: str) -> None:
         pass
 
 
-def log_rewrite(before: str, after: str, records, seconds: float, loud: bool = True) -> None:
-    """Region table and graphs; at WARNING in debug mode, else at DEBUG (TORCH_LOGS=+moe_compile)."""
+def log_rewrite(graphs, records, seconds: float, loud: bool = True) -> None:
+    """Region table and the graph before and after each pass that changed it; at WARNING in debug
+    mode, else at DEBUG (TORCH_LOGS=+moe_compile)."""
     level = logging.WARNING if loud else logging.DEBUG
     table = format_records(records)
     log.log(level, "moe_compile: %d MoE region(s) in %.3fs\n%s", len(records), seconds, table)
-    log.log(level, "moe_compile: graph before\n%s", before)
-    log.log(level, "moe_compile: graph after\n%s", after)
-    _trace("moe_compile_graph_before", before)
-    _trace("moe_compile_graph_after", after)
+    for title, code in graphs:
+        log.log(level, "moe_compile: %s\n%s", title, code)
+        _trace(f"moe_compile_{title.replace(' ', '_')}", code)
     _trace("moe_compile_regions", table)

@@ -1,43 +1,146 @@
-"""The ordered pass driver: find -> check -> lower, on a copy of the Dynamo graph.
+"""The pass table: every pass the backend runs, in order, one stage per place a graph exists.
 
-``run_passes(gm, example_inputs, config) -> (gm, records)``. Matching and lowering happen on a
-shallow copy of the graph; if anything fails the original graph is returned unchanged (and the
-failure is recorded), so a region the backend cannot handle is compiled exactly as Dynamo gave it.
+    stage          graph                                     passes
+    dynamo         a copy of Dynamo's torch-level graph      normalize, loop_regions, grouped_regions,
+                                                             check, lower, swiglu
+    post_grad      each forward / backward ATen graph after  host_syncs
+                   AOTAutograd (Inductor's post-grad hook,
+                   or the aot_eager compilers)
+    after_compile  the compiled graph's real inputs          rehome_weights
+
+``moe.disable`` names optional passes to skip (never ``normalize``, ``check`` or ``lower``);
+``moe.debug`` logs the graph after each pass. ``run_dynamo_stage`` works on a copy of Dynamo's
+graph, subgraphs included: if a pass fails, the original graph is compiled unchanged (a warning,
+or an error with ``moe.strict``) and the regions are recorded as refused with the error.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import time
+from typing import Callable
 
-import torch
 import torch.fx as fx
 
-from moe_compile.passes.normalize import canon
+from moe_compile.passes.normalize import annotate, canon
+
+from .records import REFUSED, REWRITTEN, RegionRecord
 
 log = logging.getLogger(__name__)
 
-PASS_NAMES = ("moe_regions", "grouped_regions", "swiglu")  # swiglu: fuse silu(g) * u on rewritten GEMM outputs
-
-# process-wide counters (like torch._dynamo.utils.counters): tests assert on them
-counters: collections.Counter = collections.Counter()
-
 
 @dataclasses.dataclass(frozen=True)
-class RegionRecord:
-    """What happened to one MoE region of one compiled graph."""
-    module: str
-    form: str
-    status: str            # "rewritten" | "rejected"
-    reason: str
-    ops: tuple[str, ...]
-    where: str
-    num_experts: int = 0
-    top_k: int = 0
-    notes: tuple[str, ...] = ()
+class Pass:
+    name: str
+    stage: str          # "dynamo" | "post_grad" | "after_compile"
+    run: Callable       # (state) -> None
+    optional: bool
+    doc: str
 
 
+@dataclasses.dataclass
+class DynamoState:
+    """The dynamo stage's work: the graph copy and what the passes found so far."""
+    gm: fx.GraphModule
+    example_inputs: list
+    config: object
+    candidates: list = dataclasses.field(default_factory=list)
+    accepted: list = dataclasses.field(default_factory=list)      # passes.region.Region
+    refused: list = dataclasses.field(default_factory=list)       # passes.legality.Refusal
+    errors: list = dataclasses.field(default_factory=list)        # RegionRecord of matcher failures
+
+
+# ------------------------------------------------------------------------------- dynamo stage
+def _normalize(s: DynamoState) -> None:
+    annotate(s.gm.graph)
+
+
+def _finder(name: str, module: str, fn: str):
+    def run(s: DynamoState) -> None:
+        import importlib
+
+        finder = getattr(importlib.import_module(module), fn)
+        try:
+            s.candidates += finder(s.gm)
+        except Exception as exc:  # a matcher bug must not break the user's compile
+            if s.config.strict:
+                raise
+            log.warning("moe_compile: %s failed (%s: %s); its regions are left unchanged", name,
+                        type(exc).__name__, exc)
+            from moe_compile.passes import reasons
+
+            detail = {"finder": name, "error": f"{type(exc).__name__}: {exc}"}
+            s.errors.append(RegionRecord("", "?", REFUSED, reasons.message("matcher_error", detail), (), "",
+                                         code="matcher_error", fix=reasons.fix("matcher_error")))
+    return run
+
+
+def _check(s: DynamoState) -> None:
+    from moe_compile.passes.legality import Accepted, check
+
+    for c in s.candidates:
+        verdict = check(c)
+        (s.accepted if isinstance(verdict, Accepted) else s.refused).append(
+            verdict.region if isinstance(verdict, Accepted) else verdict)
+
+
+def _lower(s: DynamoState) -> None:
+    from moe_compile.lowering.region import lower_region
+
+    for region in s.accepted:
+        lower_region(s.gm, region)
+
+
+def _swiglu(s: DynamoState) -> None:
+    if s.accepted:
+        from moe_compile.lowering.swiglu import fuse_swiglu
+        from moe_compile.passes.swiglu import find_swiglu
+
+        fuse_swiglu(s.gm, find_swiglu(s.gm))
+
+
+# ------------------------------------------------------------------------------- later stages
+def _host_syncs(graph: fx.Graph, notes: list) -> None:
+    from moe_compile.passes.host_syncs import find_host_syncs
+
+    found = find_host_syncs(graph)
+    if found:
+        notes.append("host syncs left in the compiled graph (CUDA graphs and overlap need none): "
+                     + ", ".join(f"{op} x{n}" for op, n in found.items()))
+
+
+def _rehome(state) -> None:
+    gm, example_inputs, notes = state
+    from moe_compile.lowering.rehome import rehome_expert_weights
+
+    notes += rehome_expert_weights(gm, example_inputs)
+
+
+PASSES: tuple[Pass, ...] = (
+    Pass("normalize", "dynamo", _normalize, False, "name every call node's op once (passes/normalize.py)"),
+    Pass("loop_regions", "dynamo", _finder("loop_regions", "moe_compile.passes.loop_regions", "find_loop_regions"),
+         True, "find per-expert loops (passes/loop_regions.py)"),
+    Pass("grouped_regions", "dynamo",
+         _finder("grouped_regions", "moe_compile.passes.grouped_regions", "find_grouped_regions"),
+         True, "find sorted / batched / dense forms (passes/grouped_regions.py)"),
+    Pass("check", "dynamo", _check, False, "accept each candidate or refuse it with a reason (passes/legality.py)"),
+    Pass("lower", "dynamo", _lower, False, "rewrite accepted regions into moe_compile ops (lowering/region.py)"),
+    Pass("swiglu", "dynamo", _swiglu, True,
+         "silu(h[:, :N]) * h[:, N:] on rewritten GEMM outputs -> moe_compile.swiglu (lowering/swiglu.py)"),
+    Pass("host_syncs", "post_grad", _host_syncs, True,
+         "note host-sync ops left in graphs with moe_compile ops (passes/host_syncs.py)"),
+    Pass("rehome_weights", "after_compile", _rehome, True,
+         "move ModuleList expert weights into one buffer per linear (lowering/rehome.py)"),
+)
+PASS_NAMES = tuple(p.name for p in PASSES)
+OPTIONAL_PASSES = tuple(p.name for p in PASSES if p.optional)
+
+
+def enabled(stage: str, config) -> list[Pass]:
+    return [p for p in PASSES if p.stage == stage and p.name not in config.disable]
+
+
+# ------------------------------------------------------------------------------- the driver
 # What Dynamo hangs on its GraphModule besides the graph (torch/_dynamo/output_graph.py), read by
 # AOTAutograd: _param_name_to_source + each placeholder's _dynamo_source (which inputs are
 # parameters: static for CUDA graphs, deduplicated guards) and meta["dynamo_compile_id"].
@@ -72,84 +175,62 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _ops_used(gm: fx.GraphModule) -> tuple[str, ...]:
-    names = []
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "moe_compile":
-            names.append(n.target._opname)
+    names = [canon(n).split("::", 1)[1] for n in gm.graph.nodes if (canon(n) or "").startswith("moe_compile::")]
     return tuple(dict.fromkeys(names))
 
 
 def _surviving_syncs(gm: fx.GraphModule) -> list[str]:
     """where/nonzero nodes left after lowering (kept alive by code outside any region)."""
-    return [n.name for n in gm.graph.nodes
-            if canon(n) == "nonzero" or (canon(n) == "where" and len(n.args) == 1)]
+    return [n.name for n in gm.graph.nodes if canon(n) == "nonzero" or (canon(n) == "where" and len(n.args) == 1)]
 
 
-def run_passes(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.GraphModule, list[RegionRecord]]:
+def run_dynamo_stage(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.GraphModule, list[RegionRecord]]:
+    """The dynamo stage on a copy of ``gm``: (the graph to compile, one record per MoE region)."""
     from moe_compile import debug
-    from moe_compile.passes.grouped_regions import find_grouped_regions
-    from moe_compile.passes.moe_regions import Accept, MoERegion, check_region, find_moe_regions
+    from moe_compile.passes.legality import Refusal
 
-    finders = [(name, fn) for name, fn in (("moe_regions", find_moe_regions), ("grouped_regions", find_grouped_regions))
-               if name not in config.disable]
-    if not finders:
+    passes = enabled("dynamo", config)
+    if not any(p.name.endswith("_regions") for p in passes):
         return gm, []
     t0 = time.perf_counter()
-    work = copy_graph_module(gm)
-    found = []
-    records: list[RegionRecord] = []
-    for name, finder in finders:
-        try:
-            found += finder(work)
-        except Exception as exc:  # a matcher bug must not break the user's compile
-            if config.strict:
-                raise
-            log.warning("%s: matcher failed (%s: %s); its regions are left unchanged", name, type(exc).__name__, exc)
-            records.append(RegionRecord("", "?", "rejected", f"{name}: matcher error {type(exc).__name__}: {exc}",
-                                        (), ""))
-    accepted: list[MoERegion] = []
-    for region in found:
-        verdict = check_region(region)
-        if isinstance(verdict, Accept):
-            accepted.append(verdict.region)
-        else:
-            records.append(RegionRecord(region.module, region.form, "rejected", verdict.reason, (), region.where,
-                                        getattr(region, "num_experts", 0), getattr(region, "top_k", 0)))
-    if not accepted:
-        _count(records)
-        return gm, records
+    s = DynamoState(copy_graph_module(gm), example_inputs, config)
     verbose = config.debug or log.isEnabledFor(logging.DEBUG)
-    before = work.print_readable(print_output=False) if verbose else ""
-    from moe_compile.lowering.moe_region import lower_moe_region
-
+    graphs = [("dynamo graph", s.gm.print_readable(print_output=False))] if verbose else []
     try:
-        for region in accepted:
-            lower_moe_region(work, region)
-        if "swiglu" not in config.disable:
-            from moe_compile.lowering.swiglu import fuse_swiglu
-            from moe_compile.passes.swiglu import find_swiglu
-
-            fuse_swiglu(work, find_swiglu(work))
-        syncs = _surviving_syncs(work)
+        for p in passes:
+            if p.name in ("lower", "swiglu") and not s.accepted:
+                continue
+            p.run(s)
+            if verbose and p.name in ("lower", "swiglu"):
+                graphs.append((f"after {p.name}", s.gm.print_readable(print_output=False)))
     except Exception as exc:
         if config.strict:
             raise
-        log.warning("moe_regions: lowering failed (%s: %s); graph left unchanged", type(exc).__name__, exc)
-        records += [RegionRecord(r.module, r.form, "rejected", f"lower_moe_region failed: {type(exc).__name__}: {exc}",
-                                 (), r.where, r.num_experts, r.top_k) for r in accepted]
-        _count(records)
+        log.warning("moe_compile: lowering failed (%s: %s); the graph is compiled unchanged", type(exc).__name__, exc)
+        from moe_compile.passes import reasons
+
+        detail = {"error": f"{type(exc).__name__}: {exc}"}
+        failed = [RegionRecord(r.module, r.form, REFUSED, reasons.message("lowering_error", detail), (), r.where,
+                               r.router.num_experts, r.router.top_k, code="lowering_error",
+                               fix=reasons.fix("lowering_error")) for r in s.accepted]
+        return gm, s.errors + [_refused_record(r) for r in s.refused] + failed
+    records = s.errors + [_refused_record(r) for r in s.refused if isinstance(r, Refusal)]
+    if not s.accepted:
         return gm, records
-    ops = _ops_used(work)
+    ops = _ops_used(s.gm)
+    syncs = _surviving_syncs(s.gm)
     notes = (f"where/nonzero still needed outside the rewritten regions: {', '.join(syncs)}",) if syncs else ()
-    notes += _list_weight_note(work)
-    for region in accepted:
-        records.append(RegionRecord(region.module, region.form, "rewritten", "", ops, region.where,
-                                    region.num_experts, region.top_k, notes))
-    _count(records)
+    notes += _list_weight_note(s.gm)
+    records += [RegionRecord(r.module, r.form, REWRITTEN, "", ops, r.where, r.router.num_experts, r.router.top_k,
+                             notes) for r in s.accepted]
     if verbose:
-        debug.log_rewrite(before, work.print_readable(print_output=False), records, time.perf_counter() - t0,
-                          loud=config.debug)
-    return work, records
+        debug.log_rewrite(graphs, records, time.perf_counter() - t0, loud=config.debug)
+    return s.gm, records
+
+
+def _refused_record(r) -> RegionRecord:
+    return RegionRecord(r.module, r.form, REFUSED, r.message, (), r.where, r.num_experts, r.top_k, code=r.code,
+                        fix=r.fix)
 
 
 def _list_weight_note(gm: fx.GraphModule) -> tuple[str, ...]:
@@ -166,6 +247,26 @@ def _list_weight_note(gm: fx.GraphModule) -> tuple[str, ...]:
             "parameter [E, N, K] (as transformers 5 does) removes the per-parameter cost (docs/benchmarks.md)",)
 
 
-def _count(records):
-    for r in records:
-        counters[r.status] += 1
+def post_grad_hook(config, notes: list):
+    """The post_grad stage as a graph pass (Inductor's ``post_grad_custom_post_pass`` or the
+    aot_eager compilers): runs each enabled post-grad pass on every forward/backward graph."""
+    passes = enabled("post_grad", config)
+    if not passes:
+        return None
+
+    def run(graph: fx.Graph) -> None:
+        if any((canon(n) or "").startswith("moe_compile::") for n in graph.nodes):
+            for p in passes:
+                p.run(graph, notes)
+
+    return run
+
+
+def run_after_compile(gm: fx.GraphModule, example_inputs, records: list, config) -> list:
+    """The after_compile stage; returns the records with what it did noted on rewritten regions."""
+    notes: list = []
+    for p in enabled("after_compile", config):
+        p.run((gm, example_inputs, notes))
+    if not notes:
+        return records
+    return [dataclasses.replace(r, notes=r.notes + tuple(notes)) if r.status == REWRITTEN else r for r in records]

@@ -2,21 +2,17 @@
 
     report = moe_compile.explain(model, input_ids)
     print(report)                      # a table
-    report.regions[0].status           # "rewritten" | "rejected"
+    report.regions[0].status           # "rewritten" | "refused"
     report.graph_breaks[0].fix         # a concrete change to the user's code
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
 
 import torch
 
 from .debug import format_records
-from .pipeline import RegionRecord
-
-_local = threading.local()
+from .records import REFUSED, REWRITTEN, RegionRecord, recording
 
 _MOE_WORDS = ("expert", "moe", "router", "routing", "gate", "topk", "top_k", "where", "nonzero", "tolist",
               "bincount", "one_hot", "histc", "split")
@@ -38,14 +34,14 @@ class Report:
 
     @property
     def rewritten(self) -> list[RegionRecord]:
-        return [r for r in self.regions if r.status == "rewritten"]
+        return [r for r in self.regions if r.status == REWRITTEN]
 
     @property
-    def rejected(self) -> list[RegionRecord]:
-        return [r for r in self.regions if r.status == "rejected"]
+    def refused(self) -> list[RegionRecord]:
+        return [r for r in self.regions if r.status == REFUSED]
 
     def __str__(self) -> str:
-        out = [f"moe_compile report: {len(self.rewritten)} MoE region(s) rewritten, {len(self.rejected)} refused, "
+        out = [f"moe_compile report: {len(self.rewritten)} MoE region(s) rewritten, {len(self.refused)} refused, "
                f"{self.graphs} graph(s), {len(self.graph_breaks)} graph break(s) in MoE code"]
         if self.regions:
             out.append(format_records(self.regions))
@@ -54,26 +50,6 @@ class Report:
         for b in self.graph_breaks:
             out.append(f"graph break at {b.where}: {b.reason}\n    code: {b.code}\n    fix:  {b.fix}")
         return "\n".join(out)
-
-
-def publish(records) -> None:
-    """Called by the backend for every compiled graph."""
-    for sink in getattr(_local, "sinks", []):
-        sink.append(records)
-
-
-@contextlib.contextmanager
-def recording():
-    """Collect the RegionRecords of every graph compiled by the moe backend inside the block."""
-    sinks = getattr(_local, "sinks", None)
-    if sinks is None:
-        sinks = _local.sinks = []
-    graphs: list = []
-    sinks.append(graphs)
-    try:
-        yield graphs
-    finally:
-        sinks.remove(graphs)
 
 
 _FIXES = (

@@ -1,7 +1,8 @@
-"""Combine rules of ``grouped_regions``: how expert rows are weighted and summed back per token.
+"""Combine rules of the all-pairs finder: how expert rows are weighted and summed back per token.
 
-Split out of ``grouped_regions.py`` (mixed into its ``_Finder``; reads its roles, never mutates the
-graph). Recognised, for rows in sorted (s), pair (p = t*K + j) or dense [E, T, *] (d) order::
+Called by ``grouped_rows`` and ``grouped_regions`` (they read the finder's roles and set new ones;
+never mutate the graph). Recognised, for rows in sorted (s), pair (p = t*K + j) or dense [E, T, *]
+(d) order::
 
     rows * w.reshape(-1)[perm].unsqueeze(-1)   (s)     rows * w.reshape(-1).unsqueeze(-1)   (p)
     rows * zeros(T, E).scatter(1, ids, w).t().unsqueeze(-1)                               (d)
@@ -14,100 +15,95 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from .grouped_state import CASTS
 from .normalize import arg, canon, distinct_per_row, shape, val
 
-CASTS = {"to", "float", "long", "int", "type", "contiguous", "bfloat16", "half", "double"}
 
-
-class CombineRules:
-    """Mixin: needs ``self.r`` (node -> role), ``self._set``, ``self.order``; see grouped_regions."""
-
-    def _row_weights(self, g, other, ro):
-        """The routing-weight node (reshaped to [T, K] by the lowering) if ``other`` weights the rows."""
-        if not isinstance(other, fx.Node) or canon(other) not in ("unsqueeze", "view", "reshape", "getitem"):
-            return None
-        src = other.args[0]
-        rs = self.r(src)
-        s = shape(other)
-        if not s or s[-1] != 1:
-            return None
-        if g.family == "sorted" and rs and rs.kind == "sw" and rs.g is g:
-            return rs.info
-        if g.family == "batched" and rs is None and isinstance(val(src), torch.Tensor) \
-                and val(src).is_floating_point() and tuple(val(src).shape) == (val(g.x).shape[0] * g.k,):
-            return src
-        if g.family == "dense" and ro and ro.kind == "routing" and ro.info[2] == "et1":
-            ids, w, _ = ro.info
-            if shape(ids) != shape(w) or len(shape(ids)) != 2:
-                g.problem = g.problem or "the routing matrix is scattered from ids/weights of different shapes"
-                return None
-            if not distinct_per_row(ids):
-                g.problem = g.problem or (
-                    f"the routing matrix is scattered from ids `{ids.name}` that may repeat an expert within a "
-                    "row (not from topk/argmax): scatter keeps one of the repeated weights, a routed rewrite "
-                    "would add them all; take the ids from torch.topk to have this rewritten")
-                return None
-            g.ids, g.k = ids, shape(ids)[1]
-            return w
+def row_weights(f, g, other, ro):
+    """The routing-weight node (reshaped to [T, K] by the lowering) if ``other`` weights the rows."""
+    if not isinstance(other, fx.Node) or canon(other) not in ("unsqueeze", "view", "reshape", "getitem"):
         return None
+    src = other.args[0]
+    rs = f.r(src)
+    s = shape(other)
+    if not s or s[-1] != 1:
+        return None
+    if g.family == "sorted" and rs and rs.kind == "sw" and rs.g is g:
+        return rs.info
+    if g.family == "batched" and rs is None and isinstance(val(src), torch.Tensor) \
+            and val(src).is_floating_point() and tuple(val(src).shape) == (val(g.x).shape[0] * g.k,):
+        return src
+    if g.family == "dense" and ro and ro.kind == "routing" and ro.info[2] == "et1":
+        ids, w, _ = ro.info
+        if shape(ids) != shape(w) or len(shape(ids)) != 2:
+            g.note("routing_matrix_shapes")
+            return None
+        if not distinct_per_row(ids):
+            g.note("ids_may_repeat", ids, node=ids.name)
+            return None
+        g.ids, g.k = ids, shape(ids)[1]
+        return w
+    return None
 
-    def _unsort(self, g, n, op) -> bool:
-        """rows[inv] / index_select(0, inv): rows back in (token, slot) order."""
-        idx = n.args[1] if op == "getitem" else (arg(n, 2, "index") if op == "index_select" else None)
-        if op == "index_select" and arg(n, 1, "dim") != 0:
-            return False
-        ri = self.r(idx)
-        if ri is None or ri.kind != "inv" or ri.g is not g:
-            if g.family == "batched" and op in ("view", "reshape", "unflatten"):
-                return self._pair3(g, n)
-            return False
-        g.end = g.step_of[n.args[0]]
-        self._set(n, "pair", g, n.args[0])
-        return True
 
-    def _pair3(self, g, n) -> bool:
-        s = shape(n)
-        if s and len(s) == 3 and s[1] == g.k and s[0] * s[1] == shape(n.args[0])[0]:
-            if self.r(n.args[0]).kind == "rows":
-                g.end = g.step_of[n.args[0]]
-            self._set(n, "pair3", g)
-            return True
+def unsort(f, g, n, op) -> bool:
+    """rows[inv] / index_select(0, inv): rows back in (token, slot) order."""
+    idx = n.args[1] if op == "getitem" else (arg(n, 2, "index") if op == "index_select" else None)
+    if op == "index_select" and arg(n, 1, "dim") != 0:
         return False
+    ri = f.r(idx)
+    if ri is None or ri.kind != "inv" or ri.g is not g:
+        if g.family == "batched" and op in ("view", "reshape", "unflatten"):
+            return pair3(f, g, n)
+        return False
+    g.end = g.step_of[n.args[0]]
+    f.set(n, "pair", g, n.args[0])
+    return True
 
-    def _pair_op(self, g, n, op, src, kind):
-        if kind == "pair" and op in ("view", "reshape", "unflatten") and self._pair3(g, n):
-            return
-        if kind == "pair" and op in CASTS:
-            self._set(n, "pair", g)
-            return
-        if kind == "pair3" and op in CASTS:
-            self._set(n, "pair3", g)
-            return
-        if kind == "pair3" and op == "mul":
-            other = n.args[1] if n.args[0] is src else n.args[0]
-            s = shape(other)
-            if self.r(other) is None and s and len(s) == 3 and s[1] == g.k and s[2] == 1:
-                if g.weighted_at is not None:
-                    g.problem = g.problem or "the rows are multiplied by routing weights twice"
-                g.weights, g.weighted_at = other, g.end
-                self._set(n, "pair3", g)
-                return
-        if kind == "pair3" and op == "sum" and arg(n, 1, "dim") in (1, (1,), -2) and not arg(n, 2, "keepdim", False):
-            g.output = n
-            self._set(n, "out", g)
-            return
 
-    def _combine_add(self, g, n, op, acc, src):
-        idx = arg(n, 2, "index")
-        ok = self.r(idx) and self.r(idx).kind == "tok" and self.r(idx).g is g
-        if not ok and op.startswith("scatter_add") and canon(idx) == "expand":
-            base = idx.args[0]
-            base = base.args[0] if canon(base) in ("unsqueeze", "view", "reshape") else base
-            ok = self.r(base) and self.r(base).kind == "tok" and self.r(base).g is g
-        if not ok or arg(n, 1, "dim") != 0 or [u for u in acc.users if self.order[u] < self.order[n]]:
-            return False
-        if op.endswith("_"):
-            g.aliases = (acc,)
-        g.output, g.end = n, g.step_of[src]
-        self._set(n, "out", g)
+def pair3(f, g, n) -> bool:
+    s = shape(n)
+    if s and len(s) == 3 and s[1] == g.k and s[0] * s[1] == shape(n.args[0])[0]:
+        if f.r(n.args[0]).kind == "rows":
+            g.end = g.step_of[n.args[0]]
+        f.set(n, "pair3", g)
         return True
+    return False
+
+
+def pair_op(f, g, n, op, src, kind):
+    """Ops on rows in (token, slot) order: the [T, K, H] view, casts, weights, the sum over K."""
+    if kind == "pair" and op in ("view", "reshape", "unflatten") and pair3(f, g, n):
+        return
+    if op in CASTS:
+        f.set(n, kind, g)
+        return
+    if kind == "pair3" and op == "mul":
+        other = n.args[1] if n.args[0] is src else n.args[0]
+        s = shape(other)
+        if f.r(other) is None and s and len(s) == 3 and s[1] == g.k and s[2] == 1:
+            if g.weighted_at is not None:
+                g.note("weights_twice")
+            g.weights, g.weighted_at = other, g.end
+            f.set(n, "pair3", g)
+            return
+    if kind == "pair3" and op == "sum" and arg(n, 1, "dim") in (1, (1,), -2) and not arg(n, 2, "keepdim", False):
+        g.output = n
+        f.set(n, "out", g)
+
+
+def combine_add(f, g, n, op, acc, src) -> bool:
+    """zeros(T, H).index_add_(0, perm // K, rows) / .scatter_add_(0, (perm // K)[:, None].expand(..), rows)."""
+    idx = arg(n, 2, "index")
+    ok = f.r(idx) and f.r(idx).kind == "tok" and f.r(idx).g is g
+    if not ok and op.startswith("scatter_add") and canon(idx) == "expand":
+        base = idx.args[0]
+        base = base.args[0] if canon(base) in ("unsqueeze", "view", "reshape") else base
+        ok = f.r(base) and f.r(base).kind == "tok" and f.r(base).g is g
+    if not ok or arg(n, 1, "dim") != 0 or [u for u in acc.users if f.order[u] < f.order[n]]:
+        return False
+    if op.endswith("_"):
+        g.aliases = (acc,)
+    g.output, g.end = n, g.step_of[src]
+    f.set(n, "out", g)
+    return True

@@ -45,8 +45,25 @@ def _fn_name(fn: Any) -> str:
     return getattr(fn, "__name__", str(fn))
 
 
+_META_KEY = "moe_compile_op"
+
+
+def annotate(graph: fx.Graph) -> None:
+    """The ``normalize`` pass: name every call node's op once (``canon`` then reads the name)."""
+    for node in graph.nodes:
+        node.meta[_META_KEY] = _canon(node)
+
+
 def canon(node: fx.Node) -> str | None:
     """Canonical op name of a call node, else None."""
+    name = node.meta.get(_META_KEY, _UNSET)
+    return _canon(node) if name is _UNSET else name
+
+
+_UNSET = object()
+
+
+def _canon(node: fx.Node) -> str | None:
     if node.op == "call_function":
         t = node.target
         if t in _OPERATORS:
@@ -63,10 +80,6 @@ def canon(node: fx.Node) -> str | None:
     else:
         return None
     return _ALIASES.get(name, name)
-
-
-def is_method(node: fx.Node) -> bool:
-    return node.op == "call_method"
 
 
 def arg(node: fx.Node, i: int, name: str, default: Any = None) -> Any:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import moe_compile
 import moe_compile.pipeline as pipeline
+from moe_compile import records
 from helpers import check_compiled, make_input, make_model
 
 HERE = os.path.dirname(__file__)
@@ -62,7 +63,7 @@ class TopkNoExperts(nn.Module):
 @pytest.mark.parametrize("model", [DenseMLP, Attention, TopkNoExperts], ids=lambda c: c.__name__)
 def test_must_not_match(model):
     torch.manual_seed(0)
-    check_compiled(model(), [make_input((2, 5, 16))], expect_rewritten=0, expect_rejected=0)
+    check_compiled(model(), [make_input((2, 5, 16))], expect_rewritten=0, expect_refused=0)
 
 
 # ------------------------------------------------------------------------------ recompiles
@@ -85,10 +86,10 @@ def test_no_recompile_when_only_routing_changes():
     m = make_model(spelling="where_setitem", k=2, e=4)
     backend = CountingBackend()
     cm = torch.compile(m, backend=backend)
-    before = pipeline.counters["rewritten"]
+    before = records.counters["rewritten"]
     x = make_input((2, 5, 16))
     torch.testing.assert_close(cm(x), m(x))
-    assert backend.calls == 1 and pipeline.counters["rewritten"] == before + 1
+    assert backend.calls == 1 and records.counters["rewritten"] == before + 1
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for seed, routing_bias in enumerate([0.0, 30.0, -30.0]):  # new routings, incl. one hot expert
         with torch.no_grad():
@@ -135,7 +136,7 @@ def test_moe_mode_option_and_mode_kwarg_run(monkeypatch):
 
     seen = []
 
-    def fake_compile(gm, example_inputs, config, inductor_options, records=()):
+    def fake_compile(gm, example_inputs, config, inductor_options, records=(), notes=None):
         seen.append(config.mode)
         return aot_eager(gm, example_inputs)
 
@@ -179,31 +180,31 @@ def test_inductor_options_forwarded(monkeypatch):
 
 def test_inductor_defaults_only_for_list_regions():
     from moe_compile.backend import inductor_defaults
-    from moe_compile.pipeline import RegionRecord
+    from moe_compile.records import RegionRecord
 
     def rec(status, *ops):
         return RegionRecord("m", "loop", status, "", ops, "here")
 
     assert inductor_defaults([rec("rewritten", "grouped_mm_list_cat", "grouped_mm_list")]) == {"size_asserts": False}
     assert inductor_defaults([rec("rewritten", "grouped_mm")]) == {}  # 3-D weights: one input per linear
-    assert inductor_defaults([rec("rejected")]) == {}
+    assert inductor_defaults([rec("refused")]) == {}
 
 
 def test_disable_pass_leaves_model_unrewritten():
     m = make_model(spelling="where_setitem")
-    check_compiled(m, [make_input((6, 16))], expect_rewritten=0, options={"moe.disable": ("moe_regions",)})
+    check_compiled(m, [make_input((6, 16))], expect_rewritten=0, options={"moe.disable": ("loop_regions",)})
 
 
 def test_matcher_exception_leaves_graph_unchanged(monkeypatch, caplog):
-    import moe_compile.passes.moe_regions as mr
+    import moe_compile.passes.loop_regions as mr
 
     def boom(gm, analysis=None):
         raise RuntimeError("matcher bug")
 
-    monkeypatch.setattr(mr, "find_moe_regions", boom)
+    monkeypatch.setattr(mr, "find_loop_regions", boom)
     m = make_model(spelling="where_setitem")
     with caplog.at_level(logging.WARNING, logger="moe_compile"):
-        check_compiled(m, [make_input((6, 16))], expect_rewritten=0, expect_rejected=1,
+        check_compiled(m, [make_input((6, 16))], expect_rewritten=0, expect_refused=1,
                        options={"moe.strict": False})
     assert "matcher bug" in caplog.text
     torch._dynamo.reset()
@@ -224,7 +225,7 @@ def test_debug_logs_graphs(how, monkeypatch, caplog):
     x = make_input((6, 16))
     with caplog.at_level(logging.WARNING, logger="moe_compile"):
         torch.testing.assert_close(torch.compile(m, backend="moe", options=opts)(x), m(x))
-    assert "graph before" in caplog.text and "graph after" in caplog.text
+    assert "dynamo graph" in caplog.text and "after lower" in caplog.text
     assert "index_add_" in caplog.text and "moe_compile.grouped_mm" in caplog.text
     assert "rewritten" in caplog.text
 
@@ -235,7 +236,7 @@ def test_no_debug_logging_by_default(monkeypatch, caplog):
     m = make_model(spelling="index_add")
     with caplog.at_level(logging.WARNING, logger="moe_compile"):
         torch.compile(m, backend="moe", options={"moe.inductor": False})(make_input((6, 16)))
-    assert "graph before" not in caplog.text
+    assert "dynamo graph" not in caplog.text
 
 
 # ------------------------------------------------------------------------------ subprocesses
@@ -251,14 +252,14 @@ def _run_py(code: str) -> str:
 def test_entry_point_without_import():
     out = _run_py("""
         import sys, torch
-        from helpers import make_model, make_input   # helpers import moe_compile.pipeline: drop it
+        from helpers import make_model, make_input   # helpers import moe_compile.records: drop it
         for k in [k for k in sys.modules if k.startswith("moe_compile")]:
             del sys.modules[k]
         m = make_model(spelling="where_setitem"); x = make_input((6, 16))
         y = torch.compile(m, backend="moe", options={"moe.inductor": False})(x)
         torch.testing.assert_close(y, m(x))
-        import moe_compile.pipeline as p
-        print("rewritten", p.counters["rewritten"])
+        import moe_compile.records as r
+        print("rewritten", r.counters["rewritten"])
     """)
     assert "rewritten 1" in out
 
@@ -307,14 +308,14 @@ def test_rewritten_graph_keeps_dynamo_annotations(monkeypatch):
 
         monkeypatch.setattr(frontend_utils, "_try_get_metadata_from_dynamo", spy)
     graphs = {}
-    real = pipeline.run_passes
+    real = pipeline.run_dynamo_stage
 
     def record(gm, example_inputs, config):
         new, records = real(gm, example_inputs, config)
         graphs.update(before=gm, after=new, records=records)
         return new, records
 
-    monkeypatch.setattr(pipeline, "run_passes", record)
+    monkeypatch.setattr(pipeline, "run_dynamo_stage", record)
     m = make_model(spelling="index_add", h=8, i=8, e=3, k=2)
     torch._dynamo.reset()
     torch.compile(m, backend="moe", options={"moe.inductor": False})(make_input((5, 8))).sum().backward()

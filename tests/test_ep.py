@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import moe_compile.kernels.ep as ep_ops
+import moe_compile.kernels.ops  # noqa: F401  (registers every moe_compile op)
 from moe_compile.kernels.ep_transport import padded_layout
 from dist_utils import run_distributed
 

@@ -22,7 +22,7 @@ class Block(nn.Module):
 
 def test_explain_rewritten():
     rep = moe_compile.explain(Block(spelling="where_setitem", e=4, k=2), make_input((2, 5, 16)))
-    assert len(rep.regions) == 1 and rep.rewritten == list(rep.regions) and not rep.rejected
+    assert len(rep.regions) == 1 and rep.rewritten == list(rep.regions) and not rep.refused
     r = rep.regions[0]
     assert r.status == "rewritten" and r.reason == ""
     assert r.module.startswith("mlp"), r.module
@@ -55,9 +55,9 @@ def test_explain_stacked_uses_grouped_mm():
 
 def test_explain_refused_gives_reason():
     rep = moe_compile.explain(Block(spelling="assign", e=4, k=2), make_input((2, 5, 16)))
-    assert len(rep.rejected) == 1 and not rep.rewritten
-    r = rep.rejected[0]
-    assert r.status == "rejected" and "overwrites" in r.reason and "top-k > 1" in r.reason
+    assert len(rep.refused) == 1 and not rep.rewritten
+    r = rep.refused[0]
+    assert r.status == "refused" and r.code == "overwrite_topk" and "overwrites" in r.reason and "top-k > 1" in r.reason
     assert r.module.startswith("mlp")
     text = str(rep)
     assert "0 MoE region(s) rewritten, 1 refused" in text and "overwrites" in text
@@ -77,8 +77,8 @@ def test_experts_with_different_mlps_are_refused():
     expert1 = model.experts.experts[1]
     expert1.forward = lambda x: expert1.w2(F.gelu(expert1.w1(x)) * expert1.w3(x))
     rep = moe_compile.explain(model, make_input((2, 5, 16)))
-    assert not rep.rewritten and len(rep.rejected) == 1, str(rep)
-    assert "expert 1's MLP differs in structure" in rep.rejected[0].reason
+    assert not rep.rewritten and len(rep.refused) == 1, str(rep)
+    assert "expert 1's MLP differs in structure" in rep.refused[0].reason
 
 
 def test_explain_notes_many_list_weights():

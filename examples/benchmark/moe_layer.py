@@ -91,7 +91,7 @@ class _GmmLowp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from moe_compile.kernels import fused
+        from moe_compile.kernels import ops as fused
 
         x, w, offsets = ctx.saved_tensors
         dy = dy.contiguous()
@@ -107,7 +107,7 @@ class OpsMoE(nn.Module):
 
     def __init__(self, h, i, e, k, lowp_wgrad=False):
         super().__init__()
-        from moe_compile.kernels import fused, ops  # noqa: F401  (registers the ops)
+        from moe_compile.kernels import ops  # noqa: F401  (registers the ops)
 
         self.gate = nn.Linear(h, e, bias=False)
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))

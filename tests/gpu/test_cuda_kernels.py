@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from moe_compile.kernels import cuda as kcuda  # noqa: E402  (registers the CUDA impls)
-from moe_compile.kernels import fused, ops, reference  # noqa: E402
+from moe_compile.kernels import ops, reference, registry  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -91,15 +91,7 @@ def gmm_backend(name: str):
         kcuda.GMM_BACKEND = old
 
 
-@contextlib.contextmanager
-def reference_impls():
-    saved = {k: v for k, v in ops._IMPLS.items() if k[1] == "cuda"}
-    for key in saved:
-        del ops._IMPLS[key]
-    try:
-        yield
-    finally:
-        ops._IMPLS.update(saved)
+reference_impls = registry.reference_only
 
 
 @pytest.fixture
@@ -196,7 +188,7 @@ def test_grouped_mm_wgrad_and_bias_grad(shape, routing, dtype, backend, gen):
         poison(((e, h, n), dtype), ((e, h, n), torch.float32))
         dw = kcuda.grouped_mm_wgrad(x, dy, offsets, e)
         poison(((e, h, n), dtype), ((e, h, n), dtype))
-        dw_lp = fused.grouped_mm_wgrad_lowp(x, dy, offsets, e)
+        dw_lp = ops.grouped_mm_wgrad_lowp(x, dy, offsets, e)
     assert dw.shape == (e, h, n) and dw.dtype == torch.float32 and dw_lp.dtype == dtype
     for out, tol in ((dw, FP32_GEMM_REL if dtype == torch.float32 else BF16_GEMM_REL),
                      (dw_lp, BF16_GEMM_REL if dtype == torch.bfloat16 else FP32_GEMM_REL)):
@@ -212,14 +204,14 @@ def test_grouped_mm_wgrad_and_bias_grad(shape, routing, dtype, backend, gen):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("routing", ["uniform", "empty", "dropped"])
 def test_weight_grad_in_parameter_layout(routing, dtype, gen):
-    """fused.grouped_mm_weight_grad returns w's dtype and strides (no copy when accumulating)."""
+    """ops.grouped_mm_weight_grad returns w's dtype and strides (no copy when accumulating)."""
     t, k, e, h, n = 37, 4, 8, 72, 200
     ids = make_ids(t, k, e, routing, gen)
     _, _, offsets = kcuda.route_permute(ids, e)
     x, dy = rand((t * k, h), dtype, gen), rand((t * k, n), dtype, gen)
     ref = reference.grouped_mm_wgrad(x, dy, offsets, e)
     for w in (torch.empty(e, h, n, dtype=dtype, device=DEV), torch.empty(e, n, h, dtype=dtype, device=DEV).transpose(1, 2)):
-        dw = fused.grouped_mm_weight_grad(x, dy, offsets, e, w.dtype, w.stride(-2) == 1)
+        dw = ops.grouped_mm_weight_grad(x, dy, offsets, e, w.dtype, w.stride(-2) == 1)
         assert dw.dtype == dtype and dw.shape == w.shape and dw.stride() == w.stride()
         assert rel(dw, ref) <= (BF16_GEMM_REL if dtype == torch.bfloat16 else FP32_GEMM_REL)
 

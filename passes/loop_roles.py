@@ -1,4 +1,4 @@
-"""Abstract values ("roles") the MoE dataflow analysis attaches to Dynamo graph nodes.
+"""Abstract values ("roles") the per-expert-loop dataflow (``loop_dataflow``) attaches to Dynamo graph nodes.
 
 Legend: T tokens, K top-k slots, N = T*K routed (token, slot) pairs, E experts, H width.
 A *row enumeration* names the order in which one expert's selected rows appear: two values of
@@ -126,7 +126,10 @@ class AccSum:
     contrib: Contrib
 
 
-ROW_ROLES = (Rows, RowFn)
+@dataclass(frozen=True)
+class PendingScatter:
+    """tok.unsqueeze(-1) of a token Index, before the expand that makes it a ScatterIndex."""
+    index: Index
 
 
 @dataclass
@@ -139,7 +142,7 @@ class Storage:
     aliases: set = dataclasses.field(default_factory=set)      # nodes whose value is this storage
     version: int = 0
     readers: list = dataclasses.field(default_factory=list)    # (node, version) reads outside the pattern
-    problem: str = ""
+    findings: list = dataclasses.field(default_factory=list)   # region.Finding: why it cannot be rewritten
     forked: bool = False                 # a functional index_add made a newer copy of it
 
     def __hash__(self):
@@ -147,3 +150,15 @@ class Storage:
 
     def __eq__(self, other):
         return self is other
+
+
+STOP = object()   # a dataflow rule's answer: no role, and try no further rule
+
+
+def as_contrib(node: fx.Node, role) -> Contrib | None:
+    """What expert e adds, if ``node`` (with ``role``) is an expert output (weighted or not)."""
+    if isinstance(role, Contrib):
+        return role
+    if isinstance(role, RowFn):
+        return Contrib(role.rows, node, None)
+    return None

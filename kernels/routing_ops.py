@@ -1,0 +1,98 @@
+"""Routing ops: group routed (token, slot) pairs by expert and combine expert outputs back per token.
+
+    route_permute(expert_ids[T,K], E)            -> perm[N] i64, inv[N] i64, offsets[E] i32
+    permute_rows(x[T,H], perm, inv, offsets, K)  -> xp[N,H]          (gather; bwd = combine)
+    unpermute_combine(y[N,H], inv, weights[T,K], offsets) -> out[T,H] (weighted gather-reduce)
+
+Static output shapes, no host sync; rows past offsets[-1] ("dropped": expert ids outside [0, E))
+are zero in every output. Implementations: ``registry.implementation``.
+"""
+from __future__ import annotations
+
+import torch
+
+from .common import check
+from .registry import implementation
+
+# --------------------------------------------------------------------------- route_permute
+@torch.library.custom_op("moe_compile::route_permute", mutates_args=())
+def route_permute(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check(not expert_ids.is_floating_point(), "route_permute", f"expert_ids must be integer, got {expert_ids.dtype}")
+    check(num_experts > 0, "route_permute", f"num_experts must be positive, got {num_experts}")
+    return implementation("route_permute", expert_ids)(expert_ids, num_experts)
+
+
+@route_permute.register_fake
+def _(expert_ids, num_experts):
+    n = expert_ids.numel()
+    return (expert_ids.new_empty(n, dtype=torch.long), expert_ids.new_empty(n, dtype=torch.long),
+            expert_ids.new_empty(num_experts, dtype=torch.int32))
+
+
+# --------------------------------------------------------------------------- permute_rows
+@torch.library.custom_op("moe_compile::permute_rows", mutates_args=())
+def permute_rows(x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor, offsets: torch.Tensor,
+                 top_k: int) -> torch.Tensor:
+    check(x.dim() == 2, "permute_rows", f"x must be [T, H], got {tuple(x.shape)}")
+    check(perm.numel() == x.shape[0] * top_k, "permute_rows",
+           f"perm has {perm.numel()} rows but x has {x.shape[0]} tokens x top_k {top_k}")
+    return implementation("permute_rows", x)(x, perm, offsets, top_k)
+
+
+@permute_rows.register_fake
+def _(x, perm, inv, offsets, top_k):
+    return x.new_empty(perm.shape[0], x.shape[1])
+
+
+def _permute_rows_setup(ctx, inputs, output):
+    x, perm, inv, offsets, top_k = inputs
+    ctx.save_for_backward(inv, offsets)
+    ctx.shape = (x.shape[0], top_k)
+
+
+def _permute_rows_bwd(ctx, dxp):
+    inv, offsets = ctx.saved_tensors
+    ones = dxp.new_ones(ctx.shape, dtype=torch.float32)
+    return unpermute_combine(dxp, inv, ones, offsets), None, None, None, None
+
+
+permute_rows.register_autograd(_permute_rows_bwd, setup_context=_permute_rows_setup)
+
+
+# --------------------------------------------------------------------------- unpermute_combine
+@torch.library.custom_op("moe_compile::unpermute_combine", mutates_args=())
+def unpermute_combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    check(weights.dim() == 2, "unpermute_combine", f"weights must be [T, K], got {tuple(weights.shape)}")
+    check(y.shape[0] == weights.numel() == inv.numel(), "unpermute_combine",
+           f"y has {y.shape[0]} rows, inv {inv.numel()}, weights {weights.numel()}: all must be T*K")
+    return implementation("unpermute_combine", y)(y, inv, weights, offsets)
+
+
+@unpermute_combine.register_fake
+def _(y, inv, weights, offsets):
+    return y.new_empty(weights.shape[0], y.shape[1])
+
+
+def _combine_setup(ctx, inputs, output):
+    y, inv, weights, offsets = inputs
+    ctx.save_for_backward(y, inv, weights, offsets)
+
+
+def _combine_bwd(ctx, dout):
+    y, inv, weights, offsets = ctx.saved_tensors
+    dy, dw = unpermute_combine_backward(dout.contiguous(), y, inv, weights, offsets)
+    return dy, None, (dw if ctx.needs_input_grad[2] else None), None
+
+
+unpermute_combine.register_autograd(_combine_bwd, setup_context=_combine_setup)
+
+
+@torch.library.custom_op("moe_compile::unpermute_combine_backward", mutates_args=())
+def unpermute_combine_backward(dout: torch.Tensor, y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor,
+                               offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return implementation("unpermute_combine_backward", y)(dout, y, inv, weights, offsets)
+
+
+@unpermute_combine_backward.register_fake
+def _(dout, y, inv, weights, offsets):
+    return torch.empty_like(y), torch.empty_like(weights)

@@ -1,0 +1,131 @@
+"""Graph-editing primitives of the lowering: node building with fake values, dead-code elimination,
+removal of the runtime asserts that guarded a region's data-dependent sizes.
+
+Dynamo graphs are not functional: in-place method calls (``out.index_add_``), ``setitem`` and
+runtime asserts have no users but must stay, so every erasure here goes through ``is_impure``.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from moe_compile.passes.normalize import canon, val
+
+_ASSERT_TARGETS = {"_assert_scalar", "sym_constrain_range_for_size", "sym_constrain_range", "_assert_async",
+                   "_check_is_size", "_check"}
+
+
+class LoweringError(RuntimeError):
+    """Raised when a region cannot be rewritten; the pipeline then keeps the original graph."""
+
+
+class GraphBuilder:
+    """Creates nodes after a cursor, giving each a fake ``example_value`` computed under ``mode``
+    (the fake mode of the graph's own values) and the stack/module metadata of ``meta_from``."""
+
+    def __init__(self, graph: fx.Graph, after: fx.Node, mode, meta_from: fx.Node):
+        self.graph, self.cursor, self.mode, self.meta_from = graph, after, mode, meta_from
+
+    @staticmethod
+    def fake_mode_of(node: fx.Node, who: str):
+        mode = getattr(val(node), "fake_mode", None)
+        if mode is None:
+            raise LoweringError(f"{who}: `{node.name}` has no fake value to propagate metadata from")
+        return mode
+
+    def _val(self, x):
+        if isinstance(x, fx.Node):
+            return x.meta["example_value"]
+        if isinstance(x, (list, tuple)):
+            return type(x)(self._val(i) for i in x)
+        return x
+
+    def __call__(self, op: str, target, args=(), kwargs=None) -> fx.Node:
+        kwargs = kwargs or {}
+        with self.graph.inserting_after(self.cursor):
+            node = self.graph.create_node(op, target, tuple(args), dict(kwargs))
+        self.cursor = node
+        a, k = self._val(node.args), self._val(node.kwargs)
+        with self.mode:
+            v = getattr(a[0], target)(*a[1:], **k) if op == "call_method" else target(*a, **k)
+        node.meta["example_value"] = v
+        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+            if key in self.meta_from.meta:
+                node.meta[key] = self.meta_from.meta[key]
+        return node
+
+    def fn(self, target, *args, **kwargs):
+        return self("call_function", target, args, kwargs)
+
+    def method(self, name, *args, **kwargs):
+        return self("call_method", name, args, kwargs)
+
+
+def is_impure(node: fx.Node) -> bool:
+    if node.op in ("placeholder", "output"):
+        return True
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    if node.op == "call_function" and node.target in (operator.setitem,):
+        return True
+    if node.op == "call_function" and canon(node) in _ASSERT_TARGETS:
+        return True
+    return node.is_impure() if node.op == "call_function" else False
+
+
+def eliminate_dead_code(g: fx.Graph) -> None:
+    """Erase nodes without users that ``is_impure`` calls pure, in this graph only.
+
+    Not ``fx.Graph.eliminate_dead_code``: that one also walks every subgraph the graph reaches
+    through ``get_attr`` (the bodies of higher-order ops such as a custom autograd Function's
+    forward and backward) with torch's default impurity rule, which calls Dynamo's in-place
+    method calls pure. It erased ``scatter_add_`` from the backward of Hugging Face PhiMoE's
+    ``PhimoeMultiplier`` and trained the router with a wrong gradient."""
+    for node in reversed(g.nodes):
+        if not node.users and not is_impure(node):
+            g.erase_node(node)
+
+
+def finish(gm: fx.GraphModule) -> None:
+    """After a rewrite: drop the orphaned asserts and dead code, lint, regenerate the code."""
+    erase_orphaned_asserts(gm.graph)
+    eliminate_dead_code(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def erase_orphaned_asserts(g: fx.Graph) -> None:
+    """Remove runtime asserts whose inputs are only kept alive by them (a rewritten region's sizes)."""
+    asserts = [n for n in g.nodes if n.op == "call_function" and canon(n) in _ASSERT_TARGETS]
+    live: set[fx.Node] = set()
+    roots = [n for n in g.nodes if is_impure(n) and n not in asserts]
+    while roots:
+        n = roots.pop()
+        if n in live:
+            continue
+        live.add(n)
+        roots.extend(n.all_input_nodes)
+    for a in reversed(asserts):
+        if not all(_alive_without_asserts(i, live) for i in a.all_input_nodes):
+            g.erase_node(a)
+
+
+def _alive_without_asserts(n: fx.Node, live: set) -> bool:
+    """True if n's value is needed by something other than asserts (sym-size chains count as
+    needed when their tensor source is)."""
+    if n in live:
+        return True
+    stack, seen = [n], set()
+    while stack:
+        m = stack.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        if m in live:
+            return True
+        if isinstance(val(m), torch.Tensor):
+            continue  # a tensor that nothing live needs: the assert guards a dead value
+        stack.extend(m.all_input_nodes)
+    return False

@@ -1,0 +1,200 @@
+"""lower_region: replace one accepted ``passes.region.Region`` with the moe_compile ops (edits the graph).
+
+Before: a region as the finders describe it (``passes/loop_regions.py``: E unrolled per-expert
+blocks with where/nonzero, gathers, the expert MLP and in-place accumulation, plus Dynamo's
+runtime asserts on the data-dependent sizes; ``passes/grouped_regions.py``: one sorted / batched /
+dense chain ending in the combined output).
+
+After, inserted after the region's last write (or its output)::
+
+    perm, inv, offs = moe_compile.route_permute(ids, E)          # static shapes, no host sync
+    h0 = moe_compile.permute_rows(x, perm, inv, offs, K)
+    h_i = <expert step i>   linears -> moe_compile.grouped_mm(h, W[E,K,N], offs, bias)
+                                       or grouped_mm_list(h, [W_e], offs, [b_e], transposed=True)
+                                          (ModuleList nn.Linear weights [N, K], no per-expert view)
+            sibling linears of one input (SwiGLU w1, w3) -> one grouped_mm_list_cat(h, [W1_e], [W3_e], ...)
+    out = moe_compile.unpermute_combine(h_last, inv, weights[T,K] | ones, offs).to(dtype) (+ base)
+
+``AccumulateInPlace``: every reader of the finished accumulator reads ``out``; the writes into it
+are erased. ``ReplaceOutput``: readers of the output (and of its in-place aliases, after it) read
+``out``; the region's side-effecting nodes are erased. Then the per-expert nodes, the runtime
+asserts that guarded their sizes and dead code go (``graph_edit.finish``). Invariant: no node of
+the region, and no unbacked symbol it introduced, is left in the graph.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from moe_compile.kernels import ops as _ops  # noqa: F401  (registers torch.ops.moe_compile.*)
+from moe_compile.passes.normalize import canon, val
+from moe_compile.passes.region import AccumulateInPlace, Region, ReplaceOutput
+
+from .graph_edit import GraphBuilder, finish, is_impure
+
+OPS = torch.ops.moe_compile
+
+
+def _stacked_source(nodes: tuple[fx.Node, ...]) -> fx.Node | None:
+    """The stacked parameter P if expert e's operand is P[e] for every e, else None."""
+    src = nodes[0].args[0] if canon(nodes[0]) == "getitem" else None
+    if src is None or any(canon(n) != "getitem" or n.args[0] is not src or n.args[1] != e
+                          for e, n in enumerate(nodes)):
+        return None
+    return src
+
+
+def _stacked(b: GraphBuilder, nodes: tuple[fx.Node, ...], layout: str):
+    """A 3-D weight view [E, K, N] if all experts index one stacked parameter, else None."""
+    src = _stacked_source(nodes)
+    if src is None:
+        return None
+    sv = val(src)
+    if not isinstance(sv, torch.Tensor) or sv.dim() not in (2, 3) or sv.shape[0] != len(nodes):
+        return None
+    if sv.dim() == 2:           # a stacked bias [E, N]
+        return src
+    return b.method("transpose", src, 1, 2) if layout == "nk" else src
+
+
+def _emit_linear(b: GraphBuilder, region: Region, h: fx.Node, step, offs: fx.Node) -> fx.Node:
+    w_slot, b_slot, layout = step.linear
+    ws = region.experts.slots[w_slot]
+    bs = region.experts.slots[b_slot] if b_slot is not None else None
+    if len(ws) == 1 and val(ws[0]).dim() == 3:      # one weight for all experts (grouped_regions)
+        w3 = ws[0] if layout == "kn" else b.method("transpose", ws[0], 1, 2)
+        return b.fn(OPS.grouped_mm.default, h, w3, offs, bs[0] if bs is not None else None)
+    w3 = _stacked(b, ws, layout)
+    b3 = _stacked(b, bs, layout) if bs is not None else None
+    if w3 is not None and (bs is None or b3 is not None):
+        return b.fn(OPS.grouped_mm.default, h, w3, offs, b3)
+    # nn.Linear weights [N, K] go in as they are (transposed=True): no per-expert view in the graph
+    return b.fn(OPS.grouped_mm_list.default, h, list(ws), offs, list(bs) if bs is not None else [], layout == "nk")
+
+
+def _is_list_linear(region: Region, step) -> bool:
+    """A linear whose experts hold separate 2-D weights (ModuleList) and no bias, layout nk."""
+    if step.linear is None or step.linear[1] is not None or step.linear[2] != "nk":
+        return False
+    ws = region.experts.slots[step.linear[0]]
+    return len(ws) > 1 and val(ws[0]).dim() == 2 and _stacked_source(ws) is None
+
+
+def _sibling_linears(region: Region) -> dict[int, int]:
+    """{i: j}: expert steps i < j are list linears of the same input and weight dtype (SwiGLU's
+    w1 and w3): lowered as one grouped_mm_list_cat, one GEMM once the weights share a buffer."""
+    pairs, used = {}, set()
+    steps, slots = region.experts.steps, region.experts.slots
+    for i, si in enumerate(steps):
+        if i in used or not _is_list_linear(region, si):
+            continue
+        for j in range(i + 1, len(steps)):
+            sj = steps[j]
+            if j not in used and _is_list_linear(region, sj) and sj.args[0] == si.args[0] \
+                    and val(slots[sj.linear[0]][0]).dtype == val(slots[si.linear[0]][0]).dtype:
+                pairs[i] = j
+                used.update((i, j))
+                break
+    return pairs
+
+
+def _emit_sibling_linears(b: GraphBuilder, region: Region, h: fx.Node, si, sj, offs: fx.Node):
+    ws_a, ws_b = list(region.experts.slots[si.linear[0]]), list(region.experts.slots[sj.linear[0]])
+    y = b.fn(OPS.grouped_mm_list_cat.default, h, ws_a, ws_b, offs, True)  # [N, K] weights as they are
+    na = val(ws_a[0]).shape[0]
+    return (b.fn(operator.getitem, y, (slice(None), slice(None, na))),
+            b.fn(operator.getitem, y, (slice(None), slice(na, None))))
+
+
+def _decode(x, env, region: Region):
+    if isinstance(x, tuple) and x[:1] == ("in",):
+        return env["in"]
+    if isinstance(x, tuple) and len(x) == 2 and x[0] == "step":
+        return env[x[1]]
+    if isinstance(x, tuple) and len(x) == 2 and x[0] == "slot":
+        return region.experts.slots[x[1]][0]   # legality: non-linear operands are shared
+    if isinstance(x, (list, tuple)):
+        return type(x)(_decode(i, env, region) for i in x)
+    return x
+
+
+def _anchor(g: fx.Graph, region: Region) -> fx.Node:
+    c = region.combine
+    if isinstance(c, ReplaceOutput):
+        return c.output
+    return max(c.mutations, key=list(g.nodes).index)
+
+
+def lower_region(gm: fx.GraphModule, region: Region) -> None:
+    """Rewrite ``region`` in ``gm`` (in place), then lint and recompile."""
+    g = gm.graph
+    anchor = _anchor(g, region)
+    b = GraphBuilder(g, anchor, GraphBuilder.fake_mode_of(region.x, "lower_region"), anchor)
+    router, steps = region.router, region.experts.steps
+    e, k = router.num_experts, router.top_k
+
+    routed = b.fn(OPS.route_permute.default, router.ids, e)
+    perm, inv, offs = (b.fn(operator.getitem, routed, i) for i in range(3))
+    env = {"in": b.fn(OPS.permute_rows.default, region.x, perm, inv, offs, k)}
+    siblings = _sibling_linears(region)
+    for i, step in enumerate(steps):
+        if i in env:
+            continue  # the second of two sibling linears, emitted with the first
+        if i in siblings:
+            j = siblings[i]
+            env[i], env[j] = _emit_sibling_linears(b, region, _decode(step.args[0], env, region), step,
+                                                    steps[j], offs)
+        elif step.linear is not None:
+            env[i] = _emit_linear(b, region, _decode(step.args[0], env, region), step, offs)
+        else:
+            env[i] = b(step.op, step.target, _decode(step.args, env, region),
+                       dict(_decode(step.kwargs, env, region)))
+    h = env[len(steps) - 1]
+    if router.weights is not None:
+        w = router.weights
+    else:  # unweighted experts: weight 1 per routed pair (built from ids: no symbolic sizes needed)
+        w = b.fn(torch.ones_like, router.ids, dtype=torch.float32)
+    if val(w).dim() != 2:
+        w = b.method("reshape", w, -1, k)
+    out = b.fn(OPS.unpermute_combine.default, h, inv, w, offs)
+    c = region.combine
+    if val(h).dtype != c.dtype:
+        out = b.method("to", out, c.dtype)
+    if isinstance(c, AccumulateInPlace) and c.base is not None:
+        out = b.fn(operator.add, c.base, out)
+
+    if isinstance(c, ReplaceOutput):
+        _rewire_output(g, region, c, out)
+    else:
+        _rewire_accumulator(g, c, out)
+    finish(gm)
+
+
+def _rewire_accumulator(g: fx.Graph, c: AccumulateInPlace, out: fx.Node) -> None:
+    aliases = set(c.aliases)
+    for reader in c.readers:
+        for a in list(reader.all_input_nodes):
+            if a in aliases:
+                reader.replace_input_with(a, out)
+    for m in sorted(c.mutations, key=list(g.nodes).index, reverse=True):
+        for u in list(m.users):  # aliases returned by in-place ops, read only by the pattern itself
+            if u not in c.mutations and u not in c.readers:
+                u.replace_input_with(m, out)
+        g.erase_node(m)
+
+
+def _rewire_output(g: fx.Graph, region: Region, c: ReplaceOutput, out: fx.Node) -> None:
+    """Readers of ``output`` (and of its in-place aliases, after it) read ``out``; the region's
+    side-effecting nodes (checked by the finder to touch only region-internal tensors) are erased,
+    then every pure region node left without users."""
+    order = {n: i for i, n in enumerate(g.nodes)}
+    new = {n for n in g.nodes if order[c.output] < order[n] <= order[out]}
+    for src in (c.output, *c.aliases):
+        for u in list(src.users):
+            if u not in new and order[u] > order[c.output]:
+                u.replace_input_with(src, out)
+    for n in sorted(set(c.erase) | set(region.nodes), key=order.__getitem__, reverse=True):
+        if not n.users and n.op != "placeholder" and (n in c.erase or not is_impure(n)):
+            g.erase_node(n)

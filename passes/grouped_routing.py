@@ -1,0 +1,230 @@
+"""Routing rules of the all-pairs finder: expert ids, the sort, counts/offsets, the inverse permutation,
+where the rows enter, and the per-row side tensors (weights, biases, gathered weights, routing matrix).
+
+Each rule is ``(finder, node, canonical op, first arg, its role, its role kind) -> DONE | None`` and
+sets roles with ``finder.set``; ``grouped_regions.ROUTING_RULES`` maps ops to these rules::
+
+    flat = ids.reshape(-1); s, perm = sort(flat) | perm = argsort(flat)      -> flat, sort, sorted_ids, perm
+    perm // K                                                                -> tok
+    histc(s.float(), E, 0, E - 1) | bincount(s, minlength=E) | one_hot(.).sum(0) -> counts;  cumsum -> offs
+    inv = empty_like(perm); inv[perm] = arange(N) | argsort(perm)           -> inv
+    x[perm // K] | x.index_select(0, ..) | x.repeat_interleave(K, 0) | x.unsqueeze(0).expand(E, ..) -> rows
+    w.reshape(-1)[perm] -> sw;  b[s] / b[flat] -> bias;  W[flat] -> wsel;  zeros(T, E).scatter(1, ids, w) -> routing
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .grouped_state import CASTS, DONE, as_int
+from .normalize import arg, canon, shape, val
+
+
+def flat_ids(f, n, op, a0, r0, rk):
+    """ids.reshape(-1): integer [T, K] -> [N]."""
+    if rk is None and isinstance(val(a0), torch.Tensor) and not val(a0).is_floating_point() \
+            and val(a0).dim() == 2 and tuple(val(n).shape) == (val(a0).numel(),):
+        f.set(n, "flat", info=a0)
+        return DONE
+
+
+def sort_ids(f, n, op, a0, r0, rk):
+    """sort(flat) / argsort(flat) (top-1 ids [T] are sorted directly): a new group."""
+    if rk is None and shape(a0) and len(shape(a0)) == 1 and not val(a0).is_floating_point():
+        f.set(a0, "flat", info=a0)
+        rk, r0 = "flat", f.r(a0)
+    if rk == "flat" and not arg(n, 2, "descending", False):
+        g = f.group("sorted", n)
+        g.flat, g.ids, g.k = a0, r0.info, (val(r0.info).shape[-1] if val(r0.info).dim() == 2 else 1)
+        f.set(n, "sort" if op == "sort" else "perm", g)
+        return DONE
+
+
+def sort_parts(f, n, op, a0, r0, rk):
+    f.set(n, "sorted_ids" if n.args[1] == 0 else "perm", r0.g)
+    return DONE
+
+
+def cast_keeps_kind(f, n, op, a0, r0, rk):
+    if rk in ("sorted_ids", "flat", "counts", "offs") and op in CASTS:
+        f.set(n, rk, r0.g, r0.info)
+        return DONE
+
+
+def sorted_by_perm(f, n, op, a0, r0, rk):
+    """flat[perm]: the sorted ids."""
+    if f.r(n.args[1]) and f.r(n.args[1]).kind == "perm":
+        f.set(n, "sorted_ids", f.r(n.args[1]).g)
+        return DONE
+
+
+def token_of_row(f, n, op, a0, r0, rk):
+    """perm // K."""
+    if op == "floordiv" or n.kwargs.get("rounding_mode") == "floor":
+        if n.args[1] != r0.g.k:
+            r0.g.findings[:] = []
+            r0.g.note("topk_mismatch", n, what=f"rows are gathered with perm // {n.args[1]}", k=r0.g.k)
+        f.set(n, "tok", r0.g)
+        return DONE
+
+
+def sentinel(f, n, op, a0, r0, rk):
+    """sorted_ids >= E: expert-parallel sentinels (transformers <= 5.17 always emits the mask); our ops
+    already give "dropped" ids (outside [0, E)) zero rows everywhere."""
+    if op == "ge" and rk == "sorted_ids" and as_int(n.args[1]) is not None:
+        f.set(n, "sentinel", r0.g, n.args[1])
+        return DONE
+    if op == "unsqueeze" and rk == "sentinel":
+        f.set(n, "sentinel", r0.g, r0.info)
+        return DONE
+
+
+def clamp_ids(f, n, op, a0, r0, rk):
+    if arg(n, 1, "min") is None and as_int(arg(n, 2, "max")) is not None:
+        f.set(n, "sorted_ids", r0.g)
+        if op == "clamp_":
+            r0.g.erase.append(n)
+        return DONE
+
+
+def counts_histc(f, n, op, a0, r0, rk):
+    if rk in ("sorted_ids", "flat"):
+        g = f.sorted_group_of(r0, a0)
+        bins = arg(n, 1, "bins", 100)
+        if g is not None and arg(n, 2, "min", 0) == 0 and arg(n, 3, "max", 0) == bins - 1:
+            f.set(n, "counts", g, bins)
+        return DONE
+
+
+def counts_bincount(f, n, op, a0, r0, rk):
+    if rk in ("sorted_ids", "flat"):
+        g = f.sorted_group_of(r0, a0)
+        s = shape(n)
+        if g is not None and s and isinstance(s[0], int) and s[0] == arg(n, 2, "minlength", 0):
+            f.set(n, "counts", g, s[0])
+        return DONE
+
+
+def onehot_ids(f, n, op, a0, r0, rk):
+    if rk in ("sorted_ids", "flat"):
+        f.set(n, "onehot", f.sorted_group_of(r0, a0), arg(n, 1, "num_classes"))
+        return DONE
+
+
+def counts_of_onehot(f, n, op, a0, r0, rk):
+    if arg(n, 1, "dim") in (0, (0,), [0]):
+        f.set(n, "counts", r0.g, r0.info)
+        return DONE
+
+
+def offsets(f, n, op, a0, r0, rk):
+    if arg(n, 1, "dim") in (0, -1) and r0.g is not None:
+        g = r0.g
+        g.offs, g.e = n, r0.info if g.e is None else g.e
+        f.set(n, "offs", g)
+        return DONE
+
+
+def inverse_alloc(f, n, op, a0, r0, rk):
+    f.set(n, "inv_alloc", r0.g)
+    return DONE
+
+
+def inverse_fill(f, n, op, a0, r0, rk):
+    """inv[perm] = arange(N)."""
+    if f.r(n.args[1]) and f.r(n.args[1]).kind == "perm" and isinstance(n.args[2], fx.Node) \
+            and canon(n.args[2]) == "arange":
+        f.set(a0, "inv", r0.g)
+        f.set(n, "mut", r0.g)
+        r0.g.erase.append(n)
+        return DONE
+
+
+def inverse_argsort(f, n, op, a0, r0, rk):
+    f.set(n, "inv", r0.g)
+    return DONE
+
+
+def enter_getitem(f, n, op, a0, r0, rk):
+    """x[perm // K] (or x[perm] for top-1)."""
+    ri = f.r(n.args[1])
+    if rk is None and ri and ri.kind in ("tok", "perm") and shape(a0) and len(shape(a0)) == 2:
+        f.enter(n, a0, ri)
+        return DONE
+
+
+def enter_index_select(f, n, op, a0, r0, rk):
+    ri = f.r(arg(n, 2, "index"))
+    if rk is None and arg(n, 1, "dim") == 0 and ri and ri.kind in ("tok", "perm"):
+        f.enter(n, a0, ri)
+        return DONE
+
+
+def enter_batched(f, n, op, a0, r0, rk):
+    """x.repeat_interleave(K, dim=0): one row per (token, slot) pair (HF batched_mm)."""
+    if rk is None and as_int(arg(n, 1, "repeats")) and arg(n, 2, "dim") == 0:
+        v = val(a0)
+        if isinstance(v, torch.Tensor) and v.dim() == 2 and v.is_floating_point():
+            g = f.group("batched", n)
+            g.x, g.k = a0, arg(n, 1, "repeats")
+            g.step_of[n] = -1
+            f.set(n, "rows", g)
+        return DONE
+
+
+def enter_dense(f, n, op, a0, r0, rk):
+    """x.unsqueeze(0).expand(E, T, H): every token through every expert."""
+    if rk is None and isinstance(a0, fx.Node) and canon(a0) == "unsqueeze" and arg(a0, 1, "dim") == 0:
+        v, src = val(n), a0.args[0]
+        if isinstance(v, torch.Tensor) and v.dim() == 3 and isinstance(val(src), torch.Tensor) \
+                and val(src).dim() == 2 and val(src).is_floating_point():
+            g = f.group("dense", n)
+            g.x, g.e = src, v.shape[0]
+            g.step_of[n] = -1
+            f.set(n, "rows", g)
+        return DONE
+
+
+def side_tensor(f, n, op, a0, r0, rk):
+    """w.reshape(-1)[perm] (sw), b[sorted_ids] / b[flat] (bias), W[flat] (wsel)."""
+    if rk is None and isinstance(n.args[1], fx.Node) and f.r(n.args[1]):
+        ri = f.r(n.args[1])
+        v = val(n)
+        if ri.kind == "perm" and v.is_floating_point() and v.dim() == 1:
+            f.set(n, "sw", ri.g, a0)
+        elif ri.kind == "sorted_ids" and v.dim() == 2:
+            f.set(n, "bias", ri.g, a0)
+        elif ri.kind == "flat" and v.dim() == 2:
+            f.set(n, "bias", None, (a0, "pair", n.args[1]))
+        elif ri.kind == "flat" and v.dim() == 3:
+            f.set(n, "wsel", None, (a0, n.args[1], False))  # W[flat]: gathered per-pair weights
+        return DONE
+
+
+def wsel_transpose(f, n, op, a0, r0, rk):
+    if {n.args[1], n.args[2]} in ({1, 2}, {-1, -2}):
+        w3, flat, t = r0.info
+        f.set(n, "wsel", None, (w3, flat, not t))
+        return DONE
+
+
+def routing_matrix(f, n, op, a0, r0, rk):
+    """zeros(T, E).scatter(1, ids, w): the [T, E] routing matrix, K nonzeros per row."""
+    if rk is None and arg(n, 1, "dim") == 1 and canon(a0) in ("zeros", "zeros_like", "new_zeros"):
+        ids, w = arg(n, 2, "index"), arg(n, 3, "src")
+        if isinstance(w, fx.Node) and isinstance(ids, fx.Node) and not val(ids).is_floating_point():
+            f.set(n, "routing", None, (ids, w, "te"))
+            if op == "scatter_":
+                f.set(a0, "routing", None, (ids, w, "te"))
+        return DONE
+
+
+def routing_view(f, n, op, a0, r0, rk):
+    """routing.t() / .unsqueeze(-1): orientation "te" -> "et" -> "et1"."""
+    s, s0 = shape(n), shape(a0)
+    ids, w, orient = r0.info
+    if op in ("t", "transpose", "permute") and len(s0) == 2:
+        f.set(n, "routing", None, (ids, w, orient[::-1]))
+    elif s and len(s) == 3 and s[-1] == 1 and s[:2] == s0[:2]:
+        f.set(n, "routing", None, (ids, w, orient + "1"))
+    return DONE

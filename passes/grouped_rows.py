@@ -1,0 +1,189 @@
+"""Row rules of the all-pairs finder: ops on a group's rows (the expert function, biases, weights).
+
+Each rule is ``(finder, group, node, canonical op, the row-valued inputs) -> DONE | None``;
+``grouped_regions.ROW_RULES`` maps ops to these rules (tried in order), and ops the table does not
+name fall through to the element-wise rules at the end::
+
+    grouped_mm(rows, W[E, K, N], offs)           a linear (3-D weight, offsets from this group's ids)
+    bmm(W[flat], rows[:, :, None]).squeeze(-1)   a linear of the batched form (W gathered per pair)
+    bmm(rows [E, T, H], W^T)                     a linear of the dense form
+    rows + b[sorted_ids] | rows.add_(b[flat])    a per-expert bias, right after its linear
+    rows * w.reshape(-1)[perm].unsqueeze(-1)     routing weights (after the last op only)
+    rows.masked_fill(sorted_ids >= E, 0)         transformers' EP sentinel mask (what our ops do anyway)
+    silu / gelu / mul / chunk / [..., ::2] ...   element-wise steps of the expert function
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .grouped_combine import combine_add, row_weights, unsort
+from .grouped_state import CASTS, DONE, FRESH, as_int, is_last_dim, shared_ok
+from .loop_dataflow import ROWWISE_BINARY, ROWWISE_UNARY
+from .normalize import arg, canon, val
+
+
+def sentinel_mask(f, g, n, op, rows_in):
+    """rows.masked_fill(sentinel, 0): zeroing dropped rows, which the rewritten ops already do."""
+    a0 = n.args[0]
+    r0 = f.r(a0)
+    rm = f.r(arg(n, 1, "mask"))
+    if r0 and r0.kind == "rows" and arg(n, 2, "value") == 0 and rm and rm.kind == "sentinel" and rm.g is g:
+        if g.e is not None and rm.info != g.e:
+            g.note("sentinel_mismatch", n, sentinel=rm.info, experts=g.e)
+        g.step_of[n] = g.step_of[a0]
+        f.set(n, "rows", g)
+        if op == "masked_fill_":
+            g.erase.append(n)
+        return DONE
+
+
+def scatter_back(f, g, n, op, rows_in):
+    """zeros(T, H).index_add_(0, perm // K, rows) / .scatter_add_(0, ..expand, rows)."""
+    a0 = n.args[0]
+    if f.r(a0) is None and canon(a0) in FRESH:
+        src = arg(n, 3, "source" if "index" in op else "src")
+        if f.r(src) and f.r(src).kind == "rows" and combine_add(f, g, n, op, a0, src):
+            return DONE
+
+
+def grouped_gemm(f, g, n, op, rows_in):
+    a0, r0 = n.args[0], f.r(n.args[0])
+    if not (r0 and r0.kind == "rows"):
+        return None
+    offs = arg(n, 2, "offs")
+    if not (f.r(offs) and f.r(offs).kind == "offs" and f.r(offs).g is g):
+        return g.note("foreign_offsets", n, node=n.name)
+    if arg(n, 3, "bias") is not None or arg(n, 4, "out_dtype") is not None:
+        return g.note("gmm_bias_out_dtype", n, node=n.name)
+    f.linear(g, n, a0, n.args[1], "kn")
+    return DONE
+
+
+def dense_linear(f, g, n, op, rows_in):
+    r0 = f.r(n.args[0])
+    if g.family == "dense" and r0 and r0.kind == "rows" and not f.r(n.args[1]):
+        f.linear(g, n, n.args[0], n.args[1], "kn")
+        return DONE
+
+
+def batched_unsqueeze(f, g, n, op, rows_in):
+    r0 = f.r(n.args[0])
+    if g.family == "batched" and r0 and r0.kind == "rows" and arg(n, 1, "dim") in (-1, 1):
+        f.set(n, "unsq", g, (n.args[0], arg(n, 1, "dim")))
+        return DONE
+
+
+def batched_bmm(f, g, n, op, rows_in):
+    """bmm(M, h[:, :, None]) = h @ M^T;  bmm(h[:, None], M) = h @ M;  M = W[ids] (or its transpose)."""
+    if g.family != "batched":
+        return None
+    first, second = n.args[:2]
+    rf, rs = f.r(first), f.r(second)
+    if rf and rf.kind == "wsel" and rs and rs.kind == "unsq" and rs.info[1] == -1:
+        f.set(n, "bmm", g, (rs.info[0], rf.info[:2], "kn" if rf.info[2] else "nk", -1))
+    elif rs and rs.kind == "wsel" and rf and rf.kind == "unsq" and rf.info[1] == 1:
+        f.set(n, "bmm", g, (rf.info[0], rs.info[:2], "nk" if rs.info[2] else "kn", 1))
+    else:
+        g.note("bmm_not_gathered", n, node=n.name)
+    return DONE
+
+
+def batched_squeeze(f, g, n, op, rows_in):
+    r0 = f.r(n.args[0])
+    if not (r0 and r0.kind == "bmm" and arg(n, 1, "dim") in (r0.info[3], 2 if r0.info[3] == -1 else 1)):
+        return None
+    rows, (w3, flat), layout, _ = r0.info
+    if g.flat is None:
+        g.flat, g.ids = flat, f.r(flat).info
+    elif g.flat is not flat:
+        return g.note("batched_two_ids")
+    k = val(g.ids).shape[-1]
+    if k != g.k:
+        g.note("topk_mismatch", n, what=f"repeat_interleave({g.k})", k=k)
+    f.linear(g, n, rows, w3, layout)
+    return DONE
+
+
+def bias_add(f, g, n, op, rows_in):
+    """rows + b[ids]: folded into the linear right before it."""
+    a0, r0 = n.args[0], f.r(n.args[0])
+    if not (r0 and r0.kind == "rows" and len(rows_in) == 1):
+        return None
+    rb = f.r(n.args[1])
+    if not (rb and rb.kind == "bias"):
+        return None
+    ok_group = rb.g is g if rb.g is not None else (rb.info[1] == "pair" and rb.info[2] is g.flat)
+    first_user = min(a0.users, key=f.order.__getitem__) is n
+    if ok_group and (first_user if op != "add" else len(a0.users) == 1) \
+            and f.add_bias(g, a0, rb.info if rb.g is not None else rb.info[0], n):
+        if op != "add":
+            g.erase.append(n)
+        return DONE
+    return g.note("bias_not_after_linear", n, node=n.name)
+
+
+def weights_mul(f, g, n, op, rows_in):
+    """rows * (routing weights of each row)."""
+    if len(rows_in) != 1:
+        return None
+    other = n.args[1] if n.args[0] is rows_in[0] else n.args[0]
+    ro = f.r(other)
+    w = row_weights(f, g, other, ro)
+    if w is not None:
+        if ro is None or ro.kind != "routing":
+            f.set(other, "wview", g)
+        if g.weighted_at is not None:
+            g.note("weights_twice")
+        g.weights, g.weighted_at = w, g.step_of[rows_in[0]]
+        g.step_of[n] = g.step_of[rows_in[0]]
+        f.set(n, "rows", g)
+        return DONE
+    if ro is not None and ro.kind == "routing":
+        return g.note("routing_matrix_layout")
+    if g.family == "dense" and isinstance(other, fx.Node) and not shared_ok(other):
+        return g.note("soft_moe", other, node=other.name)
+
+
+def cast_after_weights(f, g, n, op, rows_in):
+    r0 = f.r(n.args[0])
+    if op in CASTS and g.weighted_at is not None and r0 and r0.kind == "rows":
+        g.step_of[n] = g.step_of[n.args[0]]
+        f.set(n, "rows", g)
+        return DONE
+
+
+def unsort_rows(f, g, n, op, rows_in):
+    r0 = f.r(n.args[0])
+    if r0 and r0.kind == "rows" and g.family != "dense" and unsort(f, g, n, op):
+        return DONE
+
+
+def dense_sum(f, g, n, op, rows_in):
+    a0, r0 = n.args[0], f.r(n.args[0])
+    if g.family == "dense" and r0 and r0.kind == "rows" and arg(n, 1, "dim") in (0, (0,)):
+        if g.weighted_at is None:
+            return g.note("dense_unrouted")
+        g.output, g.end = n, g.step_of[a0]
+        f.set(n, "out", g)
+        return DONE
+
+
+def elementwise(f, g, n, op, rows_in):
+    """Element-wise steps, chunks and last-dim slices of the expert function (the table's default)."""
+    a0, r0 = n.args[0], f.r(n.args[0])
+    if op in ROWWISE_UNARY and r0 and r0.kind == "rows" and all(shared_ok(a) for a in n.all_input_nodes[1:]):
+        f.step(g, n)
+        return DONE
+    if op in ROWWISE_BINARY and all(shared_ok(a) for a in n.all_input_nodes if a not in rows_in):
+        f.step(g, n)
+        return DONE
+    if op in ("chunk", "split") and r0 and r0.kind == "rows" and is_last_dim(arg(n, 2, "dim", 0), a0):
+        f.step(g, n, kind="chunks")
+        return DONE
+    if op == "getitem" and r0 and r0.kind == "chunks" and as_int(n.args[1]) is not None:
+        f.step(g, n)
+        return DONE
+    if op == "getitem" and r0 and r0.kind == "rows" and isinstance(n.args[1], tuple) and len(n.args[1]) == 2 \
+            and n.args[1][0] is Ellipsis and isinstance(n.args[1][1], slice):
+        f.step(g, n)
+        return DONE

@@ -1,0 +1,178 @@
+"""check: accept or refuse each candidate MoE region. Every refusal is made here (finds nothing; never mutates).
+
+A ``region.Candidate`` is refused when its finder recorded a ``Finding`` (the first one is the
+reason), or when its assembled ``Region`` breaks one of ``RULES``; every refusal carries a stable
+code from ``reasons.REASONS``, the filled message and the fix. The rules::
+
+    expert_operands     only linear weights and biases may differ per expert; weights of one
+                        linear have one shape; there is at least one linear
+    input_2d            the expert input is [tokens, hidden]
+    accumulator         an in-place accumulator is not a graph input
+    weights_path        the routing weights the lowering uses are the node the graph multiplies the
+                        expert rows by, reached only through ops that keep value and gradient
+                        (views, routing gathers, masks by the selection, casts): a tensor that only
+                        has the same forward value (a straight-through estimator, a custom autograd
+                        Function, a detach trick) would train with another gradient
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from . import reasons
+from .normalize import canon, val, where_in_user_code
+from .region import AccumulateInPlace, Candidate, Finding, Region
+
+
+@dataclass(frozen=True)
+class Accepted:
+    region: Region
+
+
+@dataclass(frozen=True)
+class Refusal:
+    module: str
+    form: str
+    where: str
+    code: str
+    message: str
+    fix: str
+    num_experts: int = 0
+    top_k: int = 0
+
+
+def refusal(candidate: Candidate, finding: Finding) -> Refusal:
+    detail = dict(finding.detail)
+    if finding.node is not None:
+        detail.setdefault("at", where_in_user_code(finding.node) or "?")
+        detail.setdefault("node_at", f" `{finding.node.name}` at {detail['at']}")
+    return Refusal(candidate.module, candidate.form, candidate.where, finding.code,
+                   reasons.message(finding.code, detail), reasons.fix(finding.code),
+                   candidate.num_experts, candidate.top_k)
+
+
+def check(candidate: Candidate) -> Accepted | Refusal:
+    """The verdict on one candidate (from its captured facts only)."""
+    if candidate.findings or candidate.region is None:
+        finding = candidate.findings[0] if candidate.findings else Finding.of("router_unknown")
+        return refusal(candidate, finding)
+    for rule in RULES:
+        finding = rule(candidate.region)
+        if finding is not None:
+            return refusal(candidate, finding)
+    return Accepted(candidate.region)
+
+
+# ===================================================================================== rules
+def _target_name(target) -> str:
+    return target if isinstance(target, str) else getattr(target, "__name__", str(target))
+
+
+def _flat(x):
+    """Leaves of an encoded step argument: ("slot", s) / ("step", i) / ("in",) stay whole."""
+    if isinstance(x, (list, tuple)) and not (len(x) == 2 and x[:1] == ("slot",)) \
+            and x[:1] not in (("step",), ("in",)):
+        return [leaf for i in x for leaf in _flat(i)]
+    return [x]
+
+
+def expert_operands(region: Region) -> Finding | None:
+    mlp = region.experts
+    for st in mlp.steps:
+        if st.linear is None:
+            for x in _flat(st.args) + _flat([v for _, v in st.kwargs]):
+                if isinstance(x, tuple) and x[:1] == ("slot",) and len(set(mlp.slots[x[1]])) != 1:
+                    return Finding.of("expert_operand_not_linear", mlp.slots[x[1]][0],
+                                      node=mlp.slots[x[1]][0].name, op=_target_name(st.target))
+        else:
+            for slot in st.linear[:2]:
+                if slot is not None:
+                    shapes = {tuple(val(n).shape) for n in mlp.slots[slot]}
+                    if len(shapes) != 1:
+                        return Finding.of("weight_shapes_differ", None, shapes=sorted(shapes))
+    if not mlp.steps or not any(st.linear for st in mlp.steps):
+        return Finding.of("no_linear")
+    return None
+
+
+def input_2d(region: Region) -> Finding | None:
+    xv = val(region.x)
+    if not isinstance(xv, torch.Tensor) or xv.dim() != 2:
+        return Finding.of("input_not_2d", region.x, shape=getattr(xv, "shape", None))
+    return None
+
+
+def accumulator(region: Region) -> Finding | None:
+    c = region.combine
+    if isinstance(c, AccumulateInPlace) and c.base is not None and c.base.op == "placeholder":
+        return Finding.of("acc_is_input", c.base)
+    return None
+
+
+_EXPERT_LINEARS = {"linear", "matmul", "mm", "bmm", "_grouped_mm", "grouped_mm", "transformers::grouped_mm_fallback"}
+# ops between the routing weights and the multiplication with the expert rows that keep both the
+# value and the gradient of the weights the rewrite uses
+_TRANSPARENT = {"view", "reshape", "unsqueeze", "squeeze", "flatten", "unflatten", "getitem", "index_select",
+                "expand", "expand_as", "t", "transpose", "permute", "contiguous", "clone", "to", "float", "double",
+                "half", "bfloat16", "type", "type_as", "scatter", "scatter_", "sum", "gather"}
+
+
+def weights_path(region: Region) -> Finding | None:
+    w = region.router.weights
+    if w is None:
+        return None
+    c = region.combine
+    sinks = set(c.mutations) if isinstance(c, AccumulateInPlace) else {c.output}
+    rows = set()   # values computed from an expert output
+    for n in region.nodes:
+        if canon(n) in _EXPERT_LINEARS:
+            rows |= _descendants(n)
+    ahead = _ancestors(sinks)
+    for n in sorted(_descendants(w) & ahead, key=_order(w.graph).__getitem__):
+        if n is w or n in sinks:
+            continue
+        if any(i in rows for i in n.all_input_nodes):
+            continue  # where the weights meet the expert rows (the multiplication), or after it
+        op = canon(n)
+        if op in _TRANSPARENT or _mask_op(n, w):
+            continue
+        return Finding.of("weights_not_transparent", n, op=op or n.op, node=n.name)
+    return None
+
+
+def _mask_op(n: fx.Node, w: fx.Node) -> bool:
+    """w * selection (a boolean or integer mask) or where(selection, w, 0)."""
+    op = canon(n)
+    others = [a for a in n.args if isinstance(a, fx.Node) and a is not w]
+    if op == "mul":
+        return all(isinstance(val(a), torch.Tensor) and not val(a).is_floating_point() for a in others)
+    return op == "where" and len(n.args) == 3 and n.args[2] == 0
+
+
+def _descendants(root: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [root]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.users)
+    return seen
+
+
+def _ancestors(nodes) -> set[fx.Node]:
+    seen, stack = set(), list(nodes)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _order(graph: fx.Graph) -> dict:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+RULES = (expert_operands, input_2d, accumulator, weights_path)

@@ -1,0 +1,114 @@
+"""Combine rules of the per-expert-loop dataflow: how an expert's output is written into an accumulator.
+
+Rule of ``loop_dataflow.RULES`` for ``index_add_`` / ``index_add``, ``scatter_add_``,
+``index_put_(accumulate=True)`` and ``setitem`` (``acc[idx] += c``, and ``acc[idx] = c`` for top-1).
+Each accepted write records the expert's contribution on the accumulator's ``Storage``; a write the
+rewrite cannot reproduce records a ``region.Finding`` there instead::
+
+    acc.index_add_(0, tok, c)                    tok and c of the same where(ids == e), dim 0, alpha 1
+    acc.scatter_add_(0, tok[:, None].expand(..), c)
+    acc.index_put_((tok,), c, accumulate=True)
+    acc[tok] = acc[tok] + c                      (Dynamo's spelling of acc[tok] += c)
+    acc[tok] = c | acc[mask] = c                 top-1 only, acc starting as zeros (a sum of one term)
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .loop_roles import STOP, AccRead, AccSum, Contrib, Index, ScatterIndex, Storage, TokMask, as_contrib
+from .normalize import arg, canon
+
+
+def acc_read(a, n, op, r0):
+    """acc[idx] read as the left side of ``acc[idx] += contrib``."""
+    a0 = n.args[0]
+    if isinstance(a0, fx.Node) and r0 is None and _is_acc_read(a, n):
+        s = a.storage(a0)
+        if s is not None:
+            a.pattern.add(n)
+            return AccRead(s, n.args[1], s.version)
+
+
+def _is_acc_read(a, n: fx.Node) -> bool:
+    """getitem(acc, idx) whose sum with a contribution is written back: acc[idx] += c."""
+    if not isinstance(a.r(n.args[1]), (Index, TokMask)):
+        return False
+    for add in n.users:
+        if canon(add) in ("add", "iadd"):
+            for st in add.users:
+                if canon(st) == "setitem" and st.args[0] is n.args[0] and st.args[1] is n.args[1] \
+                        and st.args[2] is add:
+                    return True
+    return False
+
+
+def acc_sum(a, n, op, r0):
+    """acc[idx] + contrib (about to be written back with setitem)."""
+    rs = [a.r(x) for x in n.args[:2]]
+    reads = [x for x in rs if isinstance(x, AccRead)]
+    if len(reads) == 1:
+        other = rs[1] if rs[0] is reads[0] else rs[0]
+        c = as_contrib(n.args[1] if rs[0] is reads[0] else n.args[0], other)
+        if c is not None:
+            return AccSum(reads[0], c)
+
+
+def combine(a, n: fx.Node, op: str, r0):
+    """``a``: the running ``loop_dataflow.Analysis``."""
+    acc = n.args[0]
+    if not isinstance(acc, fx.Node):
+        return STOP
+    s = a.storage(acc)
+    if s is None:
+        return STOP
+    if op in ("index_add_", "index_add"):
+        dim, index, src = arg(n, 1, "dim"), arg(n, 2, "index"), arg(n, 3, "source")
+        ri, c = a.r(index), as_contrib(src, a.r(src))
+        if dim != 0 or n.kwargs.get("alpha", 1) != 1 or not isinstance(ri, Index) or ri.kind != "tok" \
+                or c is None or c.rows.e != ri.e or c.rows.enum != ri.enum:
+            return a.refuse_write(s, n, "unsupported_write", c, op="index_add_")
+        return _add(a, s, n, c, inplace=op == "index_add_")
+    if op == "scatter_add_":
+        dim, index, src = arg(n, 1, "dim"), arg(n, 2, "index"), arg(n, 3, "src")
+        ri, c = a.r(index), as_contrib(src, a.r(src))
+        if dim != 0 or not isinstance(ri, ScatterIndex) or c is None or c.rows.e != ri.e or c.rows.enum != ri.enum:
+            return a.refuse_write(s, n, "unsupported_write", c, op="scatter_add_")
+        return _add(a, s, n, c, inplace=True)
+    if op == "index_put_":
+        indices, values = arg(n, 1, "indices"), arg(n, 2, "values")
+        accumulate = arg(n, 3, "accumulate", False)
+        ri, c = a.r(indices[0]) if len(indices) == 1 else None, as_contrib(values, a.r(values))
+        if not accumulate or not isinstance(ri, (Index, TokMask)) or c is None:
+            return a.refuse_write(s, n, "unsupported_write", c, op="index_put_")
+        return _add(a, s, n, c, inplace=True)
+    # setitem(acc, index, value)
+    index, value = n.args[1], n.args[2]
+    ri, rv = a.r(index), a.r(value)
+    if isinstance(rv, AccSum) and rv.read.storage is s and rv.read.index is index and rv.read.version == s.version:
+        a.pattern.add(value)
+        return _add(a, s, n, rv.contrib, inplace=True)
+    c = as_contrib(value, rv)
+    if c is not None and isinstance(ri, (Index, TokMask)) and ri.ids.k == 1 and s.base is None:
+        return _add(a, s, n, c, inplace=True)  # top-1: each token written by one expert only
+    if c is not None:
+        return a.refuse_write(s, n, "overwrite_topk", c)
+    return STOP
+
+
+def _add(a, s: Storage, n: fx.Node, c: Contrib, inplace: bool):
+    e = c.rows.e
+    if e in s.contribs:
+        return a.refuse_write(s, n, "expert_added_twice", None, expert=e, acc=s.alloc.name)
+    if not inplace:  # functional index_add: a new tensor carrying the old contributions
+        new = Storage(alloc=s.alloc, base=s.base, contribs=dict(s.contribs), mutations=list(s.mutations),
+                      version=s.version)
+        s.forked = True
+        a.storages.append(new)
+        s = new
+    s.contribs[e] = c
+    s.mutations.append(n)
+    s.version += 1
+    s.aliases.add(n)
+    a.storage_of[n] = s
+    a.pattern.add(n)
+    return ("acc", s)

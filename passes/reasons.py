@@ -1,0 +1,132 @@
+"""Every reason the backend gives for not rewriting an MoE region: a stable code, the message and the fix.
+
+Codes are stable (tests, docs and users' scripts may match on them); the wording is owned here and
+nowhere else. ``message(code, detail)`` fills a template from a finding's detail; a ``{at}`` field is
+the node's file:line in the user's code. Add a reason by adding one entry.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Reason:
+    message: str   # str.format template over the finding's detail
+    fix: str
+
+
+_FIX_UNSUPPORTED = ("keep the code between gathering an expert's rows and combining them to linears and "
+                    "element-wise ops (activations, chunk/slices of the last dim, casts); move other work out "
+                    "of the expert loop")
+_FIX_WEIGHTS = ("multiply the routing weight into the expert output once, after the expert's last op: "
+                "out += w[tok, slot, None] * expert(x[tok])")
+
+REASONS: dict[str, Reason] = {
+    # ---- the combine (how expert outputs are written back)
+    "overwrite_topk": Reason(
+        "`out[idx] = expert(...)` overwrites instead of adding (top-k > 1) at {at}: the second expert of a token "
+        "replaces the first", "accumulate: `out[idx] += ...`, `out.index_add_(0, idx, ...)`"),
+    "unsupported_write": Reason(
+        "unsupported {op} at {at}", "write expert outputs with `out.index_add_(0, tok, y)` (dim 0, alpha 1) "
+        "or `out[tok] += y`, with tok and y from the same torch.where"),
+    "expert_added_twice": Reason("expert {expert} is added twice into `{acc}`", "add each expert once"),
+    "partial_read": Reason(
+        "the output is read half-accumulated by `{reader}` at {at}", "read the output only after the expert loop"),
+    "acc_is_input": Reason(
+        "the accumulator is a graph input (mutating it in place is a side effect the rewrite would drop)",
+        "accumulate into a fresh tensor (torch.zeros_like(x)) and return it"),
+    "not_combined": Reason(
+        "the expert rows are never combined back per token (no sum over top-k, index_add_ or scatter_add_)",
+        "combine with `.view(T, K, H).sum(1)` after unsorting, or `zeros(T, H).index_add_(0, perm // K, rows)`"),
+    # ---- the experts covered by a loop
+    "expert_set": Reason(
+        "the loop covers experts {experts}, not 0..{last} of one router",
+        "loop over range(num_experts); an expert without tokens is fine (the rewrite handles empty groups)"),
+    "two_routers": Reason("the experts are selected by different routers", "select every expert from one top-k"),
+    "two_inputs": Reason("the experts read different input tensors", "gather every expert's rows from one input"),
+    "mixed_weights": Reason("the experts use different routing-weight tensors (or only some are weighted)",
+                            _FIX_WEIGHTS),
+    "experts_differ": Reason("expert {expert}'s MLP differs in structure from expert 0's",
+                             "give every expert the same layers; differing experts cannot be one grouped GEMM"),
+    "no_expert_function": Reason("expert {expert} applies no function to its rows",
+                                 "this looks like a top-k gather, not an MoE layer"),
+    "escaping_intermediate": Reason(
+        "the expert intermediate `{node}` is also used outside the MoE region (by `{user}`)",
+        "use only the combined output outside the expert loop"),
+    "unsupported_row_op": Reason("unsupported op `{op}` on the expert rows at {at}{why}", _FIX_UNSUPPORTED),
+    # ---- the expert function
+    "expert_operand_not_linear": Reason(
+        "expert-specific operand `{node}` in a non-linear op `{op}` (only linear weights and biases may differ per "
+        "expert)", "keep per-expert tensors to the weights and biases of linear layers"),
+    "weight_shapes_differ": Reason("expert weights have different shapes {shapes}",
+                                   "give every expert the same layer sizes"),
+    "no_linear": Reason("the expert function has no linear layer", "nothing to group: not an MoE expert MLP"),
+    "input_not_2d": Reason("expert input must be [tokens, hidden], got {shape}",
+                           "flatten the tokens first: x = x.reshape(-1, hidden)"),
+    "weight_not_3d": Reason("expert weight `{node}` is not 3-D", "stack expert weights as [E, in, out]"),
+    "expert_count_mismatch": Reason("expert weight `{node}` has {weights} experts, the router {router}",
+                                    "use one weight row per expert of the router"),
+    "bias_not_per_expert": Reason("per-expert bias `{node}` is not [E, out]", "store per-expert biases as [E, out]"),
+    "bias_not_after_linear": Reason("per-expert bias add `{node}` that is not right after a linear",
+                                    "add the bias right after the grouped GEMM"),
+    "gmm_bias_out_dtype": Reason("`{node}`: grouped_mm with bias/out_dtype is not supported",
+                                 "add the bias after the grouped GEMM and cast its output"),
+    "bmm_not_gathered": Reason("`{node}`: bmm not on gathered per-pair weights W[ids]",
+                               "use W[flat_ids] with bmm, or torch._grouped_mm over stacked weights"),
+    # ---- routing
+    "weights_before_last_op": Reason("routing weights are applied before the expert's last op{node_at}",
+                                     _FIX_WEIGHTS),
+    "weights_twice": Reason("the rows are multiplied by routing weights twice", _FIX_WEIGHTS),
+    "weights_not_transparent": Reason(
+        "the routing weights reach the expert output through `{op}` ({node}), which is not a view, routing "
+        "gather or cast: the rewrite could not give it the same gradient",
+        "multiply the router's weights into the expert output directly"),
+    "foreign_offsets": Reason("`{node}` uses group offsets not computed from this router's ids",
+                              "compute offsets as cumsum(histc(sorted_ids, E, 0, E - 1)) of the sorted ids"),
+    "router_unknown": Reason("could not find the router's ids, top_k or expert count",
+                             "select experts with torch.topk (or argmax) on the router's scores"),
+    "token_count_mismatch": Reason("{tokens} tokens x top_k {k} != {ids} routed ids",
+                                   "route every token to exactly top_k experts"),
+    "topk_mismatch": Reason("{what} but the router has top_k {k}", "gather rows with perm // top_k"),
+    "sentinel_mismatch": Reason("sentinel mask ids >= {sentinel} but the experts number {experts}",
+                                "mask ids >= num_experts"),
+    "two_regions_mixed": Reason("`{node}` mixes the rows of two MoE regions", "keep each MoE layer's rows apart"),
+    "batched_two_ids": Reason("the batched experts gather weights by different ids",
+                              "gather every projection's weights with the same flat ids"),
+    # ---- dense (every token through every expert)
+    "routing_matrix_shapes": Reason("the routing matrix is scattered from ids/weights of different shapes",
+                                    "scatter [T, K] weights at [T, K] ids: zeros(T, E).scatter(1, ids, w)"),
+    "ids_may_repeat": Reason(
+        "the routing matrix is scattered from ids `{node}` that may repeat an expert within a row (not from "
+        "topk/argmax): scatter keeps one of the repeated weights, a routed rewrite would add them all",
+        "take the ids from torch.topk to have this rewritten"),
+    "routing_matrix_layout": Reason("the routing matrix is not multiplied as [E, T, 1]",
+                                    "weight the [E, T, H] expert outputs by routing.t().unsqueeze(-1)"),
+    "soft_moe": Reason(
+        "the dense expert outputs are combined by `{node}`, which is not a sparse top-k routing matrix "
+        "(zeros(T, E).scatter(1, ids, w)); every expert contributes to every token (soft MoE), so routed compute "
+        "would change it", "nothing to fix: a soft MoE runs every expert on every token and is compiled as written"),
+    "dense_unrouted": Reason(
+        "the dense experts are summed without a routing matrix: every token uses every expert (not a sparse MoE)",
+        "nothing to fix: compiled as written"),
+    # ---- the backend itself
+    "matcher_error": Reason("{finder}: matcher error {error}",
+                            "a bug in moe_compile: please report it with moe_compile.explain's output"),
+    "lowering_error": Reason("lower_region failed: {error}",
+                             "a bug in moe_compile: please report it with moe_compile.explain's output"),
+}
+
+
+def message(code: str, detail: dict) -> str:
+    """The filled message of ``code`` (missing fields read "?")."""
+    template = REASONS[code].message
+
+    class _Missing(dict):
+        def __missing__(self, key):
+            return "?"
+
+    return template.format_map(_Missing(detail))
+
+
+def fix(code: str) -> str:
+    return REASONS[code].fix

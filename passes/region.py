@@ -1,0 +1,123 @@
+"""The one description of an MoE region, shared by every finder, the legality check and the lowering.
+
+Legend: T tokens, K top-k slots, N = T*K routed (token, slot) pairs, E experts, H width.
+
+A finder (``loop_regions``, ``grouped_regions``) turns what it saw in a Dynamo graph into a
+``Candidate``: the assembled ``Region`` when every part was found, and the ``Finding``s it made on
+the way (facts such as "an op the rewrite cannot replay touches the expert rows", each with a
+stable code from ``reasons.py``). ``legality.check`` decides: a candidate with findings, or whose
+region breaks a rule, is refused with the finding's code and wording; otherwise the region goes to
+``lowering.region.lower_region``, the only code that edits the graph.
+
+    Region
+      router   Router(ids [T, K] | [T], weights multiplied into the expert output (None: 1), K, E)
+      x        the expert input [T, H] (rows are gathered from it)
+      experts  ExpertMLP: the expert function as steps replayed once over all routed rows; each
+               linear names its per-expert weight (and bias) operands by slot
+      combine  AccumulateInPlace (per-expert loops: acc[idx] += ..., index_add_, ...)
+               | ReplaceOutput    (all-pairs forms: one node computes the combined output)
+      nodes    every node of the region (the lowering erases those left dead)
+
+Node-valued fields are ``torch.fx.Node``s of the graph being rewritten.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+
+@dataclass(frozen=True)
+class Router:
+    """The router outputs a region consumes (the router itself stays in the graph).
+
+    ``weights``: the node the graph multiplies the expert rows by, taken as it is (never a node
+    that only has the same forward value: ``legality.weights_path`` checks the ops between them);
+    the lowering reshapes it to [T, K]."""
+    ids: fx.Node
+    weights: fx.Node | None
+    top_k: int
+    num_experts: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """One op of the expert function. ``args``/``kwargs`` encode operands as ("in",) for the
+    region's rows, ("step", i) for step i's result, ("slot", s) for operand slot s, or constants."""
+    op: str                   # fx op: call_function | call_method
+    target: object
+    args: tuple
+    kwargs: tuple             # sorted (key, value) pairs
+    linear: tuple | None      # (weight slot, bias slot or None, layout "nk" | "kn") for linears
+
+
+@dataclass(frozen=True)
+class ExpertMLP:
+    """The expert function. ``slots[s]``: expert 0..E-1's operand of slot s, or one node for all
+    experts (a 3-D weight [E, in, out] / [E, out, in], a 2-D bias [E, out], or a shared operand)."""
+    steps: tuple[Step, ...]
+    slots: tuple[tuple[fx.Node, ...], ...]
+
+
+@dataclass(frozen=True)
+class AccumulateInPlace:
+    """Loop forms: expert contributions are added into ``acc`` in place (``acc`` starts as zeros, or
+    as ``base`` when not None); ``readers`` read the finished sum through ``aliases``."""
+    acc: fx.Node
+    base: fx.Node | None
+    dtype: torch.dtype
+    aliases: tuple[fx.Node, ...]
+    mutations: tuple[fx.Node, ...]
+    readers: tuple[fx.Node, ...]
+
+
+@dataclass(frozen=True)
+class ReplaceOutput:
+    """All-pairs forms: ``output`` (and its in-place ``aliases``, read after it) is the combined
+    result; ``erase`` lists the region's side-effecting nodes on region-internal tensors."""
+    output: fx.Node
+    dtype: torch.dtype
+    aliases: tuple[fx.Node, ...] = ()
+    erase: tuple[fx.Node, ...] = ()
+
+
+Combine = AccumulateInPlace | ReplaceOutput
+
+
+@dataclass(frozen=True)
+class Region:
+    module: str               # qualified module path, e.g. "model.layers.0.mlp.experts"
+    form: str                 # e.g. "loop/where+index_add_", "sorted/gather-sum"
+    where: str                # file:line in the user's code
+    x: fx.Node
+    router: Router
+    experts: ExpertMLP
+    combine: Combine
+    nodes: tuple[fx.Node, ...]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A fact a finder observed that blocks the rewrite: ``code`` is a key of
+    ``reasons.REASONS``; ``detail`` fills its message (sorted (key, value) pairs)."""
+    code: str
+    node: fx.Node | None = None
+    detail: tuple[tuple[str, object], ...] = ()
+
+    @staticmethod
+    def of(code: str, node: fx.Node | None = None, /, **detail) -> "Finding":
+        return Finding(code, node, tuple(sorted(detail.items())))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What a finder found: ``region`` is None when the parts could not be assembled (then
+    ``findings`` says why)."""
+    module: str
+    form: str
+    where: str
+    region: Region | None
+    findings: tuple[Finding, ...] = ()
+    num_experts: int = 0
+    top_k: int = 0
