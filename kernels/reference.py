@@ -113,7 +113,7 @@ def unpermute_combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor,
     keep = (inv < (offsets[-1].long() if offsets.numel() else 0)).to(torch.float32)
     rows = y.float().index_select(0, inv)  # [N, H]
     w = weights.float().reshape(-1) * keep
-    return (rows * w.unsqueeze(-1)).view(t, k, -1).sum(1).to(y.dtype)
+    return (rows * w.unsqueeze(-1)).view(t, k, y.shape[1]).sum(1).to(y.dtype)  # T may be 0
 
 
 def unpermute_combine_backward(dout, y, inv, weights, offsets):

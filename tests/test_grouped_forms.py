@@ -238,6 +238,13 @@ def test_dense_with_ids_that_may_repeat_is_refused():
     assert len(rep.refused) == 1 and rep.refused[0].code == "ids_may_repeat", str(rep)
 
 
+@pytest.mark.parametrize("form", [SortedMoE, BatchedMoE, DenseMoE], ids=lambda c: c.__name__)
+def test_zero_tokens(form):
+    """An MoE block called on zero tokens works compiled as in eager, forward and backward."""
+    torch.manual_seed(0)
+    check_compiled(form(h=16), [make_input((0, 16))], expect_rewritten=1, fresh_inputs=0)
+
+
 @settings(max_examples=4, deadline=None)
 @given(t=st.integers(1, 12), e=st.sampled_from([2, 3, 5]), k=st.integers(1, 2),
        form=st.sampled_from([SortedMoE, BatchedMoE, DenseMoE]))

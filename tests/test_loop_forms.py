@@ -109,3 +109,10 @@ def test_odd_sizes(t, e, k, h, i):
     router = "argmax" if k == 1 else "softmax_topk"
     m = make_model(spelling="where_setitem", e=e, k=k, h=h, i=i, router=router)
     check_compiled(m, [make_input((t, h))], expect_rewritten=1)
+
+
+@pytest.mark.parametrize("expert", ["swiglu", "stacked_chunk"])
+def test_zero_tokens(expert):
+    """An MoE block called on zero tokens works compiled as in eager, forward and backward."""
+    m = make_model(spelling="index_add", expert=expert, k=2, e=4)
+    check_compiled(m, [make_input((0, 16))], expect_rewritten=1, fresh_inputs=0)
