@@ -29,26 +29,18 @@ import torch
 import torch.fx as fx
 
 from moe_compile.kernels import ops as _ops  # noqa: F401  (registers torch.ops.moe_compile.*)
-from moe_compile.passes.normalize import canon, val
-from moe_compile.passes.region import AccumulateInPlace, Region, ReplaceOutput
+from moe_compile.passes.normalize import val
+from moe_compile.passes.region import AccumulateInPlace, Region, ReplaceOutput, stacked_source
 
+from . import expert_parallel
 from .graph_edit import GraphBuilder, finish, is_impure
 
 OPS = torch.ops.moe_compile
 
 
-def _stacked_source(nodes: tuple[fx.Node, ...]) -> fx.Node | None:
-    """The stacked parameter P if expert e's operand is P[e] for every e, else None."""
-    src = nodes[0].args[0] if canon(nodes[0]) == "getitem" else None
-    if src is None or any(canon(n) != "getitem" or n.args[0] is not src or n.args[1] != e
-                          for e, n in enumerate(nodes)):
-        return None
-    return src
-
-
 def _stacked(b: GraphBuilder, nodes: tuple[fx.Node, ...], layout: str):
     """A 3-D weight view [E, K, N] if all experts index one stacked parameter, else None."""
-    src = _stacked_source(nodes)
+    src = stacked_source(nodes) if len(nodes) > 1 else None
     if src is None:
         return None
     sv = val(src)
@@ -59,10 +51,13 @@ def _stacked(b: GraphBuilder, nodes: tuple[fx.Node, ...], layout: str):
     return b.method("transpose", src, 1, 2) if layout == "nk" else src
 
 
-def _emit_linear(b: GraphBuilder, region: Region, h: fx.Node, step, offs: fx.Node) -> fx.Node:
+def _emit_linear(b: GraphBuilder, region: Region, h: fx.Node, step, offs: fx.Node, ep) -> fx.Node:
     w_slot, b_slot, layout = step.linear
     ws = region.experts.slots[w_slot]
     bs = region.experts.slots[b_slot] if b_slot is not None else None
+    if ep is not None:  # every expert's weight (and bias) is a view of this rank's local shard
+        ws = (expert_parallel.local_operand(b, stacked_source(ws)),)
+        bs = (expert_parallel.local_operand(b, stacked_source(bs)),) if bs is not None else None
     if len(ws) == 1 and val(ws[0]).dim() == 3:      # one weight for all experts (grouped_regions)
         w3 = ws[0] if layout == "kn" else b.method("transpose", ws[0], 1, 2)
         return b.fn(OPS.grouped_mm.default, h, w3, offs, bs[0] if bs is not None else None)
@@ -79,7 +74,7 @@ def _is_list_linear(region: Region, step) -> bool:
     if step.linear is None or step.linear[1] is not None or step.linear[2] != "nk":
         return False
     ws = region.experts.slots[step.linear[0]]
-    return len(ws) > 1 and val(ws[0]).dim() == 2 and _stacked_source(ws) is None
+    return len(ws) > 1 and val(ws[0]).dim() == 2 and stacked_source(ws) is None
 
 
 def _sibling_linears(region: Region) -> dict[int, int]:
@@ -127,8 +122,8 @@ def _anchor(g: fx.Graph, region: Region) -> fx.Node:
     return max(c.mutations, key=list(g.nodes).index)
 
 
-def lower_region(gm: fx.GraphModule, region: Region) -> None:
-    """Rewrite ``region`` in ``gm`` (in place), then lint and recompile."""
+def lower_region(gm: fx.GraphModule, region: Region) -> tuple[str, ...]:
+    """Rewrite ``region`` in ``gm`` (in place), then lint and recompile; returns notes on how."""
     g = gm.graph
     anchor = _anchor(g, region)
     b = GraphBuilder(g, anchor, GraphBuilder.fake_mode_of(region.x, "lower_region"), anchor)
@@ -138,6 +133,13 @@ def lower_region(gm: fx.GraphModule, region: Region) -> None:
     routed = b.fn(OPS.route_permute.default, router.ids, e)
     perm, inv, offs = (b.fn(operator.getitem, routed, i) for i in range(3))
     env = {"in": b.fn(OPS.permute_rows.default, region.x, perm, inv, offs, k)}
+    ep = expert_parallel.layout(region)
+    gemm_offs = offs
+    if ep is not None:  # rows travel to the ranks that own their experts
+        env["in"], gemm_offs, plan = expert_parallel.dispatch(b, env["in"], offs, ep)
+        notes = (expert_parallel.describe(ep, val(env["in"])),)
+    else:
+        notes = ()
     siblings = _sibling_linears(region)
     for i, step in enumerate(steps):
         if i in env:
@@ -145,13 +147,15 @@ def lower_region(gm: fx.GraphModule, region: Region) -> None:
         if i in siblings:
             j = siblings[i]
             env[i], env[j] = _emit_sibling_linears(b, region, _decode(step.args[0], env, region), step,
-                                                    steps[j], offs)
+                                                    steps[j], gemm_offs)
         elif step.linear is not None:
-            env[i] = _emit_linear(b, region, _decode(step.args[0], env, region), step, offs)
+            env[i] = _emit_linear(b, region, _decode(step.args[0], env, region), step, gemm_offs, ep)
         else:
             env[i] = b(step.op, step.target, _decode(step.args, env, region),
                        dict(_decode(step.kwargs, env, region)))
     h = env[len(steps) - 1]
+    if ep is not None:  # and come back in the order they left
+        h = expert_parallel.combine(b, h, plan, ep)
     if router.weights is not None:
         w = router.weights
     else:  # unweighted experts: weight 1 per routed pair (built from ids: no symbolic sizes needed)
@@ -170,6 +174,7 @@ def lower_region(gm: fx.GraphModule, region: Region) -> None:
     else:
         _rewire_accumulator(g, c, out)
     finish(gm)
+    return notes
 
 
 def _rewire_accumulator(g: fx.Graph, c: AccumulateInPlace, out: fx.Node) -> None:

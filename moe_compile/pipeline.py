@@ -48,6 +48,7 @@ class DynamoState:
     accepted: list = dataclasses.field(default_factory=list)      # passes.region.Region
     refused: list = dataclasses.field(default_factory=list)       # passes.legality.Refusal
     errors: list = dataclasses.field(default_factory=list)        # RegionRecord of matcher failures
+    region_notes: dict = dataclasses.field(default_factory=dict)  # id(region) -> notes from its lowering
 
 
 # ------------------------------------------------------------------------------- dynamo stage
@@ -88,7 +89,7 @@ def _lower(s: DynamoState) -> None:
     from moe_compile.lowering.region import lower_region
 
     for region in s.accepted:
-        lower_region(s.gm, region)
+        s.region_notes[id(region)] = lower_region(s.gm, region)
 
 
 def _swiglu(s: DynamoState) -> None:
@@ -222,7 +223,7 @@ def run_dynamo_stage(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.Gra
     notes = (f"where/nonzero still needed outside the rewritten regions: {', '.join(syncs)}",) if syncs else ()
     notes += _list_weight_note(s.gm)
     records += [RegionRecord(r.module, r.form, REWRITTEN, "", ops, r.where, r.router.num_experts, r.router.top_k,
-                             notes) for r in s.accepted]
+                             s.region_notes.get(id(r), ()) + notes) for r in s.accepted]
     if verbose:
         debug.log_rewrite(graphs, records, time.perf_counter() - t0, loud=config.debug)
     return s.gm, records

@@ -8,6 +8,8 @@ code from ``reasons.REASONS``, the filled message and the fix. The rules::
                         linear have one shape; there is at least one linear
     input_2d            the expert input is [tokens, hidden]
     accumulator         an in-place accumulator is not a graph input
+    expert_parallel     expert weights sharded by ``parallelize_experts`` (``ep_experts`` markers) are
+                        all of the region's expert weights, over one group, for the router's E
     weights_path        the routing weights the lowering uses are the node the graph multiplies the
                         expert rows by, reached only through ops that keep value and gradient
                         (views, routing gathers, masks by the selection, casts): a tensor that only
@@ -112,6 +114,27 @@ def accumulator(region: Region) -> Finding | None:
 
 
 _EXPERT_LINEARS = {"linear", "matmul", "mm", "bmm", "_grouped_mm", "grouped_mm", "transformers::grouped_mm_fallback"}
+def expert_parallel(region: Region) -> Finding | None:
+    from .region import ep_marker
+
+    operands = [slot for st in region.experts.steps if st.linear for slot in st.linear[:2] if slot is not None]
+    markers = {s: ep_marker(region.experts.slots[s]) for s in operands}
+    sharded = [s for s, m in markers.items() if m is not None]
+    if not sharded:
+        return None
+    if len(sharded) != len(operands):
+        name = lambda s: region.experts.slots[s][0].name  # noqa: E731
+        return Finding.of("ep_mixed", None, sharded=", ".join(name(s) for s in sharded),
+                          local=", ".join(name(s) for s in operands if s not in sharded))
+    groups = {(markers[s].args[1], markers[s].args[2]) for s in sharded}
+    if len(groups) != 1:
+        return Finding.of("ep_inconsistent", None, groups=sorted(groups))
+    (num_experts, _), = groups
+    if num_experts != region.router.num_experts:
+        return Finding.of("ep_expert_count", None, weights=num_experts, router=region.router.num_experts)
+    return None
+
+
 # ops between the routing weights and the multiplication with the expert rows that keep both the
 # value and the gradient of the weights the rewrite uses
 _TRANSPARENT = {"view", "reshape", "unsqueeze", "squeeze", "flatten", "unflatten", "getitem", "index_select",
@@ -175,4 +198,4 @@ def _order(graph: fx.Graph) -> dict:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
-RULES = (expert_operands, input_2d, accumulator, weights_path)
+RULES = (expert_operands, input_2d, accumulator, expert_parallel, weights_path)

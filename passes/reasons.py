@@ -109,6 +109,15 @@ REASONS: dict[str, Reason] = {
     "dense_unrouted": Reason(
         "the dense experts are summed without a routing matrix: every token uses every expert (not a sparse MoE)",
         "nothing to fix: compiled as written"),
+    # ---- expert parallelism (moe_compile.parallelize_experts)
+    "ep_mixed": Reason(
+        "the region's expert weights are partly sharded over an expert-parallel mesh ({sharded}) and partly not "
+        "({local})", "shard every expert parameter of the layer: moe_compile.parallelize_experts(model, mesh) does"),
+    "ep_inconsistent": Reason(
+        "the region's sharded expert weights disagree on the process group or the expert count ({groups})",
+        "shard one MoE layer's experts over one mesh with one parallelize_experts call"),
+    "ep_expert_count": Reason("the sharded expert weights hold {weights} experts, the router {router}",
+                              "shard the expert parameters of the router's own experts"),
     # ---- the backend itself
     "matcher_error": Reason("{finder}: matcher error {error}",
                             "a bug in moe_compile: please report it with moe_compile.explain's output"),

@@ -22,6 +22,7 @@ Node-valued fields are ``torch.fx.Node``s of the graph being rewritten.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -121,3 +122,46 @@ class Candidate:
     findings: tuple[Finding, ...] = ()
     num_experts: int = 0
     top_k: int = 0
+
+
+def stacked_source(nodes: tuple[fx.Node, ...]) -> fx.Node | None:
+    """The one node holding every expert's operand: ``nodes[0]`` when it is the only one (a 3-D
+    weight or 2-D bias for all experts), or P when expert e's operand is P[e] for every e."""
+    if len(nodes) == 1:
+        return nodes[0]
+    first = nodes[0]
+    src = first.args[0] if first.op == "call_function" and first.target is operator.getitem else None
+    if src is None or any(n.op != "call_function" or n.target is not operator.getitem
+                          or not _same_value(n.args[0], src) or n.args[1] != e for e, n in enumerate(nodes)):
+        return None
+    return src
+
+
+def _same_value(a, b) -> bool:
+    """One node, or two calls of the ep_experts marker on the same arguments (a module property
+    read once per expert in a loop traces one marker call per read)."""
+    return a is b or (is_ep_marker(a) and is_ep_marker(b) and a.args == b.args and a.kwargs == b.kwargs)
+
+
+# ops a weight may pass through between the ep_experts marker and the expert linear
+EP_VIEWS = {"transpose", "permute", "t", "contiguous", "swapaxes", "mT"}
+
+
+def is_ep_marker(node) -> bool:
+    target = getattr(node, "target", None)
+    name = getattr(target, "_qualified_op_name", None) or getattr(getattr(target, "_overloadpacket", None),
+                                                                 "_qualified_op_name", None)
+    return name == "moe_compile::ep_experts"
+
+
+def ep_marker(nodes: tuple[fx.Node, ...]) -> fx.Node | None:
+    """The ``moe_compile.ep_experts`` marker behind an expert operand slot (experts sharded over an
+    expert-parallel mesh by ``parallelize_experts``: args (local shard, E, group name)), possibly
+    through views (``W.transpose(-2, -1)``), else None."""
+    from .normalize import canon
+
+    src = stacked_source(nodes)
+    while src is not None and not is_ep_marker(src) and canon(src) in EP_VIEWS \
+            and isinstance(src.args[0] if src.args else None, fx.Node):
+        src = src.args[0]
+    return src if is_ep_marker(src) else None
