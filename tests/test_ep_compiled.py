@@ -224,6 +224,86 @@ def body_no_recompiles(rank, ep):
     assert len(calls) == 1, f"{len(calls)} compiles over 20 routings"
 
 
+HF_MODELS = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")  # tiny configs of tests/test_hf_models.py
+
+
+def check_hf(name, rank, ep, mesh):
+    """A Hugging Face model (transformers 5 experts, default grouped_mm implementation), 1 layer."""
+    import moe_compile
+    import test_hf_models as hf
+    from moe_compile import records
+
+    full = hf.build(name, layers=1)
+    model = moe_compile.parallelize_experts(copy.deepcopy(full), mesh)
+    ids = [torch.randint(3, 64, (1, 8), generator=torch.Generator().manual_seed(r)) for r in range(ep)]
+    torch._dynamo.reset()
+    before = records.counters["rewritten"]
+    out = torch.compile(hf.Logits(model), backend="moe", options={"moe.inductor": False})(ids[rank])
+    assert records.counters["rewritten"] == before + 1, f"{name}: the MoE layer was not rewritten"
+    cot = [torch.linspace(-1, 1, out.numel()).view(out.shape) * (r + 1) for r in range(ep)]
+    (out * cot[rank]).sum().backward()
+    ref = copy.deepcopy(full)
+    ref_out = hf.Logits(ref)(torch.cat(ids))
+    (ref_out * torch.cat(cot)).sum().backward()
+    assert_close(out.detach(), ref_out.detach()[rank:rank + 1], f"{name}: rank {rank} logits")
+    ref_params = dict(ref.named_parameters())
+    own = copy.deepcopy(full)
+    (hf.Logits(own)(ids[rank]) * cot[rank]).sum().backward()
+    own_params = dict(own.named_parameters())
+    for pname, p in model.named_parameters():
+        if "_ep_local_" in pname:
+            shards = [torch.empty_like(p) for _ in range(ep)]
+            dist.all_gather(shards, _grad_of(p).contiguous())
+            orig = pname.replace("_ep_local_", "")
+            assert_close(torch.cat(shards), _grad_of(ref_params[orig]), f"{name}: {orig} gradient (gathered)")
+        else:
+            assert_close(_grad_of(p), _grad_of(own_params[pname]), f"{name}: rank {rank} gradient of {pname}")
+
+
+def body_hf(rank, ep, names):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+    for name in names:
+        check_hf(name, rank, ep, mesh)
+
+
+def test_ep2_hf_models_match_eager():
+    pytest.importorskip("transformers")
+    run_distributed(body_hf, 2, HF_MODELS, timeout_s=400)
+
+
+def body_dcp(rank, ep, path):
+    """A save with EP 2 loaded into the unsharded model (EP 1) gives the same logits."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import moe_compile
+    import test_hf_models as hf
+
+    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+    sharded = moe_compile.parallelize_experts(hf.build("qwen3_moe", layers=1), mesh)
+    ids = torch.randint(3, 64, (1, 8), generator=torch.Generator().manual_seed(rank))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        logits = torch.compile(hf.Logits(sharded), backend="moe", options={"moe.inductor": False})(ids)
+    dcp.save(sharded.state_dict(), checkpoint_id=path)
+    plain = hf.build("qwen3_moe", layers=1)
+    with torch.no_grad():  # only the checkpoint can make the unsharded model equal again
+        for p in plain.parameters():
+            p.zero_()
+    state = plain.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    plain.load_state_dict(state)
+    with torch.no_grad():
+        assert_close(hf.Logits(plain)(ids), logits, f"rank {rank}: logits after an EP2 save loaded at EP1")
+
+
+def test_ep2_checkpoint_loads_unsharded(tmp_path):
+    pytest.importorskip("transformers")
+    run_distributed(body_dcp, 2, str(tmp_path / "ckpt"))
+
+
 def test_ep2_compiled_matches_eager():
     run_distributed(body_cases, 2, tuple(CASES))
 
