@@ -32,7 +32,7 @@ from moe_compile.kernels import ops as _ops  # noqa: F401  (registers torch.ops.
 from moe_compile.passes.normalize import val
 from moe_compile.passes.region import AccumulateInPlace, Region, ReplaceOutput, stacked_source
 
-from . import expert_parallel
+from . import expert_parallel, region_forms
 from .graph_edit import GraphBuilder, finish, is_impure
 
 OPS = torch.ops.moe_compile
@@ -132,7 +132,8 @@ def lower_region(gm: fx.GraphModule, region: Region) -> tuple[str, ...]:
 
     routed = b.fn(OPS.route_permute.default, router.ids, e)
     perm, inv, offs = (b.fn(operator.getitem, routed, i) for i in range(3))
-    env = {"in": b.fn(OPS.permute_rows.default, region.x, perm, inv, offs, k)}
+    env = {"in": region_forms.scale_rows(b, router, b.fn(OPS.permute_rows.default, region.x, perm, inv, offs, k),
+                                         perm)}
     ep = expert_parallel.layout(region)
     gemm_offs = offs
     if ep is not None:  # rows travel to the ranks that own their experts
@@ -156,9 +157,8 @@ def lower_region(gm: fx.GraphModule, region: Region) -> tuple[str, ...]:
     h = env[len(steps) - 1]
     if ep is not None:  # and come back in the order they left
         h = expert_parallel.combine(b, h, plan, ep)
-    if router.weights is not None:
-        w = router.weights
-    else:  # unweighted experts: weight 1 per routed pair (built from ids: no symbolic sizes needed)
+    w = region_forms.combine_weights(b, router)
+    if w is None:  # unweighted experts: weight 1 per routed pair (built from ids: no symbolic sizes needed)
         w = b.fn(torch.ones_like, router.ids, dtype=torch.float32)
     if val(w).dim() != 2:
         w = b.method("reshape", w, -1, k)
@@ -167,7 +167,7 @@ def lower_region(gm: fx.GraphModule, region: Region) -> tuple[str, ...]:
     if val(h).dtype != c.dtype:
         out = b.method("to", out, c.dtype)
     if isinstance(c, AccumulateInPlace) and c.base is not None:
-        out = b.fn(operator.add, c.base, out)
+        out = region_forms.keep_unrouted(b, router, c.base, out) if c.overwrite else b.fn(operator.add, c.base, out)
 
     if isinstance(c, ReplaceOutput):
         _rewire_output(g, region, c, out)

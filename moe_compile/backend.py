@@ -50,8 +50,10 @@ def capture_ctx(options: dict | None = None):
             if config.capture_dynamic else None
 
     def ctor():
+        from .hf_experts import substituted  # HF expert loops Dynamo cannot trace, in this scope only
+
         f = flags()
-        return contextlib.nullcontext() if f is None else torch._dynamo.config.patch(**f)
+        return substituted(None if f is None else torch._dynamo.config.patch(**f))
 
     return ctor
 

@@ -9,7 +9,8 @@ rewrite cannot reproduce records a ``region.Finding`` there instead::
     acc.scatter_add_(0, tok[:, None].expand(..), c)
     acc.index_put_((tok,), c, accumulate=True)
     acc[tok] = acc[tok] + c                      (Dynamo's spelling of acc[tok] += c)
-    acc[tok] = c | acc[mask] = c                 top-1 only, acc starting as zeros (a sum of one term)
+    acc[tok] = c | acc[mask] = c                 top-1 only, acc starting as zeros (a sum of one term),
+                                                 or as a base (out = x.clone(): routed rows replaced)
 """
 from __future__ import annotations
 
@@ -61,6 +62,8 @@ def combine(a, n: fx.Node, op: str, r0):
     s = a.storage(acc)
     if s is None:
         return STOP
+    if s.overwrite and op != "setitem":
+        return a.refuse_write(s, n, "overwrite_then_add", None, acc=s.alloc.name)
     if op in ("index_add_", "index_add"):
         dim, index, src = arg(n, 1, "dim"), arg(n, 2, "index"), arg(n, 3, "source")
         ri, c = a.r(index), as_contrib(src, a.r(src))
@@ -85,11 +88,20 @@ def combine(a, n: fx.Node, op: str, r0):
     index, value = n.args[1], n.args[2]
     ri, rv = a.r(index), a.r(value)
     if isinstance(rv, AccSum) and rv.read.storage is s and rv.read.index is index and rv.read.version == s.version:
+        if s.overwrite:
+            return a.refuse_write(s, n, "overwrite_then_add", rv.contrib, acc=s.alloc.name)
         a.pattern.add(value)
         return _add(a, s, n, rv.contrib, inplace=True)
     c = as_contrib(value, rv)
-    if c is not None and isinstance(ri, (Index, TokMask)) and ri.ids.k == 1 and s.base is None:
+    top1 = c is not None and isinstance(ri, (Index, TokMask)) and ri.ids.k == 1 \
+        and getattr(ri, "kind", "tok") in ("tok", "pair")
+    if top1 and s.base is None:
         return _add(a, s, n, c, inplace=True)  # top-1: each token written by one expert only
+    if top1 and (s.overwrite or not s.contribs):
+        s.overwrite = True  # out = x.clone(); out[idx] = c: a routed row replaced, an unrouted one kept
+        return _add(a, s, n, c, inplace=True)
+    if top1:
+        return a.refuse_write(s, n, "overwrite_then_add", c, acc=s.alloc.name)
     if c is not None:
         return a.refuse_write(s, n, "overwrite_topk", c)
     return STOP

@@ -166,7 +166,8 @@ def find_loop_regions(gm: fx.GraphModule, analysis: Analysis | None = None) -> l
         slots = tuple(zip(*(operands for _, operands in built)))  # slot i -> expert 0..E-1's operand
         combine = AccumulateInPlace(
             acc=s.alloc, base=s.base, dtype=val(s.alloc).dtype, aliases=tuple(s.aliases),
-            mutations=tuple(s.mutations), readers=tuple(n for n, v in s.readers if v == s.version))
+            mutations=tuple(s.mutations), readers=tuple(n for n, v in s.readers if v == s.version),
+            overwrite=s.overwrite and s.base is not None)
         router = Router(ids=c0.rows.ids.root, weights=c0.w, top_k=k, num_experts=len(s.contribs))
         region = Region(module, form, where, c0.rows.x, router, ExpertMLP(tuple(built[0][0]), slots), combine,
                         tuple(sorted(nodes, key=order.__getitem__)))

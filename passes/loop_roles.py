@@ -144,6 +144,7 @@ class Storage:
     readers: list = dataclasses.field(default_factory=list)    # (node, version) reads outside the pattern
     findings: list = dataclasses.field(default_factory=list)   # region.Finding: why it cannot be rewritten
     forked: bool = False                 # a functional index_add made a newer copy of it
+    overwrite: bool = False              # top-1 `acc[idx] = c` over a base: routed rows replaced
 
     def __hash__(self):
         return id(self)

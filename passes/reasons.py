@@ -118,6 +118,10 @@ REASONS: dict[str, Reason] = {
         "shard one MoE layer's experts over one mesh with one parallelize_experts call"),
     "ep_expert_count": Reason("the sharded expert weights hold {weights} experts, the router {router}",
                               "shard the expert parameters of the router's own experts"),
+    # ---- forms added for issue 12
+    "overwrite_then_add": Reason(
+        "`{acc}` is both overwritten (`out[idx] = expert(...)`) and added to at {at}: which expert's rows survive "
+        "depends on the order", "write every expert's rows the same way: `out[idx] = ...` (top-1) or `out[idx] += ...`"),
     # ---- the backend itself
     "matcher_error": Reason("{finder}: matcher error {error}",
                             "a bug in moe_compile: please report it with moe_compile.explain's output"),

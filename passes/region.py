@@ -10,7 +10,8 @@ region breaks a rule, is refused with the finding's code and wording; otherwise 
 ``lowering.region.lower_region``, the only code that edits the graph.
 
     Region
-      router   Router(ids [T, K] | [T], weights multiplied into the expert output (None: 1), K, E)
+      router   Router(ids [T, K] | [T], weights multiplied into the expert output (None: 1), K, E;
+               or into the expert input with scale_input)
       x        the expert input [T, H] (rows are gathered from it)
       experts  ExpertMLP: the expert function as steps replayed once over all routed rows; each
                linear names its per-expert weight (and bias) operands by slot
@@ -35,11 +36,18 @@ class Router:
 
     ``weights``: the node the graph multiplies the expert rows by, taken as it is (never a node
     that only has the same forward value: ``legality.weights_path`` checks the ops between them);
-    the lowering reshapes it to [T, K]."""
+    the lowering reshapes it to [T, K].
+
+    ``scale_input``: the weights multiply each expert's INPUT row (expert(x * w), Llama 4); the
+    lowering weights the permuted rows before the expert and combines with weight 1 (never moved past
+    a nonlinear op). ``per_expert``: ``weights`` is a [T, E] matrix that is zero off the selection;
+    the lowering takes each pair's weight with gather(weights, 1, ids)."""
     ids: fx.Node
     weights: fx.Node | None
     top_k: int
     num_experts: int
+    scale_input: bool = False
+    per_expert: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,13 +72,16 @@ class ExpertMLP:
 @dataclass(frozen=True)
 class AccumulateInPlace:
     """Loop forms: expert contributions are added into ``acc`` in place (``acc`` starts as zeros, or
-    as ``base`` when not None); ``readers`` read the finished sum through ``aliases``."""
+    as ``base`` when not None); ``readers`` read the finished sum through ``aliases``.
+    ``overwrite``: top-1 writes ``acc[idx] = c`` over a base (``out = x.clone()`` in Switch-style
+    layers): a routed token's row is replaced by its expert's output, an unrouted one keeps the base."""
     acc: fx.Node
     base: fx.Node | None
     dtype: torch.dtype
     aliases: tuple[fx.Node, ...]
     mutations: tuple[fx.Node, ...]
     readers: tuple[fx.Node, ...]
+    overwrite: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,233 @@
+"""Scoped substitution of Hugging Face expert loops that Dynamo can never trace.
+
+transformers' "eager" experts (``for expert_idx in expert_hit:``, a loop over a data-dependent list)
+graph-break inside a loop, so Dynamo skips the whole frame whatever its flags and the backend never
+sees the experts. While a frame compiled with ``backend="moe"`` is traced or runs (the backend's
+``capture_ctx``, Dynamo's ``backend_ctx_ctor``), ``substituted()`` makes those experts trace as a
+grouped form the finders rewrite::
+
+    @use_experts_implementation experts, experts_implementation="eager"
+        -> the model's own declared grouped implementation, ExpertsInterface["grouped_mm"]
+    DbrxExperts (no declared implementation)         -> _dbrx_grouped:   sort + grouped GEMMs + unsort
+    LongcatFlashExperts (identity experts among E+Z) -> _longcat_grouped: the same for ids < E, plus
+                                                        x * (sum of the weights of slots with ids >= E)
+    JetMoeTopKGating / JetMoeParallelExperts         -> counts stay a tensor (histc of the sorted ids)
+        (``expert_size.tolist()`` + ``split``)          and each ParallelExperts is one grouped GEMM
+
+Scope: nothing is installed outside the context; inside it, each substitute checks
+``torch.compiler.is_compiling()`` and otherwise calls the original code, so eager calls (the
+user's own, a frame Dynamo skipped, another thread's) run exactly what they ran before. Dynamo
+guards the compiled code on the substitute being installed, and the context is entered around
+every call of those frames. Equality with the eager loops (outputs and every gradient) is tested
+per architecture in tests/test_forms_hf_eager.py.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+
+import torch
+
+_lock = threading.Lock()
+_depth = 0
+_installed: list[tuple[object, str, object]] = []   # (owner, attribute, previous value or _MISSING)
+_MISSING = object()
+_cache: dict[tuple[type, str], object] = {}            # one substitute per (class, attribute): stable identity
+_interface: list = []                                  # transformers' ALL_EXPERTS_FUNCTIONS, once installed
+
+
+class substituted:
+    """Context manager: the substitutes are installed while any thread is inside one (refcounted).
+    ``inner``: another context manager entered inside it (the backend's Dynamo config patch)."""
+
+    __slots__ = ("inner",)
+
+    def __init__(self, inner=None):
+        self.inner = inner
+
+    def __enter__(self):
+        _acquire()
+        try:
+            return self.inner.__enter__() if self.inner is not None else None
+        except BaseException:
+            _release()
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return self.inner.__exit__(*exc) if self.inner is not None else False
+        finally:
+            _release()
+
+
+def _acquire() -> None:
+    global _depth
+    with _lock:
+        _depth += 1
+        if _depth == 1 and "transformers" in sys.modules:
+            _install()
+
+
+def _release() -> None:
+    global _depth
+    with _lock:
+        _depth -= 1
+        if _depth == 0:
+            for owner, attr, old in reversed(_installed):
+                if old is _MISSING:
+                    owner.pop(attr, None) if isinstance(owner, dict) else delattr(owner, attr)
+                elif isinstance(owner, dict):
+                    owner[attr] = old
+                else:
+                    setattr(owner, attr, old)
+            _installed.clear()
+
+
+# ----------------------------------------------------------------------------- installation
+def _install() -> None:
+    moe = sys.modules.get("transformers.integrations.moe")
+    if moe is not None and hasattr(moe, "ALL_EXPERTS_FUNCTIONS"):
+        local = moe.ALL_EXPERTS_FUNCTIONS._local_mapping
+        if "eager" not in local and "grouped_mm" in moe.ALL_EXPERTS_FUNCTIONS:
+            _interface[:] = [moe.ALL_EXPERTS_FUNCTIONS]
+            _installed.append((local, "eager", _MISSING))
+            local["eager"] = _declared_grouped
+    for module, cls_name, attr, make in _CLASS_SUBSTITUTES:
+        mod = sys.modules.get(module)
+        cls = getattr(mod, cls_name, None) if mod is not None else None
+        if cls is None or attr not in cls.__dict__:
+            continue
+        original = cls.__dict__[attr]
+        if getattr(original, "_moe_compile_substitute", False):
+            continue
+        key = (cls, attr)
+        if key not in _cache:
+            _cache[key] = make(original)
+            _cache[key]._moe_compile_substitute = True
+        _installed.append((cls, attr, original))
+        setattr(cls, attr, _cache[key])
+
+
+def _declared_grouped(self, *args, **kwargs):
+    """ExpertsInterface["eager"] inside the scope: the experts' declared grouped implementation
+    while Dynamo traces, their own eager forward otherwise."""
+    if torch.compiler.is_compiling():
+        return _interface[0]["grouped_mm"](self, *args, **kwargs)
+    return type(self).forward.__wrapped__(self, *args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- grouped forms
+def _gmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [S, K] @ w[e] [K, N] per group of rows (offs: int32 cumulative ends): F.grouped_mm in bf16,
+    transformers' fallback op otherwise (torch.compile lowers torch's grouped_mm in bf16 only)."""
+    x = x.to(w.dtype)
+    if w.dtype == torch.bfloat16 and hasattr(torch.nn.functional, "grouped_mm"):
+        return torch.nn.functional.grouped_mm(x, w, offs=offs)
+    if hasattr(torch.ops.transformers, "grouped_mm_fallback"):
+        return torch.ops.transformers.grouped_mm_fallback(x, w, offs=offs)
+    return torch._grouped_mm(x, w, offs=offs)
+
+
+def _route(ids: torch.Tensor, num_experts: int):
+    """(sorted ids, perm, rows per expert) of the flat ids; ids >= num_experts sort last, in no group
+    (histc, not bincount: a fixed-length result, no host sync)."""
+    sorted_ids, perm = torch.sort(ids.reshape(-1))
+    counts_in = sorted_ids.float() if sorted_ids.device.type in ("cpu", "mps") else sorted_ids.int()
+    return sorted_ids, perm, torch.histc(counts_in, bins=num_experts, min=0, max=num_experts - 1)
+
+
+def _offsets(counts: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+
+def _unsort_sum(rows: torch.Tensor, perm: torch.Tensor, tokens: int, k: int) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.size(0), device=perm.device)
+    return rows[inv].view(tokens, k, rows.shape[-1]).sum(dim=1)
+
+
+def _when_compiling(grouped, always: bool = False):
+    """A factory of substitutes: ``grouped`` while Dynamo traces (or ``always``), the original forward
+    where ``grouped`` returns NotImplemented or outside a trace."""
+    def make(original):
+        def forward(self, *args, **kwargs):
+            if always or torch.compiler.is_compiling():
+                out = grouped(self, *args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+            return original(self, *args, **kwargs)
+        return forward
+    return make
+
+
+def dbrx_grouped(self, hidden_states, top_k_index, top_k_weights):
+    """DbrxExperts.forward as sort + three grouped GEMMs over the [E * F, H] weights viewed [E, F, H]."""
+    batch = hidden_states.shape[0]
+    x = hidden_states.reshape(-1, self.hidden_size)
+    e, k = self.num_experts, top_k_index.shape[-1]
+    _, perm, counts = _route(top_k_index, e)
+    offs = _offsets(counts)
+    rows = x[perm // k]
+    shape = (e, self.ffn_hidden_size, self.hidden_size)
+    mlp = self.mlp
+    gate = _gmm(rows, mlp.w1.view(shape).transpose(1, 2), offs)
+    up = _gmm(rows, mlp.v1.view(shape).transpose(1, 2), offs)
+    out = _gmm(mlp.activation_fn(gate) * up, mlp.w2.view(shape), offs)
+    out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
+    out = _unsort_sum(out, perm, x.shape[0], k).to(hidden_states.dtype)
+    return out.view(batch, -1, self.hidden_size)
+
+
+def longcat_grouped(self, hidden_states, top_k_index, top_k_weights):
+    """LongcatFlashExperts.forward: the E routed experts grouped, the identity experts (ids >= E) as
+    x times the sum of their routing weights."""
+    if self.gate_up_proj is None:
+        return NotImplemented
+    e, k = self.num_routed_experts, top_k_index.shape[-1]
+    sorted_ids, perm, counts = _route(top_k_index, e)
+    offs = _offsets(counts)
+    rows = hidden_states[perm // k]
+    # ids >= e (identity experts) sort last and fall in no group: their rows are zeroed (what
+    # transformers' own grouped_mm does for expert-parallel sentinels)
+    dropped = (sorted_ids >= e).unsqueeze(-1)
+    rows = rows.masked_fill(dropped, 0.0)
+    h = _gmm(rows, self.gate_up_proj[:e].transpose(1, 2), offs).masked_fill(dropped, 0.0)
+    gate, up = h.chunk(2, dim=-1)
+    out = _gmm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2), offs).masked_fill(dropped, 0.0)
+    out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
+    routed = _unsort_sum(out, perm, hidden_states.shape[0], k)
+    identity_w = torch.where(top_k_index >= e, top_k_weights, torch.zeros_like(top_k_weights))
+    identity = hidden_states * identity_w.sum(dim=-1, keepdim=True)
+    return (routed + identity).to(hidden_states.dtype)
+
+
+def jetmoe_gating_grouped(self, hidden_states):
+    """JetMoeTopKGating.forward with the rows per expert left a tensor (no ``.tolist()``)."""
+    logits = self.layer(hidden_states).float()
+    top_k_logits, top_k_indices = logits.topk(self.top_k, dim=1)
+    top_k_gates = torch.softmax(top_k_logits, dim=1).type_as(hidden_states)
+    _, index_sorted_experts, expert_size = _route(top_k_indices, self.num_experts)   # a tensor, not a list
+    batch_index = index_sorted_experts.div(self.top_k, rounding_mode="floor")
+    batch_gates = top_k_gates.flatten()[index_sorted_experts]
+    return index_sorted_experts, batch_index, batch_gates, expert_size, logits
+
+
+def jetmoe_experts_grouped(self, inputs, expert_size):
+    """JetMoeParallelExperts.forward as one grouped GEMM when the rows per expert are a tensor (from
+    the substituted gating: also when a graph break left this call to run eagerly)."""
+    if not isinstance(expert_size, torch.Tensor):
+        return NotImplemented
+    return _gmm(inputs, self.weight.transpose(1, 2), _offsets(expert_size))
+
+
+# (module, class, attribute, factory(original) -> substitute): classes with no declared grouped
+# implementation whose forward Dynamo cannot trace
+_CLASS_SUBSTITUTES = (
+    ("transformers.models.dbrx.modeling_dbrx", "DbrxExperts", "forward", _when_compiling(dbrx_grouped)),
+    ("transformers.models.longcat_flash.modeling_longcat_flash", "LongcatFlashExperts", "forward",
+     _when_compiling(longcat_grouped)),
+    ("transformers.models.jetmoe.modeling_jetmoe", "JetMoeTopKGating", "forward",
+     _when_compiling(jetmoe_gating_grouped)),
+    ("transformers.models.jetmoe.modeling_jetmoe", "JetMoeParallelExperts", "forward",
+     _when_compiling(jetmoe_experts_grouped, always=True)),
+)
