@@ -25,6 +25,8 @@ import torch.fx as fx
 
 from moe_compile.passes.region import Region, ep_marker, is_ep_marker
 
+from .graph_edit import InvalidSetup
+
 OPS = torch.ops.moe_compile
 
 
@@ -35,11 +37,18 @@ class EPLayout:
 
 
 def layout(region: Region) -> EPLayout | None:
-    """The region's expert-parallel group, or None if its experts are not sharded."""
+    """The region's expert-parallel group, or None if its experts are not sharded. Raises
+    ``InvalidSetup`` when FSDP also shards the experts across ranks that hold other experts."""
     for st in region.experts.steps:
         if st.linear is not None:
             marker = ep_marker(region.experts.slots[st.linear[0]])
             if marker is not None:
+                from moe_compile.parallel import check_fsdp_composition
+
+                try:
+                    check_fsdp_composition(marker.args[2])
+                except ValueError as exc:
+                    raise InvalidSetup(str(exc)) from exc
                 return EPLayout(group_name=marker.args[2], num_experts=marker.args[1])
     return None
 

@@ -21,6 +21,11 @@ class LoweringError(RuntimeError):
     """Raised when a region cannot be rewritten; the pipeline then keeps the original graph."""
 
 
+class InvalidSetup(ValueError):
+    """The user's setup cannot run correctly (e.g. FSDP sharding expert shards across ranks that hold
+    different experts): raised to the user, never turned into an unrewritten graph."""
+
+
 class GraphBuilder:
     """Creates nodes after a cursor, giving each a fake ``example_value`` computed under ``mode``
     (the fake mode of the graph's own values) and the stack/module metadata of ``meta_from``."""

@@ -33,6 +33,7 @@ change). Dynamically created classes: ``copy.deepcopy`` works, pickling the whol
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 import torch.nn as nn
@@ -42,11 +43,12 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from moe_compile.kernels import ep as _ep_ops  # noqa: F401  (registers torch.ops.moe_compile.ep_*)
 
-__all__ = ["EPInfo", "ExpertParallel", "StackedExperts", "ep_info", "ep_infos", "parallelize_experts",
-           "stack_experts"]
+__all__ = ["EPInfo", "ExpertParallel", "StackedExperts", "check_fsdp_composition", "clip_grad_norm_", "ep_info", "ep_infos",
+           "fully_shard_experts", "parallelize_experts", "stack_experts"]
 
 LOCAL_PREFIX = "_ep_local_"
 _MESHES: dict[str, DeviceMesh] = {}        # group_name -> the mesh it came from (for state_dict)
+_ROOTS: dict[str, "weakref.WeakSet"] = {}  # group_name -> models given to parallelize_experts with it
 _EP_CLASSES: dict[tuple, type] = {}
 
 
@@ -234,9 +236,122 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         raise ValueError(f"parallelize_experts: {type(model).__name__} has no expert container (a module whose "
                          f"3-D parameters are stacked per expert, [E, ...])")
     _MESHES[mesh.get_group().group_name] = mesh
+    _ROOTS.setdefault(mesh.get_group().group_name, weakref.WeakSet()).add(model)
     for path, module, num_experts, names in found:
         _shard(path, module, num_experts, names, mesh)
     return model
+
+
+def fully_shard_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> list[nn.Module]:
+    """Compose expert parallelism with FSDP2: ``fully_shard`` every expert container of ``model``
+    (after ``parallelize_experts``) over ``mesh``, the ranks that hold the SAME experts (the data-
+    parallel dimension orthogonal to "ep": torchtitan's dp_mod_ep; size 1 when ep spans every rank).
+    Call it before ``fully_shard`` on the blocks and the root, which then leave the experts alone::
+
+        mesh = init_device_mesh("cuda", (dp, ep), mesh_dim_names=("dp", "ep"))
+        moe_compile.parallelize_experts(model, mesh["ep"])
+        moe_compile.fully_shard_experts(model, mesh["dp"])
+        for block in model.layers:
+            fully_shard(block, mesh=mesh._flatten())   # dense parameters over every rank
+        fully_shard(model, mesh=mesh._flatten())
+
+    Each rank's expert gradient already sums the tokens of every ep rank (the dispatch's backward),
+    so the gradient divide factor is the number of ranks whose tokens reach an expert, ep * dp:
+    expert and dense gradients are then both means over the global batch. A root ``fully_shard``
+    without this call would shard each rank's (different) experts across the ep ranks and mix them;
+    the backend refuses to compile that (``check_fsdp_composition``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    done = []
+    for _, module, _, _ in _ep_containers(model):
+        fully_shard(module, mesh=mesh, **fsdp_kwargs)
+        module.set_gradient_divide_factor(float(module._moe_ep_info.ep * mesh.size()))
+        done.append(module)
+    if not done:
+        raise ValueError("fully_shard_experts: no expert container sharded by parallelize_experts in "
+                         f"{type(model).__name__}; call parallelize_experts(model, ep_mesh) first")
+    return done
+
+
+def _ep_containers(model: nn.Module):
+    for path, module in model.named_modules():
+        info = getattr(module, "_moe_ep_info", None)
+        if isinstance(info, EPInfo):
+            yield path, module, info, info.names
+
+
+def check_fsdp_composition(group_name: str) -> None:
+    """Raise if an FSDP2 unit shards experts sharded over ``group_name`` across ranks that hold other
+    experts (e.g. a root ``fully_shard`` over every rank without ``fully_shard_experts``): its
+    all-gather would mix the experts of different ranks. Reads FSDP2's private state of the models
+    given to ``parallelize_experts``; skipped where that state has another layout (torch versions)."""
+    import torch.distributed as dist
+
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    ep_ranks = set(dist.get_process_group_ranks(group))
+    for root in list(_ROOTS.get(group_name, ())):
+        for module in root.modules():
+            get_state = getattr(module, "_get_fsdp_state", None)
+            group_state = getattr(get_state(), "_fsdp_param_group", None) if get_state else None
+            for fsdp_param in getattr(group_state, "fsdp_params", ()):
+                owner = getattr(getattr(fsdp_param, "_module_info", None), "module", None)
+                info = getattr(owner, "_moe_ep_info", None)
+                if not isinstance(info, EPInfo) or info.group_name != group_name:
+                    continue
+                try:
+                    ranks = set(fsdp_param.mesh_info.mesh.mesh.flatten().tolist())
+                except AttributeError:  # another torch layout: no check
+                    continue
+                if len(ranks & ep_ranks) > 1:
+                    raise ValueError(
+                        f"parallelize_experts: the experts of '{info.path or type(owner).__name__}' (sharded over "
+                        f"the expert-parallel ranks {sorted(ep_ranks)}) are also sharded by FSDP over ranks "
+                        f"{sorted(ranks)}, which hold different experts: its all-gather would mix them. Call "
+                        "moe_compile.fully_shard_experts(model, mesh['dp']) before fully_shard on the blocks and "
+                        "the root, so that each expert container is sharded only over ranks holding the same experts")
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for a model with experts sharded by ``parallelize_experts``
+    (and FSDP2): the gradients of one mesh cannot be stacked with another's, and each rank's expert
+    shards hold different experts. The total norm combines, per mesh, the norm of the dense
+    gradients and of the expert shards (summed over the expert-parallel ranks); every gradient is
+    then scaled by one coefficient. Returns the total norm (a plain tensor, on the device; no host
+    sync)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    groups: dict = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        info = getattr(_owner(model, name), "_moe_ep_info", None)
+        key = (getattr(p.grad, "device_mesh", None), info.group_name if isinstance(info, EPInfo) else None)
+        groups.setdefault(key, []).append(p)
+    if not groups:
+        return torch.zeros(())
+    parts = []
+    for (mesh, ep_group), params in groups.items():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        if ep_group is not None:  # each ep rank holds other experts: combine their norms
+            group = dist.distributed_c10d._resolve_process_group(ep_group)
+            if norm_type == float("inf"):
+                dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+            else:
+                norm = norm ** norm_type
+                dist.all_reduce(norm, group=group)
+                norm = norm ** (1.0 / norm_type)
+        parts.append(norm)
+    total = torch.nn.utils.get_total_norm(parts, norm_type)
+    for params in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def _owner(model: nn.Module, name: str) -> nn.Module:
+    path = name.rpartition(".")[0]
+    return model.get_submodule(path) if path else model
 
 
 class ExpertParallel(ParallelStyle):

@@ -205,7 +205,9 @@ def run_dynamo_stage(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.Gra
             if verbose and p.name in ("lower", "swiglu"):
                 graphs.append((f"after {p.name}", s.gm.print_readable(print_output=False)))
     except Exception as exc:
-        if config.strict:
+        from moe_compile.lowering.graph_edit import InvalidSetup
+
+        if config.strict or isinstance(exc, InvalidSetup):
             raise
         log.warning("moe_compile: lowering failed (%s: %s); the graph is compiled unchanged", type(exc).__name__, exc)
         from moe_compile.passes import reasons

@@ -184,6 +184,6 @@ def elementwise(f, g, n, op, rows_in):
         f.step(g, n)
         return DONE
     if op == "getitem" and r0 and r0.kind == "rows" and isinstance(n.args[1], tuple) and len(n.args[1]) == 2 \
-            and n.args[1][0] is Ellipsis and isinstance(n.args[1][1], slice):
+            and (n.args[1][0] is Ellipsis or n.args[1][0] == slice(None)) and isinstance(n.args[1][1], slice):
         f.step(g, n)
         return DONE

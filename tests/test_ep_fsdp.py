@@ -1,0 +1,148 @@
+"""Expert parallelism composed with FSDP2 (gloo, 2 ranks): training steps match the unsharded model.
+
+Layout (torchtitan's): experts sharded over "ep" by parallelize_experts, each expert container
+fully_shard-ed over the ranks that hold the same experts (fully_shard_experts, mesh "dp"), the dense
+parameters fully_shard-ed over every rank. The reference trains the unsharded model on the
+concatenated batch with the mean of the ranks' losses (FSDP's mean-reduced gradients): after two
+AdamW steps with gradient clipping (moe_compile.clip_grad_norm_ across both meshes) every parameter,
+the clipped norm and the outputs agree. A root fully_shard without fully_shard_experts would shard
+each rank's different experts across the ep ranks: compiling it raises instead of mixing them.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dist_utils import run_distributed
+
+# two optimizer steps of sharded vs unsharded fp32 training: FSDP's reduce-scatter and the gathered
+# expert gradients sum in another order (~1e-7), and AdamW's first steps move each weight by ~lr
+# regardless of the gradient's size, so a relative 1e-5 on gradients stays ~1e-6 on weights; 10x margin.
+FSDP_REL = 1e-5
+LR, CLIP, STEPS = 1e-2, 0.5, 2
+
+
+class Experts(nn.Module):
+    """The transformers 5 layout and grouped_mm form: the container's forward is called (FSDP2
+    unshards a module's parameters in its own forward)."""
+
+    def __init__(self, e, h, i):
+        super().__init__()
+        self.e, self.i = e, i
+        self.gate_up_proj = nn.Parameter(torch.randn(e, h, 2 * i) / math.sqrt(h))
+        self.down_proj = nn.Parameter(torch.randn(e, i, h) / math.sqrt(i))
+
+    def forward(self, x, ids, w):
+        t, k = ids.shape
+        ids_g, perm = torch.sort(ids.reshape(-1))
+        offs = torch.cumsum(torch.histc(ids_g.float(), bins=self.e, min=0, max=self.e - 1), 0, dtype=torch.int32)
+        h = torch.ops.transformers.grouped_mm_fallback(x[perm // k], self.gate_up_proj, offs=offs)
+        h = torch.ops.transformers.grouped_mm_fallback(F.silu(h[:, :self.i]) * h[:, self.i:], self.down_proj,
+                                                       offs=offs)
+        h = h * w.reshape(-1)[perm].unsqueeze(-1)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel())
+        return h[inv].view(t, k, -1).sum(1)
+
+
+class Model(nn.Module):
+    def __init__(self, h=8, i=6, e=4, k=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.k = k
+        self.inp = nn.Linear(h, h)
+        self.router = nn.Linear(h, e, bias=False)
+        self.experts = Experts(e, h, i)
+        self.out = nn.Linear(h, h)
+
+    def forward(self, x):
+        h = self.inp(x)
+        w, ids = self.router(h).softmax(-1).topk(self.k, dim=-1)
+        return self.out(h + self.experts(h, ids, w))
+
+
+def _rel(got, ref):
+    return (got.double() - ref.double()).norm().item() / max(ref.double().norm().item(), 1e-12)
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def body_train(rank, ws):
+    import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import moe_compile
+    from moe_compile import parallel
+
+    mesh = init_device_mesh("cpu", (1, ws), mesh_dim_names=("dp", "ep"))
+    every_rank = init_device_mesh("cpu", (ws,), mesh_dim_names=("all",))
+    full = Model()
+    model = moe_compile.parallelize_experts(copy.deepcopy(full), mesh["ep"])
+    moe_compile.fully_shard_experts(model, mesh["dp"])
+    for module in (model.inp, model.router, model.out):
+        fully_shard(module, mesh=every_rank)
+    fully_shard(model, mesh=every_rank)
+    compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    ref = copy.deepcopy(full)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    for step in range(STEPS):
+        xs = [torch.randn(6, 8, generator=torch.Generator().manual_seed(100 * step + r)) for r in range(ws)]
+        out = compiled(xs[rank])
+        out.square().mean().backward()
+        norm = parallel.clip_grad_norm_(model, CLIP)
+        opt.step()
+        opt.zero_grad()
+
+        ref_out = ref(torch.cat(xs))
+        (sum(o.square().mean() for o in ref_out.split(6)) / ws).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert _rel(out.detach(), ref_out.detach()[rank * 6:(rank + 1) * 6]) <= FSDP_REL, f"step {step}: output"
+        assert _rel(norm, ref_norm) <= FSDP_REL, f"step {step}: clipped norm {norm} vs {ref_norm}"
+
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        value = _full(p.detach())
+        if "_ep_local_" in name:
+            shards = [torch.empty_like(value) for _ in range(ws)]
+            dist.all_gather(shards, value.contiguous())
+            value, name = torch.cat(shards), name.replace("_ep_local_", "")
+        assert _rel(value, ref_params[name].detach()) <= FSDP_REL, f"{name} after {STEPS} steps"
+
+
+def body_root_only(rank, ws, strict):
+    import transformers.integrations.moe  # noqa: F401
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import moe_compile
+
+    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("ep",))
+    model = moe_compile.parallelize_experts(Model(), mesh)
+    fully_shard(model, mesh=mesh)          # the experts' shards too, across ranks with other experts
+    compiled = torch.compile(model, backend="moe", options={"moe.inductor": False, "moe.strict": strict})
+    with pytest.raises(Exception, match="fully_shard_experts" if strict else "sharded"):
+        compiled(torch.randn(6, 8))
+
+
+def test_fsdp2_and_expert_parallel_train_like_unsharded():
+    pytest.importorskip("transformers")
+    run_distributed(body_train, 2)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_root_fully_shard_over_sharded_experts_raises(strict):
+    pytest.importorskip("transformers")
+    run_distributed(body_root_only, 2, strict)
