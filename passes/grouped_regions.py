@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from . import dense_input
 from . import grouped_routing as route
 from . import grouped_rows as rows
 from .grouped_combine import pair_op
@@ -71,7 +72,7 @@ _ROUTING = (
     (("t", "transpose", "permute", "unsqueeze", "getitem", "view", "reshape"), "routing", _R.routing_view),
 )
 ROUTING_RULES: dict[str, tuple] = {}
-for _ops, _kind, _rule in _ROUTING:
+for _ops, _kind, _rule in _ROUTING + dense_input.ROUTING:
     for _op in _ops:
         ROUTING_RULES[_op] = ROUTING_RULES.get(_op, ()) + ((_kind, _rule),)
 
@@ -85,6 +86,8 @@ ROW_RULES: dict[str, tuple] = {
     **{op: (rows.bias_add,) for op in ("add_", "add", "iadd", "add_inplace")},
     "mul": (rows.weights_mul,),
 }
+for _op, _rules in dense_input.ROW_RULES.items():   # dense experts weighted on their input (Llama 4)
+    ROW_RULES[_op] = _rules + ROW_RULES.get(_op, ())
 ROW_TAIL = (rows.cast_after_weights, rows.unsort_rows, rows.dense_sum, rows.elementwise)
 
 
@@ -235,7 +238,9 @@ class Finder:
         if findings:
             return [Candidate(module, form, where, None, tuple(findings), g.e or 0, g.k or 0)]
         nodes = tuple(sorted(g.nodes, key=self.order.__getitem__))
-        router = Router(ids=g.ids, weights=g.weights, top_k=g.k, num_experts=g.e)
+        on_input = g.input_weights is not None
+        router = Router(ids=g.ids, weights=g.input_weights if on_input else g.weights, top_k=g.k, num_experts=g.e,
+                        scale_input=on_input, per_expert=on_input)
         combine = ReplaceOutput(g.output, val(g.output).dtype, tuple(g.aliases),
                                 tuple(sorted(set(g.erase) | {g.output}, key=self.order.__getitem__)))
         region = Region(module, form, where, g.x, router, ExpertMLP(tuple(g.steps[:g.end + 1]), tuple(g.slots)),
@@ -264,5 +269,8 @@ class Finder:
 
 
 def find_grouped_regions(gm: fx.GraphModule) -> list[Candidate]:
-    """Sorted/grouped, batched and dense MoE regions of a Dynamo graph (see the module docstring)."""
-    return Finder(gm).run()
+    """Sorted/grouped, batched and dense MoE regions of a Dynamo graph (see the module docstring), and
+    retrieval experts (rows of an embedding table per routed id: refused, ``retrieval_regions``)."""
+    from .retrieval_regions import find_retrieval_regions
+
+    return Finder(gm).run() + find_retrieval_regions(gm)

@@ -161,7 +161,7 @@ def unsort_rows(f, g, n, op, rows_in):
 def dense_sum(f, g, n, op, rows_in):
     a0, r0 = n.args[0], f.r(n.args[0])
     if g.family == "dense" and r0 and r0.kind == "rows" and arg(n, 1, "dim") in (0, (0,)):
-        if g.weighted_at is None:
+        if g.weighted_at is None and g.input_weights is None:
             return g.note("dense_unrouted")
         g.output, g.end = n, g.step_of[a0]
         f.set(n, "out", g)

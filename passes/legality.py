@@ -15,6 +15,8 @@ code from ``reasons.REASONS``, the filled message and the fix. The rules::
                         (views, routing gathers, masks by the selection, casts): a tensor that only
                         has the same forward value (a straight-through estimator, a custom autograd
                         Function, a detach trick) would train with another gradient
+    input_weights       weights that scale the expert input reach it through views and casts only;
+                        for dense experts, the expert maps the zero rows of unselected pairs to zero
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch.fx as fx
 
 from . import reasons
 from .normalize import canon, val, where_in_user_code
-from .region import AccumulateInPlace, Candidate, Finding, Region
+from .region import AccumulateInPlace, Candidate, Finding, Region, ReplaceOutput
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,7 @@ _TRANSPARENT = {"view", "reshape", "unsqueeze", "squeeze", "flatten", "unflatten
 
 def weights_path(region: Region) -> Finding | None:
     w = region.router.weights
-    if w is None:
+    if w is None or region.router.scale_input:   # weights on the input: ``input_weights`` checks them
         return None
     c = region.combine
     sinks = set(c.mutations) if isinstance(c, AccumulateInPlace) else {c.output}
@@ -198,4 +200,48 @@ def _order(graph: fx.Graph) -> dict:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
-RULES = (expert_operands, input_2d, accumulator, expert_parallel, weights_path)
+# ops that map a zero row to a zero row (and a zero intermediate to zero gradients of the weights
+# after it): what a dense expert may contain when its input, not its output, is weighted
+_ZERO_TO_ZERO = {"bmm", "matmul", "mm", "linear", "silu", "gelu", "relu", "tanh", "neg", "mul", "chunk", "split",
+                 "getitem", "view", "reshape", "sum", "to", "float", "bfloat16", "half", "contiguous", "relu6",
+                 "leaky_relu", "elu", "selu", "mish", "hardswish", "abs", "square", "type", "_grouped_mm",
+                 "grouped_mm", "transformers::grouped_mm_fallback", "squeeze", "unsqueeze"}
+
+
+def input_weights(region: Region) -> Finding | None:
+    """Weights on the expert input (``Router.scale_input``, Llama 4): the weights reach the input rows
+    only through views and casts, and when every token runs through every expert (dense) the expert
+    maps the zero rows of unselected pairs to zero (no bias, no op with f(0) != 0), so leaving those
+    pairs out changes no value and no gradient."""
+    router = region.router
+    if not router.scale_input:
+        return None
+    c = region.combine
+    sinks = set(c.mutations) if isinstance(c, AccumulateInPlace) else {c.output}
+    rows = _descendants(region.x)   # the input rows and everything computed from them
+    for n in sorted(_descendants(router.weights) & _ancestors(sinks), key=_order(region.x.graph).__getitem__):
+        if n is router.weights or n in sinks or any(i in rows for i in n.all_input_nodes):
+            continue  # where the weights meet the input rows, or after it
+        if canon(n) not in _TRANSPARENT:
+            return Finding.of("weights_not_transparent", n, op=canon(n) or n.op, node=n.name)
+    if not region.form.startswith("dense") or not isinstance(c, ReplaceOutput):
+        return None
+    desc_w = _descendants(router.weights)
+    meet = [n for n in desc_w - {router.weights} if any(i in rows and i not in desc_w for i in n.all_input_nodes)]
+    fn_nodes = set().union(*(_descendants(m) for m in meet)) & _ancestors([c.output])
+    for n in sorted(fn_nodes, key=_order(region.x.graph).__getitem__):
+        op = canon(n)
+        if op in _ZERO_TO_ZERO and not _has_bias(n):
+            continue
+        if op in ("add", "sub", "iadd") and all(a in fn_nodes for a in n.all_input_nodes) \
+                and not any(isinstance(a, (int, float)) and a != 0 for a in n.args):
+            continue  # zero + zero
+        return Finding.of("dense_input_nonzero", n, op=op or n.op, node=n.name)
+    return None
+
+
+def _has_bias(n: fx.Node) -> bool:
+    return canon(n) == "linear" and (n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")) is not None
+
+
+RULES = (expert_operands, input_2d, accumulator, expert_parallel, weights_path, input_weights)

@@ -122,6 +122,16 @@ REASONS: dict[str, Reason] = {
     "overwrite_then_add": Reason(
         "`{acc}` is both overwritten (`out[idx] = expert(...)`) and added to at {at}: which expert's rows survive "
         "depends on the order", "write every expert's rows the same way: `out[idx] = ...` (top-1) or `out[idx] += ...`"),
+    "dense_input_nonzero": Reason(
+        "the dense experts' input is scaled by the routing weights, and `{node}` ({op}) at {at} can make an "
+        "unselected pair's zero row nonzero (a bias, a constant, an activation with f(0) != 0): leaving those "
+        "pairs out would change the output", "multiply the routing weights into the expert output instead, or use "
+        "experts without biases and with activations that map 0 to 0 (silu, gelu, relu)"),
+    "retrieval_experts": Reason(
+        "the experts are rows `{node}` of an embedding table gathered per token by routed ids (product-key / "
+        "retrieval experts such as Doge's CDMoE): each expert is one vector, and the layer already runs as one "
+        "gathered batched product with static shapes and no host sync; there is nothing to group",
+        "nothing to fix: compiled as written (Inductor fuses the gathers and the products)"),
     # ---- the backend itself
     "matcher_error": Reason("{finder}: matcher error {error}",
                             "a bug in moe_compile: please report it with moe_compile.explain's output"),

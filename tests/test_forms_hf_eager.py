@@ -40,6 +40,9 @@ SPECIAL = {
                  ffn_config=dict(ffn_hidden_size=16, moe_num_experts=4, moe_top_k=2)),
     "longcat_flash": dict(num_layers=1, zero_expert_num=2, ffn_hidden_size=64, head_dim=8),
     "jetmoe": dict(kv_channels=8, num_key_value_heads=2, intermediate_size=16),
+    "doge": dict(is_moe=True, num_experts=16, num_experts_per_tok=2),
+    "llama4": dict(intermediate_size=16, intermediate_size_mlp=64, interleave_moe_layer_step=1,
+                   attention_chunk_size=64),
 }
 # architectures whose experts are @use_experts_implementation (transformers 5.23) and whose tiny config
 # above builds MoE layers; an architecture missing from the installed transformers is skipped

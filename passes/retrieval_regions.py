@@ -1,0 +1,67 @@
+"""find_retrieval_regions: experts that are rows of an embedding table gathered by routed ids (finds; never mutates).
+
+Before (transformers' DogeCDMoE, product-key retrieval experts)::
+
+    (sx, sy), (ix, iy) = router(x).view(2, T, -1).topk(n_keys)           # two halves of the keys
+    ids = (ix[..., None] * n_keys + iy[..., None, :]).view(T, -1).gather(-1, topk(scores, K)[1])
+    down, up = embedding(ids, W_down [E, H]), embedding(ids, W_up [E, H])  # one vector per expert
+    h = act(matmul(down, x[:, :, None])) * w;  out = matmul(h[:, None], up)
+
+Each expert is a single vector: the layer is already one gathered batched product with static shapes
+and no host sync, and a grouped GEMM of width 1 per expert would only be slower. It is not rewritten,
+and not silently: every such layer becomes a refused candidate with reason ``retrieval_experts``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .normalize import _clean_module_path, canon, shape, val, where_in_user_code
+from .region import Candidate, Finding
+
+_INT_VIEWS = {"getitem", "gather", "view", "reshape", "add", "mul", "unsqueeze", "flatten", "to", "long", "int",
+              "contiguous", "clone"}
+
+
+def _from_topk(ids: fx.Node, limit: int = 32) -> bool:
+    """ids is computed from topk/argmax indices through integer index arithmetic."""
+    seen, stack = set(), [ids]
+    while stack and len(seen) < limit:
+        n = stack.pop()
+        if n in seen or not isinstance(n, fx.Node):
+            continue
+        seen.add(n)
+        op = canon(n)
+        if op in ("topk", "argmax", "max"):
+            return True
+        v = val(n)
+        if op in _INT_VIEWS and not (isinstance(v, torch.Tensor) and v.is_floating_point()):
+            stack.extend(n.all_input_nodes)
+    return False
+
+
+def _parent_module(n: fx.Node) -> str:
+    """The module that owns the embedding table (the MoE layer), not the nn.Embedding itself."""
+    stack = list((n.meta.get("nn_module_stack") or {}).values())
+    return _clean_module_path(stack[-2][0]) if len(stack) >= 2 else ""
+
+
+def find_retrieval_regions(gm: fx.GraphModule) -> list[Candidate]:
+    found: dict[str, Candidate] = {}
+    for n in gm.graph.nodes:
+        if canon(n) != "embedding" or len(n.args) < 2:
+            continue
+        ids, table = n.args[0], n.args[1]
+        if not isinstance(ids, fx.Node) or not isinstance(table, fx.Node) or not _from_topk(ids):
+            continue
+        if not any(canon(u) in ("matmul", "bmm", "mul", "einsum") for u in n.users):
+            continue
+        module = _parent_module(n)
+        if module in found:
+            continue
+        s, ts = shape(ids), shape(table)
+        where = where_in_user_code(n)
+        finding = Finding.of("retrieval_experts", n, node=n.name)
+        found[module] = Candidate(module, "retrieval/embedding", where, None, (finding,),
+                                  ts[0] if ts else 0, s[-1] if s else 0)
+    return list(found.values())
