@@ -35,8 +35,6 @@ import zoo_models  # noqa: E402  (needs transformers)
 # measured worst over the whole zoo 2e-6 relative (Frobenius; gemma4's per_layer_projection_norm
 # gradient), 50x margin; the same tolerance as tests/test_hf_models.py.
 ZOO_REL = 10 * FP32_REL
-# RegionRecord.status of a refused region: "rejected" (the restructuring of moe_compile renames it "refused")
-REFUSED_STATUS = ("rejected", "refused")
 SEED = 1234            # reseeded before the eager and the compiled run: both draw the same numbers
 BATCH, SEQ = 2, 8
 
@@ -47,12 +45,13 @@ class Expect:
     """Today's outcome for every MoE layer of one architecture.
 
     rewritten:    every MoE layer has a "rewritten" record.
-    refused:      every MoE layer has a refused ("rejected") record whose reason contains ``detail``.
+    refused:      every MoE layer has a "refused" record whose reason contains ``detail``.
     not_captured: no MoE layer reaches a graph (no record); explain() reports a graph break in MoE
                   code whose reason or code contains ``detail``.
     silent:       KNOWN DEFECT: the layer reaches a graph the backend compiles, yet there is no record
                   and no graph break: the user is told nothing. The test checks logits and gradients,
                   that it is still silent, then reports XFAIL.
+    per_layer:    ``parts`` gives one of the above per MoE layer (by layer path suffix).
     ``stock``:    reason why the compiled backward fails with backend="aot_eager" too (stock
                   torch.compile); then the backward must fail under both backends, and the test
                   reports XFAIL after checking the forward and the outcome.
@@ -60,6 +59,14 @@ class Expect:
     outcome: str
     detail: str = ""
     stock: str = ""
+    parts: tuple[tuple[str, "Expect"], ...] = ()   # per_layer(): (layer path suffix, Expect)
+
+    def for_layer(self, layer: str) -> "Expect":
+        if not self.parts:
+            return self
+        hits = [e for suffix, e in self.parts if layer == suffix or layer.endswith("." + suffix)]
+        assert len(hits) == 1, f"{layer}: {len(hits)} entries of {self.parts} name this layer"
+        return hits[0]
 
 
 REWRITTEN = Expect("rewritten")
@@ -81,9 +88,13 @@ def stock_fails(expect: Expect, why: str) -> Expect:
     return dataclasses.replace(expect, stock=why)
 
 
+def per_layer(parts: dict[str, Expect]) -> Expect:
+    """Different outcomes for different MoE layers of one model, by layer path suffix."""
+    return Expect("per_layer", parts=tuple(parts.items()))
+
+
 # Today's outcome per architecture (transformers 5.23.0, torch 2.13) with each model's default experts
 # implementation, for every MoE layer of the model. When an outcome changes, update this table.
-_LOOP_HIT = "for expert_idx in expert_hit"   # transformers' eager experts loop (data-dependent list)
 _STOCK_VIEW = ("AOTAutograd's compiled backward raises 'view size is not compatible with input tensor's "
                "size and stride': the same with backend='aot_eager'; the eager backward works")
 EXPECTED: dict[str, Expect] = {
@@ -141,15 +152,16 @@ EXPECTED: dict[str, Expect] = {
     "zaya": REWRITTEN,                     # top-1 (its config allows no other)
     "dots3_note": REWRITTEN,
     "minimax_m3_vl": REWRITTEN,
-    # models whose experts cannot use transformers' experts implementations
-    # (_can_set_experts_implementation() is False)
-    "dbrx": not_captured(_LOOP_HIT),       # DbrxExperts: eager loop over expert_hit, Dynamo skips the frame
-    "longcat_flash": not_captured("for expert_idx_tensor in expert_hit"),  # same loop, plus identity experts
-    "jetmoe": not_captured("tolist"),      # ParallelExperts: expert_size.tolist() + split, MLP and attention
-    "llama4": silent("Llama4TextMoe: every token through every expert (bmm over [E, T, H], router scores "
-                     "scale the input); reaches the graph, no record, no graph break"),
-    "doge": stock_fails(silent("DogeCDMoE: product-key retrieval experts (two nn.Embedding rows per expert, "
-                               "matmul); reaches the graph, no record, no graph break"), _STOCK_VIEW),
+    # experts that cannot use transformers' experts implementations (_can_set_experts_implementation()
+    # is False): their eager loops reach the backend through moe_compile's scoped substitution
+    "dbrx": REWRITTEN,                     # DbrxExperts: for expert_idx in expert_hit
+    "longcat_flash": REWRITTEN,            # the same loop, plus identity (zero-compute) experts
+    "jetmoe": per_layer({                  # ParallelExperts: expert_size.tolist() + split
+        "mlp": REWRITTEN,                  # JetMoeMoE
+        "self_attention.experts": refused("unsupported op `index_add` on the expert rows"),  # JetMoeMoA
+    }),
+    "llama4": REWRITTEN,                   # every token through every expert, router scores scale the INPUT
+    "doge": stock_fails(refused("product-key / retrieval experts"), _STOCK_VIEW),  # DogeCDMoE: nn.Embedding rows
     # plain PyTorch forms (tests/zoo_models.py)
     "plain_mixtral": REWRITTEN,            # ModuleList SwiGLU, where + setitem loop
     "plain_stacked": REWRITTEN,            # 3-D weights indexed per expert, index_add_ loop
@@ -279,36 +291,37 @@ def check_numerics(run: Run, arch: str) -> None:
 
 
 def _status(recs) -> str:
-    kinds = {"rejected" if r.status in REFUSED_STATUS else r.status for r in recs}
+    kinds = {r.status for r in recs}
     return "none" if not kinds else kinds.pop() if len(kinds) == 1 else "mixed"
 
 
 def observed(run: Run) -> dict[str, str]:
-    """Per MoE layer: "rewritten", "rejected", "mixed" or "none" (no record)."""
+    """Per MoE layer: "rewritten", "refused", "mixed" or "none" (no record)."""
     return {lay: _status(recs) for lay, recs in run.per_layer.items()}
 
 
 def check_outcome(run: Run, arch: str, expect: Expect, breaks=None) -> None:
     """``breaks``: explain()'s graph breaks, needed when some layer has no record."""
-    seen = observed(run)
     assert not run.stray, f"{arch}: records that belong to no MoE layer: {run.stray}"
     for lay, recs in run.per_layer.items():
         for r in recs:
-            assert r.status == "rewritten" or (r.status in REFUSED_STATUS and r.reason.strip()), \
-                f"{arch}: {lay}: a record is neither rewritten nor rejected with a reason: {r}"
-    want = {"rewritten": "rewritten", "refused": "rejected"}.get(expect.outcome, "none")
-    changed = {lay: s for lay, s in seen.items() if s != want}
-    assert not changed, (f"{arch}: outcome changed, EXPECTED says {expect.outcome!r} for every MoE layer but "
-                         f"got {changed} (records: {run.per_layer}): update EXPECTED")
-    if expect.outcome == "refused":
-        for lay, recs in run.per_layer.items():
-            assert all(expect.detail in r.reason for r in recs), \
-                f"{arch}: {lay}: refused for another reason than {expect.detail!r}: {[r.reason for r in recs]}"
-    if expect.outcome in ("not_captured", "silent"):
+            assert r.status == "rewritten" or (r.status == "refused" and r.reason.strip()), \
+                f"{arch}: {lay}: a record is neither rewritten nor refused with a reason: {r}"
+    wants = {lay: expect.for_layer(lay) for lay in run.layers}
+    seen = observed(run)
+    changed = {lay: f"{seen[lay]}, EXPECTED {e.outcome}" for lay, e in wants.items()
+               if seen[lay] != (e.outcome if e.outcome in ("rewritten", "refused") else "none")}
+    assert not changed, f"{arch}: outcome changed: {changed} (records: {run.per_layer}): update EXPECTED"
+    for lay, e in wants.items():
+        if e.outcome == "refused":
+            reasons = [r.reason for r in run.per_layer[lay]]
+            assert all(e.detail in r for r in reasons), \
+                f"{arch}: {lay}: refused for another reason than {e.detail!r}: {reasons}"
+    for e in {e for e in wants.values() if e.outcome in ("not_captured", "silent")}:
         assert breaks is not None
-        if expect.outcome == "not_captured":
-            hits = [b for b in breaks if expect.detail in f"{b.reason} {b.code} {b.where}"]
-            assert hits, f"{arch}: explain() reports no graph break mentioning {expect.detail!r}: {breaks}"
+        if e.outcome == "not_captured":
+            hits = [b for b in breaks if e.detail in f"{b.reason} {b.code} {b.where}"]
+            assert hits, f"{arch}: explain() reports no graph break mentioning {e.detail!r}: {breaks}"
         else:
             assert not breaks, f"{arch}: no longer silent, explain() now reports {breaks}: update EXPECTED"
             # silent means the backend saw the layer and said nothing, not that it never ran
@@ -325,6 +338,7 @@ def test_zoo(arch):
         eager, vocab = zoo_models.build(arch)
         breaks = moe_compile.explain(eager, _ids(vocab)).graph_breaks
     check_outcome(run, arch, expect, breaks)
+    silent_ = sorted({e.detail for e in map(expect.for_layer, run.layers) if e.outcome == "silent"})
     if expect.stock:
         assert run.backward_error is not None, \
             f"{arch}: the compiled backward now works (EXPECTED: {expect.stock}): update EXPECTED"
@@ -334,18 +348,19 @@ def test_zoo(arch):
                       for e in (run.backward_error, stock.backward_error)]
         assert first_line[0] == first_line[1], \
             f"{arch}: backend='moe' backward fails ({first_line[0]}), aot_eager's: {first_line[1]}: ours to fix"
-        known = f"; and a known defect, MoE layers silently not rewritten: {expect.detail}" \
-            if expect.outcome == "silent" else ""
+        known = "".join(f"; and a known defect, MoE layers silently not rewritten: {d}" for d in silent_)
         pytest.xfail(f"stock torch.compile fails too: {expect.stock}{known}")
     check_numerics(run, arch)
-    if expect.outcome == "silent":
-        pytest.xfail(f"known defect, MoE layers silently not rewritten: {expect.detail}")
+    if silent_:
+        pytest.xfail(f"known defect, MoE layers silently not rewritten: {'; '.join(silent_)}")
 
 
 def test_table_covers_the_zoo():
     assert set(EXPECTED) == set(zoo_models.ALL_ARCHS), set(EXPECTED) ^ set(zoo_models.ALL_ARCHS)
     assert set(FAST) <= set(EXPECTED)
-    assert all(e.outcome in ("rewritten", "refused", "not_captured", "silent") for e in EXPECTED.values())
+    kinds = ("rewritten", "refused", "not_captured", "silent")
+    assert all(e.outcome in kinds or (e.outcome == "per_layer" and all(p.outcome in kinds for _, p in e.parts))
+               for e in EXPECTED.values())
 
 
 # ------------------------------------------------- the checks themselves fail when they should
@@ -377,10 +392,10 @@ def test_outcome_check_catches_a_change():
     half = {"a.0.experts": [_rec("a.0.experts")], "a.1.experts": []}
     with pytest.raises(AssertionError, match="outcome changed"):      # one layer no longer rewritten
         check_outcome(_fake_run(half), "fake", REWRITTEN)
-    no_reason = {"a.0.experts": [_rec("a.0.experts", "rejected", " ")]}
-    with pytest.raises(AssertionError, match="rejected with a reason"):
+    no_reason = {"a.0.experts": [_rec("a.0.experts", "refused", " ")]}
+    with pytest.raises(AssertionError, match="refused with a reason"):
         check_outcome(_fake_run(no_reason), "fake", refused(""))
-    other = {"a.0.experts": [_rec("a.0.experts", "rejected", "top-k > 1")]}
+    other = {"a.0.experts": [_rec("a.0.experts", "refused", "top-k > 1")]}
     with pytest.raises(AssertionError, match="another reason"):
         check_outcome(_fake_run(other), "fake", refused("overwrites"))
     none = {"a.0.experts": []}
@@ -393,6 +408,16 @@ def test_outcome_check_catches_a_change():
         check_outcome(_fake_run(none), "fake", silent("s"), breaks=(brk,))
     with pytest.raises(AssertionError, match="compiled no graph"):
         check_outcome(_fake_run(none, graphs=0), "fake", silent("s"), breaks=())
+
+
+def test_per_layer_expectations():
+    layers = {"l.0.mlp": [_rec("l.0.mlp")], "l.0.attn.experts": [_rec("l.0.attn", "refused", "index_add")]}
+    mixed = per_layer({"mlp": REWRITTEN, "attn.experts": refused("index_add")})
+    check_outcome(_fake_run(layers), "fake", mixed)
+    with pytest.raises(AssertionError, match="outcome changed"):
+        check_outcome(_fake_run(layers), "fake", per_layer({"mlp": REWRITTEN, "attn.experts": REWRITTEN}))
+    with pytest.raises(AssertionError, match="name this layer"):
+        check_outcome(_fake_run(layers), "fake", per_layer({"mlp": REWRITTEN}))
 
 
 def test_records_are_assigned_to_layers():
