@@ -103,7 +103,7 @@ def padded_layout(plan: torch.Tensor, n: int) -> PaddedLayout:
                         recv_ok.reshape(-1), src, rows < total)
 
 
-def _rows_where(ok: torch.Tensor, t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def rows_where(ok: torch.Tensor, t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """t[idx] where ok, else 0 (a select, not a multiply: inf/nan in unused rows stay out)."""
     return torch.where(ok.unsqueeze(-1), t.index_select(0, idx), t.new_zeros(()))
 
@@ -162,16 +162,16 @@ class PaddedAllToAll(Transport):
         if n == 0:
             return xp.new_zeros(0, xp.shape[1])
         lay = padded_layout(plan, n)
-        received = self._exchange(_rows_where(lay.pack_ok, xp.contiguous(), lay.pack_src))
-        return _rows_where(lay.out_ok, received, lay.src)
+        received = self._exchange(rows_where(lay.pack_ok, xp.contiguous(), lay.pack_src))
+        return rows_where(lay.out_ok, received, lay.src)
 
     def combine(self, y, plan):
         n = y.shape[0] // self.ep
         if n == 0:
             return y.new_zeros(0, y.shape[1])
         lay = padded_layout(plan, n)
-        returned = self._exchange(_rows_where(lay.recv_ok, y.contiguous(), lay.dest))
-        return _rows_where(lay.unpack_ok, returned, lay.unpack_src)
+        returned = self._exchange(rows_where(lay.recv_ok, y.contiguous(), lay.dest))
+        return rows_where(lay.unpack_ok, returned, lay.unpack_src)
 
 
 class SymmetricMemoryPeerCopy(Transport):

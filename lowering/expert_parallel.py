@@ -6,11 +6,15 @@ this module at three points, so the chain it emits becomes::
 
     perm, inv, offs = route_permute(ids, E)                   (global expert ids)
     xp = permute_rows(x, perm, inv, offs, K)
-    plan, recv_offs = ep_plan(offs, E, group)                 <- dispatch()
-    xr = ep_dispatch(xp, plan, group)                            rows of my local experts, [ep*N, H]
+    plan, recv_offs = ep_traceable.plan(offs, E, group, N)    <- dispatch()
+    xr = ep_traceable.dispatch(xp, plan, group)                  rows of my local experts, [ep*N, H]
     h = <expert function>, each linear -> grouped_mm(h, <view of local>, recv_offs)   <- local_operand()
-    y = ep_combine(h, plan, group)                            <- combine(): back in xp's order, [N, H]
+    y = ep_traceable.combine(h, plan, group)                  <- combine(): back in xp's order, [N, H]
     out = unpermute_combine(y, inv, w, offs)
+
+The movement is the PaddedAllToAll transport written with functional collectives (traced by
+AOTAutograd into all_to_all_single + wait_tensor nodes, differentiated by it); the opaque
+``moe_compile.ep_*`` ops of kernels/ep.py do the same movement outside a compiled graph.
 
 ``passes/legality.expert_parallel`` has checked that every expert weight and bias of the region is
 such a marker, over one group, for the router's E.
@@ -23,11 +27,12 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from moe_compile.kernels import ep_traceable
+from moe_compile.passes.normalize import val
 from moe_compile.passes.region import Region, ep_marker, is_ep_marker
 
 from .graph_edit import InvalidSetup
 
-OPS = torch.ops.moe_compile
 
 
 @dataclass(frozen=True)
@@ -53,29 +58,50 @@ def layout(region: Region) -> EPLayout | None:
     return None
 
 
+@dataclass(frozen=True)
+class InFlight:
+    """One direction of an exchange started but not received: the all-to-all result and the layout."""
+    sent: fx.Node
+    layout: fx.Node
+
+
 def dispatch(b, xp: fx.Node, offs: fx.Node, ep: EPLayout):
-    """(rows of this rank's local experts, their group offsets, the plan for ``combine``)."""
-    planned = b.fn(OPS.ep_plan.default, offs, ep.num_experts, ep.group_name)
+    """Start sending rows to the ranks that own their experts: (InFlight, group offsets of the rows
+    this rank will receive, the plan). ``receive`` finishes it. Emitted as traceable code
+    (``kernels/ep_traceable.py``): the compiler sees the all-to-alls and the post_grad stage's
+    ``ep_overlap`` pass schedules them."""
+    n = val(xp).shape[0]
+    planned = b.fn(ep_traceable.plan, offs, ep.num_experts, ep.group_name, n)
     plan, recv_offs = (b.fn(operator.getitem, planned, i) for i in range(2))
-    return b.fn(OPS.ep_dispatch.default, xp, plan, ep.group_name), recv_offs, plan
+    lay = b.fn(ep_traceable.layout, plan, n)
+    return InFlight(b.fn(ep_traceable.send_rows, xp, lay, ep.group_name), lay), recv_offs, plan
 
 
-def describe(ep: EPLayout, received) -> str:
-    """What explain() says about the region's expert parallelism (``received``: ep_dispatch's output)."""
+def receive(b, flight: InFlight) -> fx.Node:
+    """The rows of this rank's experts, expert-major [ep*N, H]."""
+    return b.fn(ep_traceable.receive_rows, flight.sent, flight.layout)
+
+
+def send_back(b, h: fx.Node, flight: InFlight, ep: EPLayout) -> InFlight:
+    return InFlight(b.fn(ep_traceable.send_back, h, flight.layout, ep.group_name), flight.layout)
+
+
+def receive_back(b, flight: InFlight) -> fx.Node:
+    """The expert outputs back in this rank's row order [N, H2]."""
+    return b.fn(ep_traceable.receive_back, flight.sent, flight.layout)
+
+
+def describe(ep: EPLayout, received, chunks: int) -> str:
+    """What explain() says about the region's expert parallelism (``received``: the receive buffer)."""
     import torch.distributed as dist
 
-    from moe_compile.kernels.ep_transport import resolve_group, select_transport
+    from moe_compile.kernels.ep_transport import resolve_group
 
-    group = resolve_group(ep.group_name)
-    size = dist.get_world_size(group)
-    transport = type(select_transport(group, received.device)).__name__
+    size = dist.get_world_size(resolve_group(ep.group_name))
     return (f"expert parallel: ep={size} ranks, {ep.num_experts // size} of {ep.num_experts} experts per rank, "
-            f"transport {transport}, receive capacity {received.shape[0]} rows (every rank's rows: dropless), "
-            "overlap off")
-
-
-def combine(b, h: fx.Node, plan: fx.Node, ep: EPLayout) -> fx.Node:
-    return b.fn(OPS.ep_combine.default, h, plan, ep.group_name)
+            f"transport padded all-to-all (functional collectives, sync-free), receive capacity "
+            f"{received.shape[0]} rows per chunk (every rank's rows: dropless), overlap: all-to-alls issued "
+            f"early and waited late (ep_overlap), {chunks} token chunk(s)")
 
 
 def local_operand(b, node: fx.Node) -> fx.Node:

@@ -122,25 +122,107 @@ def _anchor(g: fx.Graph, region: Region) -> fx.Node:
     return max(c.mutations, key=list(g.nodes).index)
 
 
-def lower_region(gm: fx.GraphModule, region: Region) -> tuple[str, ...]:
-    """Rewrite ``region`` in ``gm`` (in place), then lint and recompile; returns notes on how."""
+def lower_region(gm: fx.GraphModule, region: Region, ep_chunks: int = 1) -> tuple[str, ...]:
+    """Rewrite ``region`` in ``gm`` (in place), then lint and recompile; returns notes on how.
+    ``ep_chunks``: an expert-parallel region's tokens are split into this many chunks, whose
+    all-to-alls the post_grad ``ep_overlap`` pass overlaps with the other chunks' expert GEMMs."""
     g = gm.graph
     anchor = _anchor(g, region)
     b = GraphBuilder(g, anchor, GraphBuilder.fake_mode_of(region.x, "lower_region"), anchor)
-    router, steps = region.router, region.experts.steps
-    e, k = router.num_experts, router.top_k
-
-    routed = b.fn(OPS.route_permute.default, router.ids, e)
-    perm, inv, offs = (b.fn(operator.getitem, routed, i) for i in range(3))
-    env = {"in": region_forms.scale_rows(b, router, b.fn(OPS.permute_rows.default, region.x, perm, inv, offs, k),
-                                         perm)}
     ep = expert_parallel.layout(region)
-    gemm_offs = offs
-    if ep is not None:  # rows travel to the ranks that own their experts
-        env["in"], gemm_offs, plan = expert_parallel.dispatch(b, env["in"], offs, ep)
-        notes = (expert_parallel.describe(ep, val(env["in"])),)
+    chunks = _chunks(region, ep, ep_chunks)
+    if chunks:
+        h, out, received = _lower_chunked(b, region, ep, chunks)
     else:
-        notes = ()
+        h, out, received = _lower_whole(b, region, ep)
+    notes = (expert_parallel.describe(ep, received, len(chunks) or 1),) if ep is not None else ()
+    c = region.combine
+    if val(h).dtype != c.dtype:
+        out = b.method("to", out, c.dtype)
+    if isinstance(c, AccumulateInPlace) and c.base is not None:
+        out = region_forms.keep_unrouted(b, region.router, c.base, out) if c.overwrite else \
+            b.fn(operator.add, c.base, out)
+
+    if isinstance(c, ReplaceOutput):
+        _rewire_output(g, region, c, out)
+    else:
+        _rewire_accumulator(g, c, out)
+    finish(gm)
+    return notes
+
+
+def _lower_whole(b: GraphBuilder, region: Region, ep):
+    """route_permute -> permute_rows -> [dispatch] -> expert function -> [combine] -> unpermute_combine
+    over every token: (last expert output, combined output, what dispatch received or None)."""
+    router = region.router
+    routed = b.fn(OPS.route_permute.default, router.ids, router.num_experts)
+    perm, inv, offs = (b.fn(operator.getitem, routed, i) for i in range(3))
+    rows = region_forms.scale_rows(b, router, b.fn(OPS.permute_rows.default, region.x, perm, inv, offs,
+                                                   router.top_k), perm)
+    gemm_offs, received = offs, None
+    if ep is not None:  # rows travel to the ranks that own their experts
+        flight, gemm_offs, _ = expert_parallel.dispatch(b, rows, offs, ep)
+        rows = expert_parallel.receive(b, flight)
+        received = val(rows)
+    h = _emit_experts(b, region, rows, gemm_offs, ep)
+    y = expert_parallel.receive_back(b, expert_parallel.send_back(b, h, flight, ep)) if ep is not None else h
+    return h, b.fn(OPS.unpermute_combine.default, y, inv, _pair_weights(b, router), offs), received
+
+
+def _chunks(region: Region, ep, ep_chunks: int) -> list[int]:
+    """Token counts of the chunks of an expert-parallel region ([] for one chain). Regions whose
+    weights or base are token-indexed by the variants of region_forms stay whole."""
+    r, c = region.router, region.combine
+    if ep is None or ep_chunks < 2 or r.scale_input or r.per_expert or getattr(c, "overwrite", False):
+        return []
+    t = val(region.x).shape[0]
+    sizes = [t // ep_chunks + (i < t % ep_chunks) for i in range(ep_chunks)]
+    return [n for n in sizes if n] if len([n for n in sizes if n]) > 1 else []
+
+
+def _lower_chunked(b: GraphBuilder, region: Region, ep, sizes: list[int]):
+    """The whole chain per chunk of tokens, in three phases so that each all-to-all has another
+    chunk's expert GEMMs to hide under (lowering/overlap.py then issues it early, waits late)::
+
+        for each chunk: route_permute, permute_rows, plan, send rows          (all-to-all started)
+        for each chunk: receive rows, expert GEMMs, send results back        (all-to-all started)
+        for each chunk: receive results, unpermute_combine;  cat"""
+    router = region.router
+    t, k = val(region.x).shape[0], router.top_k
+    ids = b.method("reshape", router.ids, t, k)
+    w = b.method("reshape", _pair_weights(b, router), t, k)
+    parts = {name: [b.fn(operator.getitem, split, i) for i in range(len(sizes))]
+             for name, split in (("x", b.fn(torch.split, region.x, sizes)), ("ids", b.fn(torch.split, ids, sizes)),
+                                 ("w", b.fn(torch.split, w, sizes)))}
+    sent = []
+    for x_c, ids_c in zip(parts["x"], parts["ids"]):
+        routed = b.fn(OPS.route_permute.default, ids_c, router.num_experts)
+        perm, inv, offs = (b.fn(operator.getitem, routed, i) for i in range(3))
+        rows = b.fn(OPS.permute_rows.default, x_c, perm, inv, offs, k)
+        flight, gemm_offs, _ = expert_parallel.dispatch(b, rows, offs, ep)
+        sent.append((inv, offs, flight, gemm_offs))
+    back = []
+    for _, _, flight, gemm_offs in sent:
+        rows = expert_parallel.receive(b, flight)
+        h = _emit_experts(b, region, rows, gemm_offs, ep)
+        back.append(expert_parallel.send_back(b, h, flight, ep))
+    outs = [b.fn(OPS.unpermute_combine.default, expert_parallel.receive_back(b, flight), inv, w_c, offs)
+            for flight, (inv, offs, *_), w_c in zip(back, sent, parts["w"])]
+    return h, b.fn(torch.cat, outs), val(rows)
+
+
+def _pair_weights(b: GraphBuilder, router) -> fx.Node:
+    """[T, K] weights for unpermute_combine (weight 1 per routed pair when the experts are unweighted)."""
+    w = region_forms.combine_weights(b, router)
+    if w is None:  # built from ids: no symbolic sizes needed
+        w = b.fn(torch.ones_like, router.ids, dtype=torch.float32)
+    return w if val(w).dim() == 2 else b.method("reshape", w, -1, router.top_k)
+
+
+def _emit_experts(b: GraphBuilder, region: Region, rows: fx.Node, gemm_offs: fx.Node, ep) -> fx.Node:
+    """The expert function over ``rows`` (grouped by ``gemm_offs``); returns its last step's output."""
+    steps = region.experts.steps
+    env = {"in": rows}
     siblings = _sibling_linears(region)
     for i, step in enumerate(steps):
         if i in env:
@@ -152,29 +234,8 @@ def lower_region(gm: fx.GraphModule, region: Region) -> tuple[str, ...]:
         elif step.linear is not None:
             env[i] = _emit_linear(b, region, _decode(step.args[0], env, region), step, gemm_offs, ep)
         else:
-            env[i] = b(step.op, step.target, _decode(step.args, env, region),
-                       dict(_decode(step.kwargs, env, region)))
-    h = env[len(steps) - 1]
-    if ep is not None:  # and come back in the order they left
-        h = expert_parallel.combine(b, h, plan, ep)
-    w = region_forms.combine_weights(b, router)
-    if w is None:  # unweighted experts: weight 1 per routed pair (built from ids: no symbolic sizes needed)
-        w = b.fn(torch.ones_like, router.ids, dtype=torch.float32)
-    if val(w).dim() != 2:
-        w = b.method("reshape", w, -1, k)
-    out = b.fn(OPS.unpermute_combine.default, h, inv, w, offs)
-    c = region.combine
-    if val(h).dtype != c.dtype:
-        out = b.method("to", out, c.dtype)
-    if isinstance(c, AccumulateInPlace) and c.base is not None:
-        out = region_forms.keep_unrouted(b, router, c.base, out) if c.overwrite else b.fn(operator.add, c.base, out)
-
-    if isinstance(c, ReplaceOutput):
-        _rewire_output(g, region, c, out)
-    else:
-        _rewire_accumulator(g, c, out)
-    finish(gm)
-    return notes
+            env[i] = b(step.op, step.target, _decode(step.args, env, region), dict(_decode(step.kwargs, env, region)))
+    return env[len(steps) - 1]
 
 
 def _rewire_accumulator(g: fx.Graph, c: AccumulateInPlace, out: fx.Node) -> None:

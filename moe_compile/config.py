@@ -34,6 +34,8 @@ class MoEConfig:
         copy). False is the same as listing "rehome_weights" in ``disable``.
     disable: names of optional passes to skip (``moe_compile.pipeline.OPTIONAL_PASSES``).
     mode: the Inductor mode, for when torch.compile's own ``mode=`` cannot be combined with options.
+    ep_overlap_chunks: an expert-parallel MoE layer's tokens are split into this many chunks, so each
+        chunk's all-to-all runs under another chunk's expert GEMMs (1: one chain, no overlap).
     """
 
     debug: bool = False
@@ -43,12 +45,16 @@ class MoEConfig:
     rehome_weights: bool = True
     disable: tuple[str, ...] = ()
     mode: str = "default"
+    ep_overlap_chunks: int = 2
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.type == "bool" and not isinstance(v, bool):
                 raise ValueError(f"MoEConfig: moe.{f.name} must be a bool, got {v!r}")
+        if not isinstance(self.ep_overlap_chunks, int) or isinstance(self.ep_overlap_chunks, bool) \
+                or self.ep_overlap_chunks < 1:
+            raise ValueError(f"MoEConfig: moe.ep_overlap_chunks must be an int >= 1, got {self.ep_overlap_chunks!r}")
         if self.mode not in _INDUCTOR_MODES:
             raise ValueError(f"MoEConfig: moe.mode={self.mode!r} is not one of {_INDUCTOR_MODES} (default 'default')")
         if isinstance(self.disable, str):

@@ -3,7 +3,7 @@
     stage          graph                                     passes
     dynamo         a copy of Dynamo's torch-level graph      normalize, loop_regions, grouped_regions,
                                                              check, lower, swiglu
-    post_grad      each forward / backward ATen graph after  host_syncs
+    post_grad      each forward / backward ATen graph after  host_syncs, ep_overlap
                    AOTAutograd (Inductor's post-grad hook,
                    or the aot_eager compilers)
     after_compile  the compiled graph's real inputs          rehome_weights
@@ -89,7 +89,7 @@ def _lower(s: DynamoState) -> None:
     from moe_compile.lowering.region import lower_region
 
     for region in s.accepted:
-        s.region_notes[id(region)] = lower_region(s.gm, region)
+        s.region_notes[id(region)] = lower_region(s.gm, region, s.config.ep_overlap_chunks)
 
 
 def _swiglu(s: DynamoState) -> None:
@@ -108,6 +108,12 @@ def _host_syncs(graph: fx.Graph, notes: list) -> None:
     if found:
         notes.append("host syncs left in the compiled graph (CUDA graphs and overlap need none): "
                      + ", ".join(f"{op} x{n}" for op, n in found.items()))
+
+
+def _ep_overlap(graph: fx.Graph, notes: list) -> None:
+    from moe_compile.lowering.overlap import schedule_collectives
+
+    schedule_collectives(graph)
 
 
 def _rehome(state) -> None:
@@ -130,6 +136,9 @@ PASSES: tuple[Pass, ...] = (
          "silu(h[:, :N]) * h[:, N:] on rewritten GEMM outputs -> moe_compile.swiglu (lowering/swiglu.py)"),
     Pass("host_syncs", "post_grad", _host_syncs, True,
          "note host-sync ops left in graphs with moe_compile ops (passes/host_syncs.py)"),
+    Pass("ep_overlap", "post_grad", _ep_overlap, True,
+         "issue each expert-parallel all-to-all early, wait late: another chunk's GEMMs run under it "
+         "(lowering/overlap.py)"),
     Pass("rehome_weights", "after_compile", _rehome, True,
          "move ModuleList expert weights into one buffer per linear (lowering/rehome.py)"),
 )

@@ -155,7 +155,7 @@ def check_compiled(fn, args, *, expect_rewritten: int, expect_refused: int = 0, 
                 assert_close_rel(got_g[k], ref_g[k], grad_rel, f"input set {n}: grad of {k}", zero)
     delta = {k: records.counters[k] - before.get(k, 0) for k in (records.REWRITTEN, records.REFUSED)}
     assert delta["rewritten"] == expect_rewritten, f"expected {expect_rewritten} rewritten region(s), got {delta}"
-    assert delta["refused"] == expect_refused, f"expected {expect_rejected} refused region(s), got {delta}"
+    assert delta["refused"] == expect_refused, f"expected {expect_refused} refused region(s), got {delta}"
     return delta
 
 

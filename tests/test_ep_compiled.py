@@ -148,7 +148,7 @@ def _grad_of(p):
     return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
-def check_case(case, rank, ep, mesh):
+def check_case(case, rank, ep, mesh, chunks=2):
     import moe_compile
     from moe_compile import records
 
@@ -160,7 +160,8 @@ def check_case(case, rank, ep, mesh):
     torch._dynamo.reset()
     before = records.counters["rewritten"]
     with records.recording() as graphs:
-        compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
+        compiled = torch.compile(model, backend="moe",
+                                 options={"moe.inductor": False, "moe.ep_overlap_chunks": chunks})
         inputs = _inputs(case, ep, e, h)
         cot = [torch.linspace(-1, 1, t * h).view(t, h) * (r + 1) for r in range(ep)]
         x = inputs[rank][0].clone().requires_grad_()
@@ -191,13 +192,13 @@ def check_case(case, rank, ep, mesh):
             assert_close(_grad_of(p), _grad_of(own_params[name]), f"{case}: rank {rank} gradient of {name}")
 
 
-def body_cases(rank, ep, cases):
+def body_cases(rank, ep, cases, chunks=2):
     import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
     for case in cases:
-        check_case(case, rank, ep, mesh)
+        check_case(case, rank, ep, mesh, chunks)
 
 
 def body_no_recompiles(rank, ep):
@@ -306,6 +307,65 @@ def test_ep2_checkpoint_loads_unsharded(tmp_path):
 
 def test_ep2_compiled_matches_eager():
     run_distributed(body_cases, 2, tuple(CASES))
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_ep2_token_chunks(chunks):
+    """The layer as one chain (no overlap) and in 3 token chunks (one of them empty for 1 token)."""
+    run_distributed(body_cases, 2, ("loop_random_top2", "sorted_uneven_one_token", "loop_rank0_gets_all"), chunks)
+
+
+def _between(graph, is_start, is_end, is_work) -> bool:
+    """Some ``is_work`` node lies between a collective and the wait that first reads it."""
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    for a in nodes:
+        if not is_start(a):
+            continue
+        waits = [u for u in a.users if is_end(u)]
+        if waits and any(is_work(n) for n in nodes[pos[a] + 1:pos[waits[0]]]):
+            return True
+    return False
+
+
+def body_schedule(rank, ep):
+    """After the ep_overlap pass, each direction of the training step has an all-to-all in flight
+    while another chunk's expert GEMMs run (forward: grouped_mm; backward: its dgrad / wgrad)."""
+    import moe_compile
+    from moe_compile.lowering import overlap
+    from torch.distributed.device_mesh import init_device_mesh
+
+    graphs = []
+    real = overlap.schedule_collectives
+
+    def spy(graph):
+        moved = real(graph)
+        graphs.append(graph)
+        return moved
+
+    overlap.schedule_collectives = spy
+    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+    torch.manual_seed(0)
+    model = moe_compile.parallelize_experts(LoopMoE(e=2 * ep), mesh)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="moe", options={"moe.inductor": False, "moe.ep_overlap_chunks": 2})
+    compiled(torch.randn(8, 8), torch.zeros(8, 2 * ep)).sum().backward()
+    overlap.schedule_collectives = real
+
+    def op(n):
+        return getattr(n.target, "_opname", "") if n.op == "call_function" else ""
+
+    def gemm(n):
+        return getattr(n.target, "namespace", "") == "moe_compile" and op(n).startswith("grouped_mm")
+
+    assert len(graphs) == 2, f"expected a forward and a backward graph, got {len(graphs)}"
+    for name, graph in zip(("forward", "backward"), graphs):
+        assert _between(graph, lambda n: op(n) == "all_to_all_single", lambda n: op(n) == "wait_tensor", gemm), \
+            f"{name}: no expert GEMM runs while an all-to-all is in flight"
+
+
+def test_ep2_all_to_all_overlaps_expert_gemms():
+    run_distributed(body_schedule, 2)
 
 
 @pytest.mark.slow
