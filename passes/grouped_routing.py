@@ -173,16 +173,21 @@ def enter_batched(f, n, op, a0, r0, rk):
 
 
 def enter_dense(f, n, op, a0, r0, rk):
-    """x.unsqueeze(0).expand(E, T, H): every token through every expert."""
-    if rk is None and isinstance(a0, fx.Node) and canon(a0) == "unsqueeze" and arg(a0, 1, "dim") == 0:
-        v, src = val(n), a0.args[0]
-        if isinstance(v, torch.Tensor) and v.dim() == 3 and isinstance(val(src), torch.Tensor) \
-                and val(src).dim() == 2 and val(src).is_floating_point():
-            g = f.group("dense", n)
-            g.x, g.e = src, v.shape[0]
-            g.step_of[n] = -1
-            f.set(n, "rows", g)
+    """x.unsqueeze(0).expand(E, T, H), or x.expand(E, T, H) on a 2-D x (the same new leading dim):
+    every token through every expert."""
+    if rk is not None or not isinstance(a0, fx.Node):
+        return None
+    unsqueezed = canon(a0) == "unsqueeze" and arg(a0, 1, "dim") == 0
+    src, v = (a0.args[0] if unsqueezed else a0), val(n)
+    xv = val(src)
+    if isinstance(v, torch.Tensor) and v.dim() == 3 and isinstance(xv, torch.Tensor) and xv.dim() == 2 \
+            and xv.is_floating_point() and (unsqueezed or tuple(v.shape[1:]) == tuple(xv.shape)):
+        g = f.group("dense", n)
+        g.x, g.e = src, v.shape[0]
+        g.step_of[n] = -1
+        f.set(n, "rows", g)
         return DONE
+    return DONE if unsqueezed else None
 
 
 def side_tensor(f, n, op, a0, r0, rk):

@@ -111,6 +111,31 @@ def test_dense_refusals(kw, code):
     assert isinstance(v, Refusal) and v.code == code, v
 
 
+def test_dense_entry_without_unsqueeze_found():
+    """x.expand(E, T, H) on a 2-D x (an implicit new leading dim) enters the dense form like
+    x.unsqueeze(0).expand(E, T, H)."""
+    import math
+
+    class Dense(torch.nn.Module):
+        def __init__(self, h=8, i=6, e=4):
+            super().__init__()
+            self.e = e
+            self.router = torch.nn.Linear(h, e, bias=False)
+            self.w1 = torch.nn.Parameter(torch.randn(e, h, i) / math.sqrt(h))
+            self.w2 = torch.nn.Parameter(torch.randn(e, i, h) / math.sqrt(i))
+
+        def forward(self, x):
+            w, ids = self.router(x).softmax(-1).topk(2, dim=-1)
+            dense = x.new_zeros(x.shape[0], self.e).scatter(1, ids, w)
+            y = torch.bmm(torch.relu(torch.bmm(x.expand(self.e, *x.shape), self.w1)), self.w2)
+            return (y * dense.t().unsqueeze(-1)).sum(0)
+
+    torch.manual_seed(0)
+    gm, _ = dynamo_graph(("fn", Dense(), (torch.randn(5, 8),)))
+    (v,) = check_all(gm)
+    assert isinstance(v, Accepted) and v.region.form.startswith("dense"), v
+
+
 def test_not_moe_is_not_found():
     def topk_gather(x):
         w, ids = torch.topk(x.softmax(-1), 2, dim=-1)

@@ -167,8 +167,8 @@ EXPECTED: dict[str, Expect] = {
     "plain_stacked": REWRITTEN,            # 3-D weights indexed per expert, index_add_ loop
     "plain_deepseek": not_captured("tolist"),   # bincount(...).tolist() to skip empty experts
     "plain_sort": not_captured("tolist"),       # split(rows, bincount(...).tolist())
-    "plain_dense": silent("DenseMoE: every token through every expert (bmm over 3-D weights) times a dense "
-                          "[T, E] routing matrix; reaches the graph, no record, no graph break"),
+    "plain_dense": REWRITTEN,              # every token through every expert (x.expand(E, T, H) + bmm), a
+                                           # zeros(T, E).scatter(1, ids, w) routing matrix: routed compute
 }
 
 # The default run (~40 s on 2 shared cores): one of each main form (grouped_mm SwiGLU, sigmoid/group-limited
