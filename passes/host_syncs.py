@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 _SYNC_OPS = {"nonzero", "masked_select", "_local_scalar_dense", "item", "unique", "_unique2", "unique_consecutive",
-             "unique_dim", "repeat_interleave", "bincount", "histc_data_dependent", "_assert_async"}
+             "unique_dim", "repeat_interleave", "bincount"}  # _assert_async: a device-side check, no sync
 
 
 def _data_dependent(v) -> bool:

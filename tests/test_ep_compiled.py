@@ -170,6 +170,7 @@ def check_case(case, rank, ep, mesh, chunks=2):
     assert records.counters["rewritten"] == before + 1, f"{case}: the MoE layer was not rewritten: {graphs}"
     notes = [n for g in graphs for r in g for n in r.notes]
     assert any(f"ep={ep} ranks" in n and "overlap" in n for n in notes), notes
+    assert not any("host syncs" in n for n in notes), notes  # the post_grad host_syncs pass found none
 
     ref = copy.deepcopy(full)
     ref_out = ref(torch.cat([i[0] for i in inputs]), torch.cat([i[1] for i in inputs]))

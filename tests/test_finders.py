@@ -218,3 +218,22 @@ def test_rewritten_graph_has_no_region_left():
     names = {canon(n) for n in new.graph.nodes}
     assert not names & {"where", "nonzero", "index_add_", "setitem", "_assert_scalar"}, names
     assert isinstance(new, fx.GraphModule) and ops_in(new)[:2] == ["route_permute", "permute_rows"]
+
+
+def test_host_syncs_found_in_aten_graphs():
+    """The post_grad host_syncs pass names data-dependent ops (nonzero, .item()) and nothing else."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from moe_compile.passes.host_syncs import find_host_syncs
+
+    def syncing(x):
+        return x[x > 0].sum() + x.sum().item()
+
+    def static(x):
+        return torch.where(x > 0, x, 0).sum()
+
+    x = torch.randn(8)
+    found = find_host_syncs(make_fx(syncing, tracing_mode="symbolic")(x).graph)
+    assert found.get("nonzero", 0) + found.get("masked_select", 0) + found.get("index", 0) >= 1, found
+    assert "_local_scalar_dense" in found, found
+    assert find_host_syncs(make_fx(static, tracing_mode="symbolic")(x).graph) == {}
