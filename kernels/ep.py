@@ -164,4 +164,3 @@ def _combine_bwd(ctx, grad):
 ep_dispatch.register_autograd(_dispatch_bwd, setup_context=_save_plan)
 ep_combine.register_autograd(_combine_bwd, setup_context=_save_plan)
 
-EP_OP_NAMES = ("ep_experts", "ep_plan", "ep_dispatch", "ep_combine")

@@ -61,13 +61,6 @@ def implementation(op: str, t: torch.Tensor) -> Callable:
     return _IMPLS.get((op, device_type)) or getattr(reference, op)
 
 
-def registered(device_type: str) -> dict[str, Callable]:
-    """op -> implementation registered for ``device_type`` (loads its provider)."""
-    if device_type not in _LOADED:
-        _load(device_type)
-    return {op: fn for (op, d), fn in _IMPLS.items() if d == device_type}
-
-
 @contextlib.contextmanager
 def reference_only():
     """Inside the block every op runs its pure-torch reference, on every device."""
