@@ -306,6 +306,41 @@ def test_ep2_checkpoint_loads_unsharded(tmp_path):
     run_distributed(body_dcp, 2, str(tmp_path / "ckpt"))
 
 
+def body_stacked_module_list(rank, ep):
+    """ModuleList experts: stack_experts (opt-in) then parallelize_experts; outputs and every gradient
+    (the sharded stacks gathered vs the ModuleList's per-expert gradients stacked)."""
+    import helpers
+    import moe_compile
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+    full = helpers.make_model(spelling="index_add", k=2, e=2 * ep)          # ModuleList of SwiGLU experts
+    model = copy.deepcopy(full)
+    model.experts.experts = moe_compile.stack_experts(model.experts.experts)
+    moe_compile.parallelize_experts(model, mesh)
+    xs = [torch.randn(6, 16, generator=torch.Generator().manual_seed(r)) for r in range(ep)]
+    torch._dynamo.reset()
+    x = xs[rank].clone().requires_grad_()
+    out = torch.compile(model, backend="moe", options={"moe.inductor": False})(x)
+    (out * (rank + 1)).sum().backward()
+    ref_x = torch.cat(xs).requires_grad_()
+    ref_out = full(ref_x)
+    (ref_out * torch.cat([torch.full((6, 1), r + 1.0) for r in range(ep)])).sum().backward()
+    assert_close(out.detach(), ref_out.detach()[rank * 6:(rank + 1) * 6], "stacked ModuleList: output")
+    assert_close(x.grad, ref_x.grad[rank * 6:(rank + 1) * 6], "stacked ModuleList: input gradient")
+    for name, p in model.experts.experts.named_parameters():
+        shards = [torch.empty_like(p) for _ in range(ep)]
+        dist.all_gather(shards, _grad_of(p).contiguous())
+        linear, _, kind = name.removeprefix("_ep_local_").partition("_")
+        ref = torch.stack([_grad_of(getattr(getattr(full.experts.experts[e], linear), kind))
+                           for e in range(2 * ep)])
+        assert_close(torch.cat(shards), ref, f"stacked ModuleList: {name} gradient (gathered)")
+
+
+def test_ep2_stacked_module_list_matches_eager():
+    run_distributed(body_stacked_module_list, 2)
+
+
 def test_ep2_compiled_matches_eager():
     run_distributed(body_cases, 2, tuple(CASES))
 
