@@ -176,24 +176,23 @@ def _mask_op(n: fx.Node, w: fx.Node) -> bool:
     return op == "where" and len(n.args) == 3 and n.args[2] == 0
 
 
-def _descendants(root: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [root]
+def _reachable(starts, step) -> set[fx.Node]:
+    """``starts`` and every node reached from them by ``step`` (users, or inputs)."""
+    seen, stack = set(), list(starts)
     while stack:
         n = stack.pop()
         if n not in seen:
             seen.add(n)
-            stack.extend(n.users)
+            stack.extend(step(n))
     return seen
+
+
+def _descendants(root: fx.Node) -> set[fx.Node]:
+    return _reachable([root], lambda n: n.users)
 
 
 def _ancestors(nodes) -> set[fx.Node]:
-    seen, stack = set(), list(nodes)
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
+    return _reachable(nodes, lambda n: n.all_input_nodes)
 
 
 def _order(graph: fx.Graph) -> dict:
