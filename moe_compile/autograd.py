@@ -18,16 +18,19 @@ backward calls made inside a compiled function.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Iterator
 
 
 @contextlib.contextmanager
-def compiled_backward(backend: Any = "moe", dynamic: bool | None = None, **options: Any) -> Iterator[None]:
+def compiled_backward(backend: Any = "moe", dynamic: bool | None = None, options: dict | None = None,
+                      **more_options: Any) -> Iterator[None]:
     """Run every ``.backward()`` inside the block through compiled autograd.
 
-    ``backend``/``options``: how the traced backward graph is compiled (``torch.compile``'s).
+    ``backend``/``options``: how the traced backward graph is compiled (``torch.compile``'s), e.g.
+    ``options={"moe.inductor": False}``; keyword options that are identifiers are merged in.
     ``dynamic``: treat sizes in the backward as dynamic; default as ``torch.compile`` does (static
-    until a size changes)."""
+    until a size changes). The options are validated when the block is entered."""
     import torch
     from torch._dynamo import compiled_autograd
 
@@ -38,6 +41,26 @@ def compiled_backward(backend: Any = "moe", dynamic: bool | None = None, **optio
             "set torch._dynamo.config.compiled_autograd = True and call .backward() inside the compiled function")
     if dynamic is None:
         dynamic = not torch._dynamo.config.assume_static_by_default
+    options = {**(options or {}), **more_options}
+    if backend == "moe":  # backward graphs hold no MoE region: no nothing-rewritten warning per backward
+        from .config import MoEConfig
+
+        MoEConfig.from_options(None, options)   # a bad option raises here, not inside Dynamo
+        backend = _backward_backend()
     compiler = torch.compile(backend=backend, options=options or None)
     with enable(compiler, dynamic=dynamic):
         yield
+
+
+@functools.cache
+def _backward_backend():
+    """The moe backend for compiled-autograd graphs, reporting to one quiet session (a backward graph
+    has no MoE region to rewrite, so the nothing-rewritten warning would fire for every block)."""
+    from .backend import capture_ctx, moe_backend
+    from .records import Session
+
+    def moe_backward(gm, example_inputs, **kwargs):
+        return moe_backend(gm, example_inputs, **kwargs)
+
+    moe_backward.moe_capture_ctx = functools.partial(capture_ctx, session=Session(quiet=True))
+    return moe_backward

@@ -6,7 +6,8 @@ Pipeline (``pipeline.PASSES``): the dynamo stage on a copy of Dynamo's graph (fi
 MoE regions) -> Inductor via ``compile_fx`` with the mode's options and the non-``moe.*`` options as
 scoped config patches, the post_grad stage hooked in as Inductor's ``post_grad_custom_post_pass``
 (or, with ``moe.inductor=False``, AOTAutograd with eager kernels and the post_grad stage in its
-compilers) -> the after_compile stage -> the region records are published.
+compilers) -> the after_compile stage; the region records are published when the compiled graph
+first runs (``records.publish``: counters, ``explain``, one WARNING per refused region and compile).
 
 Capture of data-dependent ops. Per-expert loops (``torch.where(sel == i)``, ``nonzero``, boolean
 masks) reach a backend as ONE graph only when Dynamo's ``capture_dynamic_output_shape_ops`` is on
@@ -15,7 +16,11 @@ manager Dynamo enters around tracing and every call of frames compiled with this
 patches ``capture_dynamic_output_shape_ops=True`` and ``suppress_errors=True`` for the duration of
 those calls only. ``suppress_errors`` makes a frame that cannot be traced with capture on (e.g.
 ``bincount(...).tolist()`` raising GuardOnDataDependentSymNode) run eagerly instead of crashing;
-``moe_compile.explain`` reports such frames with a fix. torch.compile wraps backends in
+the scope then records such frames in MoE code (from Dynamo's compilation metrics) with a fix,
+logged once and listed by ``moe_compile.explain``. It must not swallow our own errors: options
+are validated on the first call before any tracing, and an error the backend cannot recover from
+turns ``suppress_errors`` off for the rest of the call, so it reaches the user as with stock
+torch.compile (the scope's patch restores the flag). torch.compile wraps backends in
 ``_TorchCompileWrapper`` and a debug wrapper that drop ``backend_ctx_ctor``;
 ``_install_ctx_shim`` (applied when this module is imported, i.e. when the backend is looked up)
 adds a read-only property to the debug wrapper class that forwards it. Other backends are not
@@ -23,9 +28,10 @@ affected: the property returns their own attribute or raises AttributeError as b
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
+import sys
+import time
 
 import torch
 
@@ -34,17 +40,22 @@ from .config import MoEConfig
 log = logging.getLogger(__name__)
 
 
-def capture_ctx(options: dict | None = None):
-    """The ``backend_ctx_ctor`` for one torch.compile call: a zero-argument factory of the Dynamo
-    config scope used while tracing and running frames compiled with ``moe``.
+def capture_ctx(options: dict | None = None, mode: str | None = None, session=None):
+    """The ``backend_ctx_ctor`` for one torch.compile call: a zero-argument factory of the scope
+    used while tracing and running frames compiled with ``moe`` (the Dynamo config patch, the
+    compile's ``records.Session``, the check for frames Dynamo gave up on).
 
-    Dynamo calls the factory around every call of the compiled function; the options are validated
-    on the first call only (outside Dynamo's suppress_errors: a bad option must reach the user as
-    ValueError), not re-parsed each time."""
+    Dynamo calls the factory around every call of the compiled function. Every option (``moe.*``,
+    Inductor's, the mode) is validated on the first call, before Dynamo traces anything: there a
+    ValueError reaches the user, while inside the backend Dynamo's ``suppress_errors`` would turn it
+    into a silent eager run. Options are not re-parsed on later calls."""
+    from . import records
+
+    session = session if session is not None else records.Session()
 
     @functools.cache
     def flags() -> dict | None:
-        config, _ = MoEConfig.from_options(None, options)
+        config, _ = MoEConfig.from_options(mode, options)
         # moe.strict: errors of our passes must raise, so do not let Dynamo swallow them
         return dict(capture_dynamic_output_shape_ops=True, suppress_errors=not config.strict) \
             if config.capture_dynamic else None
@@ -53,9 +64,161 @@ def capture_ctx(options: dict | None = None):
         from .hf_experts import substituted  # HF expert loops Dynamo cannot trace, in this scope only
 
         f = flags()
-        return substituted(None if f is None else torch._dynamo.config.patch(**f))
+        return _Scope(session, substituted(None if f is None else _ConfigPatch(f)), f is not None)
 
+    ctor.session = session
     return ctor
+
+
+class _ConfigPatch:
+    """``torch._dynamo.config.patch(**flags)`` at a fraction of its cost (it is entered on every call
+    of the compiled model: patch() builds a class per call, ~50 us on a slow host)."""
+
+    __slots__ = ("revert", "make")
+
+    def __init__(self, flags: dict):
+        patcher = getattr(torch._dynamo.config, "_make_closure_patcher", None)
+        self.make = patcher(**flags) if patcher is not None else None
+        if self.make is None:
+            self.revert = torch._dynamo.config.patch(**flags)
+
+    def __enter__(self):
+        if self.make is not None:
+            self.revert = self.make()
+        else:
+            self.revert.__enter__()
+
+    def __exit__(self, *exc):
+        if self.make is not None:
+            self.revert()
+        else:
+            self.revert.__exit__(*exc)
+        return False
+
+
+class _Scope:
+    """Around one call of frames compiled with ``moe``: the session the backend reports to, the
+    config patch, and afterwards (only if Dynamo compiled something in this call) the records of
+    frames in MoE code that Dynamo gave up on, and the nothing-rewritten warning. An exception
+    leaving a graph break in MoE code (``fullgraph=True``) gets a note with the fix."""
+
+    __slots__ = ("session", "inner", "patched", "prev", "frames", "t0")
+
+    def __init__(self, session, inner, patched: bool):
+        self.session, self.inner, self.patched = session, inner, patched
+
+    def __enter__(self):
+        from .records import _local
+
+        self.prev = (getattr(_local, "session", None), getattr(_local, "patched", False))
+        _local.session, _local.patched = self.session, self.patched
+        self.frames = _frames_tried()
+        self.t0 = time.time_ns() // 1000
+        try:
+            return self.inner.__enter__()
+        except BaseException:
+            _local.session, _local.patched = self.prev
+            raise
+
+    def __exit__(self, exc_type, exc, tb):
+        from .records import _local
+
+        try:
+            return self.inner.__exit__(exc_type, exc, tb)
+        finally:
+            _local.session, _local.patched = self.prev
+            # Dynamo exits this scope with (None, None, None) from a `finally`: an error on its way
+            # out is the one being handled
+            exc = exc if exc is not None else sys.exc_info()[1]
+            if exc is not None:
+                _note_break(exc)
+            if _frames_tried() != self.frames:
+                _report_skipped_frames(self.session, self.t0)
+                self.session.after_call(True)
+
+
+def _frames_tried() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"]
+
+
+def _report_skipped_frames(session, since_us: int) -> None:
+    """Publish a record for each frame in MoE code that Dynamo gave up on since ``since_us`` (from
+    Dynamo's compilation metrics: the frame then ran eagerly, MoE layer included)."""
+    try:
+        from torch._dynamo.utils import get_compilation_metrics
+    except ImportError:  # pragma: no cover - torch without compilation metrics
+        return
+    from . import records
+    from .passes import reasons
+    from .passes.unclaimed import Frame, break_fix, classify_break, in_moe_code
+
+    found: dict = {}
+    for m in get_compilation_metrics():
+        if not getattr(m, "fail_type", None) or (getattr(m, "start_time_us", None) or since_us) < since_us \
+                or m.fail_type == "BackendCompilerFailed":  # our own error: raised (moe.strict) or warned
+            continue
+        file, line = getattr(m, "fail_user_frame_filename", None), getattr(m, "fail_user_frame_lineno", None)
+        skipped = Frame(m.co_filename or "?", m.co_firstlineno or 0, m.co_name or "?")
+        frames = [skipped] + ([Frame(file, line, "")] if file and line else [])
+        if not in_moe_code(frames) or (frames[-1].filename, frames[-1].lineno) in found:
+            continue
+        code, detail = classify_break(frames, f"{m.fail_type}: {m.fail_reason or ''}")
+        detail.update(what="skipped frame", effect=f"; Dynamo gave up on the frame `{_qualname(skipped)}` "
+                                                   f"({skipped.at}), which runs eagerly, MoE code included")
+        found[(frames[-1].filename, frames[-1].lineno)] = (
+            (skipped.filename, skipped.lineno, skipped.name),
+            records.RegionRecord("", "skipped frame", records.REFUSED, reasons.message(code, detail), (),
+                                 frames[-1].at, code=code, fix=break_fix(code, detail), source=frames[-1].source))
+    if found:
+        records.publish([r for _, r in found.values()], session)
+        _skipped.update(found)
+
+
+# frames Dynamo gave up on, by (file, line) of the failing user line: ((file, first line, name) of the
+# skipped frame, its record). explain() reports them for a model whose frames an earlier compile left
+# skipped (Dynamo never traces a skipped frame again)
+_skipped: dict = {}
+
+
+def _qualname(frame) -> str:
+    """The frame's function as Class.method when Dynamo's code registry still holds its code."""
+    try:
+        from torch._dynamo.convert_frame import input_codes
+
+        for ref in list(input_codes.seen):
+            code = ref()
+            if code is not None and code.co_filename == frame.filename and code.co_firstlineno == frame.lineno \
+                    and code.co_name == frame.name:
+                return getattr(code, "co_qualname", code.co_name)
+    except Exception:  # noqa: BLE001  (a name for a message: the plain function name will do)
+        pass
+    return frame.name
+
+
+def _note_break(exc: BaseException) -> None:
+    """A graph break in MoE code that reaches the user as an exception (``fullgraph=True``, or
+    ``moe.strict``) gets a note with the reason code and the fix."""
+    if getattr(exc, "_moe_compile_noted", False) or not hasattr(exc, "add_note"):
+        return
+    stack = getattr(exc, "real_stack", None)
+    if not stack:
+        return
+    from .passes.unclaimed import Frame, break_fix, classify_break, in_moe_code
+
+    frames = [Frame(f.filename, f.lineno or 0, f.name, f.line or "") for f in stack]
+    if not in_moe_code(frames):
+        return
+    from .passes import reasons
+
+    code, detail = classify_break(frames, f"{type(exc).__name__}: {exc}")
+    detail.update(what="graph break", effect="")
+    exc.add_note(f"moe_compile [{code}]: {reasons.message(code, detail)}\n  fix: {break_fix(code, detail)}")
+    try:
+        exc._moe_compile_noted = True
+    except AttributeError:  # pragma: no cover - an exception type with __slots__
+        pass
 
 
 def inductor_defaults(records) -> dict:
@@ -120,24 +283,91 @@ def _compile_rewritten(gm, example_inputs, config: MoEConfig, inductor_options: 
 
 
 def moe_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
-    """torch.compile backend: rewrite MoE regions into moe_compile ops, then hand over to Inductor."""
+    """torch.compile backend: rewrite MoE regions into moe_compile ops, then hand over to Inductor.
+
+    Failures: a pass that fails leaves its graph unrewritten (pipeline.py); compiling the rewritten
+    graph failing compiles the original graph instead (refused, ``compile_error``); both warn, and
+    raise with ``moe.strict``. An error that remains (bad options, Inductor failing on the original
+    graph) is raised to the user, not handed to Dynamo's ``suppress_errors`` (which the capture scope
+    turns on only for frames Dynamo cannot trace)."""
+    try:
+        return _moe_backend(gm, example_inputs, mode, options)
+    except Exception:
+        _unsuppress()
+        raise
+
+
+def _unsuppress() -> None:
+    """Inside the capture scope (which patched ``suppress_errors=True``), let the error propagate:
+    the scope's patch restores the flag when the call returns."""
+    from .records import _local
+
+    if getattr(_local, "patched", False):
+        torch._dynamo.config.suppress_errors = False
+
+
+def _moe_backend(gm, example_inputs, mode, options):
     import dataclasses
 
     from . import pipeline, records as records_mod
+    from .passes import reasons
 
     config, inductor_options = MoEConfig.from_options(mode, options)
-    gm, records = pipeline.run_dynamo_stage(gm, example_inputs, config)
+    session = records_mod.current_session()
+    new_gm, records = pipeline.run_dynamo_stage(gm, example_inputs, config)
     notes: list = []
-    compiled = _compile_rewritten(gm, example_inputs, config, inductor_options, records, notes)
-    if records:
+    try:
+        compiled = _compile_rewritten(new_gm, example_inputs, config, inductor_options, records, notes)
+    except Exception as exc:
+        if new_gm is gm or config.strict:
+            raise
+        log.warning("moe_compile: compiling the rewritten graph failed (%s: %s); compiling it unrewritten",
+                    type(exc).__name__, exc)
+        detail = {"error": f"{type(exc).__name__}: {exc}"}
+        records = [dataclasses.replace(r, status=records_mod.REFUSED, ops=(), notes=(), code="compile_error",
+                                       reason=reasons.message("compile_error", detail),
+                                       fix=reasons.fix("compile_error"))
+                   if r.status == records_mod.REWRITTEN else r for r in records]
+        new_gm, notes = gm, []
+        compiled = _compile_rewritten(gm, example_inputs, config, inductor_options, records, notes)
+    if any(r.status == records_mod.REWRITTEN for r in records):
         # after compiling: AOTAutograd's fake inputs were made with the parameters' old storage
         # offsets; the compiled code itself does not depend on them (lowering/rehome.py)
-        records = pipeline.run_after_compile(gm, example_inputs, records, config)
+        try:
+            records = pipeline.run_after_compile(new_gm, example_inputs, records, config)
+        except Exception as exc:  # an optional optimisation: the compiled code is right without it
+            if config.strict:
+                raise
+            log.warning("moe_compile: the after_compile passes failed (%s: %s); the rewritten graph runs without "
+                        "them", type(exc).__name__, exc)
     if notes:
         records = [dataclasses.replace(r, notes=r.notes + tuple(dict.fromkeys(notes))) if r.status == "rewritten"
                    else r for r in records]
-    records_mod.publish(records)
-    return compiled
+    if not records:
+        return compiled
+    return _PublishOnFirstCall(compiled, records, session)
+
+
+class _PublishOnFirstCall:
+    """The compiled graph; its region records are published when it first runs, so a region counts as
+    rewritten only once the code that runs contains it (never for a graph Dynamo compiled and then
+    dropped, e.g. when it failed after the backend returned)."""
+
+    def __init__(self, fn, records, session):
+        self.fn, self.records, self.session = fn, records, session
+        if getattr(fn, "_boxed_call", False):
+            self._boxed_call = True
+
+    def __call__(self, *args, **kwargs):
+        if self.records is not None:
+            from .records import publish
+
+            records, self.records = self.records, None
+            publish(records, self.session)
+        return self.fn(*args, **kwargs)
+
+    def __getattr__(self, name):  # anything else Dynamo or Inductor read from the compiled function
+        return getattr(self.__dict__["fn"], name)
 
 
 moe_backend.moe_capture_ctx = capture_ctx
@@ -162,7 +392,8 @@ def _install_ctx_shim() -> bool:
         make = getattr(fn, "moe_capture_ctx", None)
         if make is None:
             raise AttributeError("backend_ctx_ctor")
-        return make((getattr(inner, "kwargs", None) or {}).get("options") or {})
+        kwargs = getattr(inner, "kwargs", None) or {}
+        return make(kwargs.get("options") or {}, mode=kwargs.get("mode"))
 
     WrapBackendDebug.backend_ctx_ctor = property(backend_ctx_ctor)
     WrapBackendDebug._moe_compile_ctx_shim = True

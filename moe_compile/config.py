@@ -1,7 +1,9 @@
 """MoEConfig: the backend's one configuration object.
 
 Built from ``torch.compile(..., mode=..., options={...})``: keys starting with ``moe.`` are ours,
-every other option is forwarded to Inductor untouched.
+every other option is forwarded to Inductor. Both are validated here (a key neither ours nor an
+Inductor config key, or a value of the wrong type, raises ValueError naming the key and the allowed
+ones), on the compiled model's first call, before Dynamo traces anything.
 
     torch.compile(m, backend="moe", options={"moe.debug": True, "max_autotune": True})
     torch.compile(m, backend="moe", options={"moe.mode": "max-autotune"})   # mode + options
@@ -9,7 +11,9 @@ every other option is forwarded to Inductor untouched.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
+import typing
 from typing import Any
 
 _INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -84,10 +88,14 @@ class MoEConfig:
             if key.startswith("moe."):
                 name = key[len("moe."):]
                 if name not in names:
-                    raise ValueError(f"MoEConfig: unknown option {key!r}; allowed: {cls.allowed_keys()}")
+                    close = difflib.get_close_matches(key, cls.allowed_keys(), n=2, cutoff=0.75)
+                    raise ValueError(f"MoEConfig: unknown option {key!r}"
+                                     + (f" (did you mean {' or '.join(map(repr, close))}?)" if close else "")
+                                     + f"; allowed: {cls.allowed_keys()}")
                 ours[name] = tuple(value) if name == "disable" and not isinstance(value, str) else value
             else:
                 rest[key] = value
+        rest = inductor_options(rest)
         if mode is not None and mode != "default":
             if "mode" in ours and ours["mode"] != mode:
                 raise ValueError(f"MoEConfig: mode={mode!r} conflicts with moe.mode={ours['mode']!r}")
@@ -95,3 +103,31 @@ class MoEConfig:
         if "debug" not in ours and _env_flag("MOE_COMPILE_DEBUG"):
             ours["debug"] = True
         return cls(**ours), rest
+
+
+def inductor_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The non-``moe.*`` options checked against Inductor's config as torch.compile checks them for
+    backend="inductor" (known key, value of the declared type; ``-`` may stand for ``_``), with
+    normalised keys. Raises ValueError naming the bad key, close matches and the allowed keys."""
+    if not options:
+        return {}
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    out: dict[str, Any] = {}
+    for key, value in options.items():
+        name = key.replace("-", "_") if isinstance(key, str) else key
+        if name not in known:
+            close = difflib.get_close_matches(str(name), [*known, *MoEConfig.allowed_keys()], n=3, cutoff=0.75)
+            raise ValueError(
+                f"MoEConfig: unknown option {key!r}: neither a moe.* option nor an Inductor config key"
+                + (f" (did you mean {' or '.join(map(repr, close))}?)" if close else "")
+                + f". moe options: {MoEConfig.allowed_keys()}; Inductor options (torch._inductor.list_options()): "
+                f"{sorted(known)}")
+        get_type = getattr(inductor_config, "get_type", None)
+        expected = get_type(name) if get_type is not None else None
+        if isinstance(expected, type) and typing.get_origin(expected) is None and not isinstance(value, expected):
+            raise ValueError(f"MoEConfig: Inductor option {key!r} must be a {expected.__name__}, got "
+                             f"{type(value).__name__} {value!r} (its default is {known[name]!r})")
+        out[name] = value
+    return out

@@ -33,6 +33,15 @@ def format_records(records) -> str:
     return "\n".join(lines)
 
 
+def format_warning(r) -> str:
+    """The WARNING logged once per compiled model for a refused record: what, where, why, the fix."""
+    if r.is_break:  # the reason starts with "graph break at file:line" / "skipped frame at file:line"
+        head = f"moe_compile: refused [{r.code}] in MoE code"
+    else:
+        head = f"moe_compile: refused [{r.code}] MoE region {r.module or '<top>'} ({r.form}, {r.where})"
+    return f"{head}: {r.reason}\n    fix: {r.fix}"
+
+
 def _trace(name: str, payload: str) -> None:
     try:
         import torch._logging

@@ -49,6 +49,8 @@ class DynamoState:
     refused: list = dataclasses.field(default_factory=list)       # passes.legality.Refusal
     errors: list = dataclasses.field(default_factory=list)        # RegionRecord of matcher failures
     region_notes: dict = dataclasses.field(default_factory=dict)  # id(region) -> notes from its lowering
+    region_nodes: dict = dataclasses.field(default_factory=dict)  # id(region) -> nodes its lowering added
+    unclaimed: list = dataclasses.field(default_factory=list)     # RegionRecord: MoE-like code no region covers
 
 
 # ------------------------------------------------------------------------------- dynamo stage
@@ -89,7 +91,29 @@ def _lower(s: DynamoState) -> None:
     from moe_compile.lowering.region import lower_region
 
     for region in s.accepted:
+        before = set(s.gm.graph.nodes)
         s.region_notes[id(region)] = lower_region(s.gm, region, s.config.ep_overlap_chunks)
+        s.region_nodes[id(region)] = set(s.gm.graph.nodes) - before
+
+
+def _unclaimed(s: DynamoState) -> None:
+    """Never silent: records for code that looks like MoE but that no candidate covers."""
+    if s.errors:
+        return  # a finder failed: its matcher_error record already lists this graph
+    from moe_compile.passes.unclaimed import unclaimed_records
+
+    try:
+        disabled = tuple(n for n in ("loop_regions", "grouped_regions") if n in s.config.disable)
+        s.unclaimed += unclaimed_records(s.gm, s.example_inputs, s.candidates, disabled)
+    except Exception as exc:  # a detector bug must not stop the rewrite of what was found
+        if s.config.strict:
+            raise
+        log.warning("moe_compile: the unclaimed-MoE detector failed (%s: %s)", type(exc).__name__, exc)
+        from moe_compile.passes import reasons
+
+        detail = {"finder": "unclaimed", "error": f"{type(exc).__name__}: {exc}"}
+        s.errors.append(RegionRecord("", "?", REFUSED, reasons.message("matcher_error", detail), (), "",
+                                     code="matcher_error", fix=reasons.fix("matcher_error")))
 
 
 def _swiglu(s: DynamoState) -> None:
@@ -131,6 +155,8 @@ PASSES: tuple[Pass, ...] = (
          _finder("grouped_regions", "moe_compile.passes.grouped_regions", "find_grouped_regions"),
          True, "find sorted / batched / dense forms (passes/grouped_regions.py)"),
     Pass("check", "dynamo", _check, False, "accept each candidate or refuse it with a reason (passes/legality.py)"),
+    Pass("unclaimed", "dynamo", _unclaimed, False,
+         "record MoE-like code that no candidate covers (passes/unclaimed.py): never silent"),
     Pass("lower", "dynamo", _lower, False, "rewrite accepted regions into moe_compile ops (lowering/region.py)"),
     Pass("swiglu", "dynamo", _swiglu, True,
          "silu(h[:, :N]) * h[:, N:] on rewritten GEMM outputs -> moe_compile.swiglu (lowering/swiglu.py)"),
@@ -184,9 +210,16 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return new
 
 
-def _ops_used(gm: fx.GraphModule) -> tuple[str, ...]:
-    names = [canon(n).split("::", 1)[1] for n in gm.graph.nodes if (canon(n) or "").startswith("moe_compile::")]
+def _ops_used(gm: fx.GraphModule, nodes=None) -> tuple[str, ...]:
+    """The moe_compile ops of ``nodes`` (default: the whole graph), in graph order."""
+    names = [canon(n).split("::", 1)[1] for n in gm.graph.nodes if (nodes is None or n in nodes)
+             and (canon(n) or "").startswith("moe_compile::")]
     return tuple(dict.fromkeys(names))
+
+
+def _with_fused(nodes: set) -> set:
+    """A region's nodes plus the ops later passes fused onto them (moe_compile.swiglu of its GEMM output)."""
+    return nodes | {u for n in nodes for u in n.users if (canon(u) or "") == "moe_compile::swiglu"}
 
 
 def _surviving_syncs(gm: fx.GraphModule) -> list[str]:
@@ -225,16 +258,18 @@ def run_dynamo_stage(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.Gra
         failed = [RegionRecord(r.module, r.form, REFUSED, reasons.message("lowering_error", detail), (), r.where,
                                r.router.num_experts, r.router.top_k, code="lowering_error",
                                fix=reasons.fix("lowering_error")) for r in s.accepted]
-        return gm, s.errors + [_refused_record(r) for r in s.refused] + failed
-    records = s.errors + [_refused_record(r) for r in s.refused if isinstance(r, Refusal)]
+        return gm, s.errors + [_refused_record(r) for r in s.refused] + s.unclaimed + failed
+    records = s.errors + [_refused_record(r) for r in s.refused if isinstance(r, Refusal)] + s.unclaimed
     if not s.accepted:
         return gm, records
-    ops = _ops_used(s.gm)
     syncs = _surviving_syncs(s.gm)
     notes = (f"where/nonzero still needed outside the rewritten regions: {', '.join(syncs)}",) if syncs else ()
-    notes += _list_weight_note(s.gm)
-    records += [RegionRecord(r.module, r.form, REWRITTEN, "", ops, r.where, r.router.num_experts, r.router.top_k,
-                             s.region_notes.get(id(r), ()) + notes) for r in s.accepted]
+    alive = set(s.gm.graph.nodes)
+    for r in s.accepted:
+        nodes = _with_fused(s.region_nodes.get(id(r), alive) & alive)
+        records.append(RegionRecord(r.module, r.form, REWRITTEN, "", _ops_used(s.gm, nodes), r.where,
+                                    r.router.num_experts, r.router.top_k,
+                                    s.region_notes.get(id(r), ()) + notes + _list_weight_note(s.gm, nodes)))
     if verbose:
         debug.log_rewrite(graphs, records, time.perf_counter() - t0, loud=config.debug)
     return s.gm, records
@@ -245,9 +280,10 @@ def _refused_record(r) -> RegionRecord:
                         fix=r.fix)
 
 
-def _list_weight_note(gm: fx.GraphModule) -> tuple[str, ...]:
+def _list_weight_note(gm: fx.GraphModule, nodes=None) -> tuple[str, ...]:
     """Per-expert weight lists (ModuleList experts) cost host time per parameter on every step."""
-    n = sum(len(a) for node in gm.graph.nodes if (canon(node) or "").startswith("moe_compile::grouped_mm_list")
+    n = sum(len(a) for node in gm.graph.nodes if (nodes is None or node in nodes)
+            and (canon(node) or "").startswith("moe_compile::grouped_mm_list")
             for a in node.args if isinstance(a, (list, tuple)))
     if n < 64:
         return ()

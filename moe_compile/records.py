@@ -1,20 +1,32 @@
 """What happened to each MoE region: one ``RegionRecord`` per region of every compiled graph.
 
-The backend publishes the records of each graph it compiled (``publish``) once the compiled code
-exists; ``recording()`` collects them (``explain`` and tests), and ``counters`` counts them
-process-wide (like ``torch._dynamo.utils.counters``: tests assert on it).
+The backend publishes the records of each graph it compiled (``publish``) when the compiled code
+first runs (so a region counts as rewritten only once the code that runs contains it), and the
+records of frames Dynamo gave up on in MoE code when the call that tried them returns;
+``recording()`` collects them (``explain`` and tests), and ``counters`` counts them process-wide
+(like ``torch._dynamo.utils.counters``: tests assert on it).
+
+Never silent: every refused record (a region not rewritten, MoE-like code no region covers, a graph
+break in MoE code) is logged once at WARNING with its reason and fix, once per ``Session`` (one
+``torch.compile(..., backend="moe")`` call) and region, never per call or per recompile; a session
+whose calls compiled graphs but rewrote nothing warns once. ``explain()`` uses a quiet session: it
+returns the same records instead.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
 import dataclasses
+import logging
 import threading
 
 REWRITTEN, REFUSED = "rewritten", "refused"
 
 counters: collections.Counter = collections.Counter()
 _local = threading.local()
+log = logging.getLogger("moe_compile")
+# reasons already logged where they happened (with the exception): not logged twice
+_WARNED_ELSEWHERE = ("matcher_error", "lowering_error", "compile_error")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,14 +44,79 @@ class RegionRecord:
     notes: tuple[str, ...] = ()
     code: str = ""
     fix: str = ""
+    source: str = ""       # graph breaks: the user's source line
+
+    @property
+    def is_break(self) -> bool:
+        """A graph break or a frame Dynamo gave up on, in MoE code (not a region)."""
+        return self.code.startswith("break_")
 
 
-def publish(records) -> None:
-    """Count and hand out the records of one compiled graph."""
+class Session:
+    """One ``torch.compile(..., backend="moe")`` call (or one ``explain()``, ``quiet``): what it
+    rewrote, and what it has warned about (each region and the nothing-rewritten case once)."""
+
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet
+        self.rewritten = 0
+        self.refused = 0
+        self.warned: set = set()
+        self.lock = threading.Lock()
+
+    def warn_once(self, key, message: str) -> None:
+        with self.lock:
+            if self.quiet or key in self.warned:
+                return
+            self.warned.add(key)
+        log.warning("%s", message)
+
+    def count(self, records) -> None:
+        from .debug import format_warning
+
+        for r in records:
+            if r.status == REWRITTEN:
+                self.rewritten += 1
+                continue
+            self.refused += 1
+            if r.code not in _WARNED_ELSEWHERE:  # a break: once per source line (every layer shares it)
+                key = ("break", r.code, r.where) if r.is_break else ("region", r.module, r.code, r.where)
+                self.warn_once(key, format_warning(r))
+
+    def after_call(self, compiled_frames: bool) -> None:
+        """After a call of the compiled model that compiled frames: warn once if nothing was rewritten."""
+        if compiled_frames and self.rewritten == 0:
+            why = (f"{self.refused} MoE region(s) or graph break(s) were refused, each logged above"
+                   if self.refused else "no MoE layer was found in the compiled graphs")
+            self.warn_once(("nothing",), f"moe_compile: backend=\"moe\" rewrote no MoE region of this compiled model "
+                                         f"({why}); it runs as torch.compile's default backend would run it. "
+                                         "moe_compile.explain(model, *inputs) lists what was found and why.")
+
+
+_default_session = Session()   # compiles outside a capture scope (a backend called directly)
+
+
+def current_session() -> Session:
+    return getattr(_local, "session", None) or _default_session
+
+
+@contextlib.contextmanager
+def session_scope(session: Session):
+    prev = getattr(_local, "session", None)
+    _local.session = session
+    try:
+        yield session
+    finally:
+        _local.session = prev
+
+
+def publish(records, session: Session | None = None) -> None:
+    """Count, log (once per session and region) and hand out the records of one compiled graph."""
+    records = list(records)
     for r in records:
         counters[r.status] += 1
+    (session or current_session()).count(records)
     for sink in getattr(_local, "sinks", []):
-        sink.append(list(records))
+        sink.append(records)
 
 
 @contextlib.contextmanager

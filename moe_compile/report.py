@@ -1,29 +1,42 @@
 """explain(): what the moe backend matched, rewrote and refused, and graph breaks in MoE code.
 
     report = moe_compile.explain(model, input_ids)
-    print(report)                      # a table
+    print(report)                      # a table, the reasons and fixes in full, notes once each
     report.regions[0].status           # "rewritten" | "refused"
     report.graph_breaks[0].fix         # a concrete change to the user's code
+
+explain() traces the model once with the moe backend (AOTAutograd only: quick) and reports the same
+records a compile logs: regions rewritten or refused, MoE-like code no region covers
+(``moe_unmatched``), graph breaks and frames Dynamo gave up on in MoE code (``break_*``). It has no
+side effects on the user's model or compiled model: no Dynamo cache is reset (a model compiled
+before runs on without recompiling), its own cache entries are dropped afterwards, expert weights
+are not re-homed (the compile does that), and RNG state and buffers are restored.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import inspect
 
 import torch
 
 from .debug import format_records
-from .records import REFUSED, REWRITTEN, RegionRecord, recording
+from .records import REFUSED, REWRITTEN, RegionRecord, Session, recording
 
-_MOE_WORDS = ("expert", "moe", "router", "routing", "gate", "topk", "top_k", "where", "nonzero", "tolist",
-              "bincount", "one_hot", "histc", "split")
+# explain's backend: AOTAutograd with eager kernels (quick), and nothing that touches the user's
+# tensors (re-homing ModuleList weights moves them into a new buffer: the compile does that)
+_EXPLAIN_OPTIONS = {"moe.inductor": False, "moe.disable": ("rehome_weights",)}
 
 
 @dataclasses.dataclass(frozen=True)
 class GraphBreak:
-    where: str     # file:line in the user's code
-    reason: str
+    """A graph break, or a frame Dynamo gave up on, in MoE code."""
+    where: str          # file:line in the user's code
+    reason: str         # in full
     fix: str
-    code: str = ""
+    code: str = ""      # the user's source line
+    reason_code: str = ""   # the stable code (passes/reasons.py: break_*)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,105 +58,164 @@ class Report:
                f"{self.graphs} graph(s), {len(self.graph_breaks)} graph break(s) in MoE code"]
         if self.regions:
             out.append(format_records(self.regions))
+        notes: dict[str, list[str]] = {}   # each note once, with the regions it is about
         for r in self.regions:
-            out.extend(f"  note [{r.module}]: {n}" for n in r.notes)
+            for n in r.notes:
+                names = notes.setdefault(n, [])
+                if (r.module or "<top>") not in names:
+                    names.append(r.module or "<top>")
+        out.extend(f"  note [{', '.join(names)}]: {n}" for n, names in notes.items())
         for b in self.graph_breaks:
-            out.append(f"graph break at {b.where}: {b.reason}\n    code: {b.code}\n    fix:  {b.fix}")
+            out.append(f"graph break at {b.where} [{b.reason_code}]: {b.reason}\n    code: {b.code}\n    fix:  {b.fix}")
         return "\n".join(out)
 
 
-_FIXES = (
-    ("expert_hit", "transformers' eager experts loop iterates over a data-dependent list of hit experts, so the "
-     "experts never reach a graph. Load the model with experts_implementation=\"grouped_mm\" (the default in "
-     "transformers 5), which backend=\"moe\" rewrites."),
-    ("tolist", "`.tolist()` moves routing counts to the host (a sync, and a data-dependent Python list). Loop over "
-     "range(num_experts) unconditionally (an expert with no tokens is fine), or use fixed-length counts "
-     "(`one_hot(ids, E).sum(0)`) instead of bincount."),
-    ("item", "`.item()` syncs with the host; keep the value a tensor."),
-    ("data-dependent", "a Python `if` on tensor data (e.g. skipping empty experts) cannot be traced; remove it, "
-     "the rewritten experts handle empty groups."),
-    ("bincount", "`bincount` has a data-dependent output length; use `one_hot(ids, E).sum(0)` or "
-     "`torch.histc(ids.float(), bins=E, min=0, max=E - 1)`."),
-    ("nonzero", "a dynamic-shape op broke the graph: compile with backend=\"moe\" (it captures where/nonzero) or "
-     "fullgraph=True."),
-)
-
-
-def _fix_for(text: str) -> str:
-    low = text.lower()
-    for key, fix in _FIXES:
-        if key in low:
-            return fix
-    return "see torch._dynamo.explain for the full break reason"
-
-
-def _hard_break(fn, args, kwargs) -> GraphBreak | None:
-    """The first frame that cannot be traced at all with capture on (e.g. ``counts.tolist()`` raising
-    GuardOnDataDependentSymNode). Under the backend's ``suppress_errors`` such a frame silently runs
-    eagerly and ``explain`` counts no break, so trace once with errors surfaced."""
-    import torch._dynamo
-
-    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, suppress_errors=False):
-        try:
-            torch._dynamo.explain(fn)(*args, **kwargs)
-            return None
-        except Exception as exc:  # noqa: BLE001  (any trace failure is the break we report)
-            stack = list(getattr(exc, "real_stack", None) or [])
-            frame = stack[-1] if stack else None
-            msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            code = (frame.line or "").strip() if frame else ""
-            where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}" if frame else "?"
-            text = f"{type(exc).__name__} {msg} {code} {frame.filename if frame else ''}"
-            if not any(w in text.lower() for w in _MOE_WORDS):
-                return None
-            reason = f"{type(exc).__name__}: {msg[:160]} (the whole frame runs eagerly)"
-            fix = _fix_for(f"{code} {msg}")
-            if "split" in code and "tolist" in code:
-                fix = ("`split(x, counts.tolist())` needs the group sizes on the host. Keep them on the device: "
-                       "offsets = cumsum(counts, 0, dtype=int32) and one torch._grouped_mm(x_sorted, W[E], offs=offsets) "
-                       "over stacked expert weights (backend=\"moe\" rewrites that form), or loop over "
-                       "range(num_experts) with fixed-length one_hot(ids, E).sum(0) counts.")
-            return GraphBreak(where, reason, fix, code)
-
-
-def _breaks(fn, args, kwargs) -> tuple[list[GraphBreak], int]:
-    import torch._dynamo
-
-    hard = _hard_break(fn, args, kwargs)
-    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, suppress_errors=True):
-        try:
-            ex = torch._dynamo.explain(fn)(*args, **kwargs)
-        except Exception as exc:  # explain itself failed: report that as one break
-            return [GraphBreak("?", f"torch._dynamo.explain failed: {exc}", _fix_for(str(exc)))], 0
-    out = [hard] if hard is not None else []
-    for br in ex.break_reasons:
-        frame = br.user_stack[-1] if br.user_stack else None
-        where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}" if frame else "?"
-        code = (frame.line or "").strip() if frame else ""
-        text = f"{br.reason} {code} {frame.name if frame else ''} {frame.filename if frame else ''}"
-        if any(w in text.lower() for w in _MOE_WORDS) and not (hard and (where, code) == (hard.where, hard.code)):
-            out.append(GraphBreak(where, br.reason.splitlines()[0][:200], _fix_for(br.reason + " " + code), code))
-    return out, ex.graph_count
-
-
 def explain(model_or_fn, *args, **kwargs) -> Report:
-    """Trace ``model_or_fn(*args, **kwargs)`` with the moe backend and report every MoE region.
+    """Trace ``model_or_fn(*args, **kwargs)`` once with the moe backend and report every MoE region,
+    every MoE-like piece of code no region covers, and every graph break in MoE code.
 
-    Runs the forward twice (torch._dynamo.explain for graph breaks, then the moe backend with
-    AOTAutograd only, no Inductor, so it is quick). Like torch._dynamo.explain it resets Dynamo's
-    caches: other compiled functions recompile on their next call."""
-    import torch._dynamo
-
+    Without side effects: the user's compiled model keeps its compiled code (no Dynamo reset, so no
+    recompile after explain), its parameters keep their storage, buffers and RNG state are restored,
+    and explain's own Dynamo cache entries are dropped when it returns."""
     from .backend import capture_ctx, moe_backend
 
-    def backend(gm, example_inputs):  # a fresh callable per call: a fresh trace, not a cache hit
-        return moe_backend(gm, example_inputs, options={"moe.inductor": False})
+    fn = _unwrap(model_or_fn)
+    session = Session(quiet=True)
+    graphs = [0]
 
-    backend.moe_capture_ctx = capture_ctx
-    # first: torch._dynamo.explain resets Dynamo, which also clears frames that an earlier compile
-    # with capture off marked as skipped (they would otherwise never reach our backend here)
-    breaks, _ = _breaks(model_or_fn, args, kwargs)
-    with recording() as graphs:
-        torch.compile(model_or_fn, backend=backend)(*args, **kwargs)
-    records = tuple(r for g in graphs for r in g)
-    return Report(records, tuple(breaks), len(graphs))
+    def backend(gm, example_inputs):  # a fresh callable per call: a fresh trace, not a cache hit
+        graphs[0] += 1
+        return moe_backend(gm, example_inputs, options=dict(_EXPLAIN_OPTIONS))
+
+    backend.moe_capture_ctx = functools.partial(capture_ctx, session=session)
+    with _no_side_effects(fn, args, kwargs) as tried, recording() as published:
+        torch.compile(fn, backend=backend, **_isolated())(*args, **kwargs)
+    records = list(dict.fromkeys(r for g in published for r in g))
+    seen = {r.where for r in records if r.is_break}
+    records += [r for r in _earlier_skips(fn, tried) if r.where not in seen]
+    regions = tuple(r for r in records if not r.is_break)
+    regions = tuple(_explain_notes(r) for r in regions)
+    breaks = tuple(dict.fromkeys(GraphBreak(r.where, r.reason, r.fix, r.source, r.code)
+                                 for r in records if r.is_break))
+    return Report(regions, breaks, graphs[0])
+
+
+def _unwrap(fn):
+    """The user's module or function behind a torch.compile wrapper."""
+    fn = getattr(fn, "_orig_mod", fn)
+    return getattr(fn, "_torchdynamo_orig_callable", fn)
+
+
+def _explain_notes(r: RegionRecord) -> RegionRecord:
+    if r.status == REWRITTEN and any(o.startswith("grouped_mm_list") for o in r.ops):
+        note = ("ModuleList expert weights: torch.compile(backend=\"moe\") moves them into one buffer per linear "
+                "when it compiles (same Parameters and values; explain() leaves them in place; "
+                "options={\"moe.rehome_weights\": False} keeps them where they are)")
+        return dataclasses.replace(r, notes=r.notes + (note,))
+    return r
+
+
+def _earlier_skips(fn, tried: set) -> list[RegionRecord]:
+    """Frames of this model that an earlier moe compile saw Dynamo give up on and that explain's own
+    trace did not try (Dynamo never traces a skipped frame again)."""
+    from . import backend
+
+    if not backend._skipped:
+        return []
+    spans = []
+    objs = [type(m) for m in fn.modules()] if isinstance(fn, torch.nn.Module) else [fn]
+    for obj in dict.fromkeys(objs):
+        try:
+            lines, first = inspect.getsourcelines(obj)
+            spans.append((inspect.getsourcefile(obj), first, first + len(lines)))
+        except (OSError, TypeError):
+            continue
+    return [r for (file, line), (frame, r) in backend._skipped.items()
+            if frame not in tried and any(file == f and lo <= line < hi for f, lo, hi in spans)]
+
+
+def _isolated() -> dict:
+    """torch.compile keyword that gives explain's compile its own recompile budget (torch >= 2.13)."""
+    return {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
+
+
+@contextlib.contextmanager
+def _no_side_effects(fn, args, kwargs):
+    """Restore what running the model once under a fresh compile changes: RNG state, buffers (values and
+    objects) and Dynamo's caches (explain's entries dropped, frames it made Dynamo skip re-enabled)."""
+    import torch._dynamo  # noqa: F401
+    from torch._dynamo.utils import get_compilation_metrics
+
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    module = fn if isinstance(fn, torch.nn.Module) else None
+    if module is not None:
+        tensors += list(module.parameters())
+    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    buffers = [(m, name, b, b.detach().clone()) for m in (module.modules() if module is not None else ())
+               for name, b in m._buffers.items() if b is not None]
+    caches = _dynamo_entries()
+    t0 = max([getattr(m, "start_time_us", 0) or 0 for m in get_compilation_metrics()] + [0])
+    limits = contextlib.nullcontext() if _isolated() else torch._dynamo.config.patch(
+        recompile_limit=1 << 30, accumulated_recompile_limit=1 << 30)
+    tried: set = set()   # (file, first line, name) of every frame Dynamo tried in the block
+    try:
+        with torch.random.fork_rng(devices=devices), limits:
+            yield tried
+    finally:
+        with torch.no_grad():
+            for m, name, b, saved in buffers:
+                if m._buffers.get(name) is not b:
+                    m._buffers[name] = b
+                if b.shape == saved.shape:
+                    b.copy_(saved)
+        new = [m for m in get_compilation_metrics() if (getattr(m, "start_time_us", 0) or 0) > t0]
+        tried.update((m.co_filename, m.co_firstlineno, m.co_name) for m in new)
+        _drop_new_entries(caches, {(m.co_filename, m.co_firstlineno, m.co_name) for m in new
+                                   if getattr(m, "fail_type", None)})
+
+
+def _dynamo_entries() -> dict:
+    """id(code) -> (code, its cache entries) for every code object Dynamo has seen (the entries
+    themselves are held: their Python wrappers keep their identity only while referenced)."""
+    from torch._dynamo.convert_frame import input_codes
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    out = {}
+    for ref in list(input_codes.seen):
+        code = ref()
+        if code is not None:
+            out[id(code)] = (code, list(_debug_get_cache_entry_list(code)))
+    return out
+
+
+def _drop_new_entries(before: dict, failed: set) -> None:
+    """Undo explain's mark on Dynamo's caches: a code object with no cache entry before is reset (its
+    entries and skip mark go); one with the user's entries keeps them, explain's entries are
+    invalidated (never matched again; torch >= 2.13) and a skip mark explain caused is lifted."""
+    import torch._C._dynamo.eval_frame as ef
+
+    after = _dynamo_entries()
+    for key, (code, entries) in after.items():
+        old = before[key][1] if key in before and before[key][0] is code else []
+        new = [e for e in entries if not any(e is o for o in old)]
+        tried = (code.co_filename, code.co_firstlineno, code.co_name) in failed
+        if not new and not tried:
+            continue
+        if not old:
+            ef.reset_code(code)
+            continue
+        for e in new:
+            _invalidate(e)
+        if tried and hasattr(ef, "set_code_exec_strategy") and hasattr(ef, "_FrameExecStrategy"):
+            ef.set_code_exec_strategy(code, ef._FrameExecStrategy(ef._FrameAction.DEFAULT, ef._FrameAction.DEFAULT))
+
+
+def _invalidate(entry) -> None:
+    try:
+        from torch._dynamo.guards import DeletedGuardManagerWrapper
+
+        extra = getattr(entry.guard_manager, "extra_state", None)
+        if extra is not None and hasattr(extra, "invalidate"):
+            extra.invalidate(entry, DeletedGuardManagerWrapper("moe_compile.explain: entry of explain's own compile"))
+    except Exception:  # noqa: BLE001  (best effort: the entry stays, matched only by explain's backend)
+        pass

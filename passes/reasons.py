@@ -137,6 +137,55 @@ REASONS: dict[str, Reason] = {
                             "a bug in moe_compile: please report it with moe_compile.explain's output"),
     "lowering_error": Reason("lower_region failed: {error}",
                              "a bug in moe_compile: please report it with moe_compile.explain's output"),
+    # ---- never silent (passes/unclaimed.py): MoE-like code that no region covers, graph breaks in MoE code
+    "compile_error": Reason(
+        "compiling the rewritten graph failed ({error}); the graph was compiled unrewritten",
+        "a bug in moe_compile: please report it with moe_compile.explain's output (options={\"moe.strict\": True} "
+        "raises the error instead)"),
+    "moe_unmatched": Reason(
+        "looks like an MoE layer (a top-{k} router over {e} experts at {router_at} feeds {evidence}) but matches no "
+        "form the backend rewrites{disabled}; it is compiled as written",
+        "write the layer in a supported form (docs/architecture.md, \"Forms\"), e.g. `for e in range(E): tok, slot = "
+        "torch.where(ids == e); out.index_add_(0, tok, w[tok, slot, None] * experts[e](x[tok]))`, or 3-D expert "
+        "weights with sort + torch._grouped_mm as transformers' grouped_mm experts do; if the layer is already "
+        "written so, please report it with moe_compile.explain's output"),
+    "break_expert_hit_hf": Reason(
+        "{what} at {at}: transformers' eager experts loop `{source}` iterates over a data-dependent list of the "
+        "experts that got tokens{effect}",
+        "load the model with experts_implementation=\"grouped_mm\" (or call "
+        "model.set_experts_implementation(\"grouped_mm\")): {cls} supports it, and backend=\"moe\" rewrites it"),
+    "break_expert_hit": Reason(
+        "{what} at {at}: `{source}` loops over a data-dependent list of the experts that got tokens{effect}",
+        "{cls} has no experts_implementation switch (transformers' @use_experts_implementation is not applied to "
+        "it): loop over every expert instead, `for expert_idx in range(num_experts):` (an expert without tokens is "
+        "fine: the rewrite handles empty groups), e.g. in a subclass whose forward replaces the loop"),
+    "break_split_sizes": Reason(
+        "{what} at {at}: `{source}` needs the group sizes on the host (a sync and a data-dependent Python "
+        "list){effect}",
+        "keep the sizes on the device: offsets = cumsum(counts, 0, dtype=torch.int32) and one "
+        "torch._grouped_mm(x_sorted, W, offs=offsets) over stacked expert weights W [E, ...] (backend=\"moe\" "
+        "rewrites that form), or loop over range(num_experts) with torch.where(ids == e)"),
+    "break_tolist": Reason(
+        "{what} at {at}: `{source}` moves routing counts to the host (a sync, and a data-dependent Python "
+        "list){effect}",
+        "loop over range(num_experts) unconditionally (an expert with no tokens is fine), or use fixed-length "
+        "counts (`one_hot(ids, E).sum(0)`) instead of bincount"),
+    "break_item": Reason("{what} at {at}: `{source}` syncs with the host (`.item()`){effect}",
+                         "keep the value a tensor"),
+    "break_data_dependent": Reason(
+        "{what} at {at}: `{source}` branches on tensor data (e.g. skipping experts without tokens){effect}",
+        "remove the branch: the rewritten experts handle empty groups"),
+    "break_bincount": Reason(
+        "{what} at {at}: `{source}`: bincount has a data-dependent output length{effect}",
+        "use `one_hot(ids, E).sum(0)` or `torch.histc(ids.float(), bins=E, min=0, max=E - 1)`"),
+    "break_dynamic_shape": Reason(
+        "{what} at {at}: `{source}` has a data-dependent output shape and data-dependent capture is off{effect}",
+        "leave options[\"moe.capture_dynamic\"] at True (the default): backend=\"moe\" then captures "
+        "where/nonzero/boolean masks"),
+    "break_other": Reason(
+        "{what} at {at}: `{source}`: {reason}{effect}",
+        "move the code Dynamo cannot trace out of the MoE layer, or write it with tensor ops; TORCH_LOGS="
+        "\"graph_breaks\" prints Dynamo's full explanation"),
 }
 
 

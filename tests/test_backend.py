@@ -113,6 +113,41 @@ def test_unknown_option_lists_allowed_keys():
     assert "moe.foo" in str(err) and "moe.debug" in str(err) and "moe.disable" in str(err)
 
 
+@pytest.mark.parametrize("key, value, expect", [
+    ("epilogue_fusionn", False, "did you mean 'epilogue_fusion'"),   # a typo in an Inductor option
+    ("max_autotune", "yes", "must be a bool"),                        # a value of the wrong type
+    ("moe.debugg", True, "did you mean 'moe.debug'"),
+])
+def test_bad_option_raises_before_tracing(key, value, expect):
+    """A bad option reaches the user as ValueError on the first call, naming the key and the allowed
+    ones, before Dynamo traces anything: raised inside the backend, Dynamo's suppress_errors (on in the
+    capture scope) would run the model eagerly with exit code 0."""
+    torch._dynamo.reset()
+    before = dict(records.counters)
+    frames = torch._dynamo.utils.counters["frames"]["total"]
+    cm = torch.compile(make_model(spelling="index_add"), backend="moe", options={key: value})
+    with pytest.raises(ValueError) as info:
+        cm(make_input((6, 16)))
+    assert repr(key) in str(info.value) and expect in str(info.value)
+    assert "moe.debug" in str(info.value) or "must be" in str(info.value)  # the allowed keys are listed
+    assert dict(records.counters) == before
+    assert torch._dynamo.utils.counters["frames"]["total"] == frames, "Dynamo traced a frame with a bad option"
+
+
+def test_bad_mode_raises_before_tracing():
+    torch._dynamo.reset()
+    cm = torch.compile(make_model(spelling="index_add"), backend="moe", mode="fastest")
+    with pytest.raises(ValueError, match="moe.mode='fastest'.*max-autotune"):
+        cm(make_input((6, 16)))
+
+
+def test_inductor_options_normalised():
+    from moe_compile.config import MoEConfig
+
+    _, rest = MoEConfig.from_options(None, {"max-autotune": False, "triton.cudagraphs": False})
+    assert rest == {"max_autotune": False, "triton.cudagraphs": False}
+
+
 def test_config_validation():
     from moe_compile.config import MoEConfig
 
@@ -191,8 +226,14 @@ def test_inductor_defaults_only_for_list_regions():
 
 
 def test_disable_pass_leaves_model_unrewritten():
+    """Without its finder the loop is not rewritten, and not silently: the unclaimed-MoE detector
+    lists it, naming the disabled finder."""
     m = make_model(spelling="where_setitem")
-    check_compiled(m, [make_input((6, 16))], expect_rewritten=0, options={"moe.disable": ("loop_regions",)})
+    with records.recording() as graphs:
+        check_compiled(m, [make_input((6, 16))], expect_rewritten=0, expect_refused=1,
+                       options={"moe.disable": ("loop_regions",)})
+    (r,) = {r for g in graphs for r in g}
+    assert r.code == "moe_unmatched" and "loop_regions are disabled by moe.disable" in r.reason, r
 
 
 def test_matcher_exception_leaves_graph_unchanged(monkeypatch, caplog):

@@ -1,4 +1,5 @@
-"""moe_compile.explain(): regions rewritten (module, form, status, ops) and refused (with a reason)."""
+"""moe_compile.explain(): regions rewritten (module, form, status, ops) and refused (with a reason), notes
+once per region, and no side effects on the user's model or compiled model."""
 from __future__ import annotations
 
 import torch
@@ -6,6 +7,7 @@ import torch.nn as nn
 
 import moe_compile
 from helpers import make_input, make_model
+from moe_compile import records
 
 
 class Block(nn.Module):
@@ -88,3 +90,121 @@ def test_explain_notes_many_list_weights():
     (r,) = many.rewritten
     assert any("96 per-expert weight tensors" in n and "reduce-overhead" in n for n in r.notes), r.notes
     assert not any("per-expert weight tensors" in n for r in few.rewritten for n in r.notes)
+
+
+class Counting(nn.Module):
+    """An MoE block whose forward also updates a buffer and draws random numbers (dropout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe = Block(spelling="index_add", e=4, k=2)
+        self.register_buffer("calls", torch.zeros(()))
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.drop(self.moe(x))
+
+
+def _compiled_once(**options):
+    """A Counting model compiled with a counting moe backend and called once."""
+    from moe_compile.backend import capture_ctx
+
+    torch._dynamo.reset()
+    model, calls = Counting(), []
+
+    def backend(gm, example_inputs):
+        calls.append(1)
+        return moe_compile.moe_backend(gm, example_inputs, options={"moe.inductor": False, **options})
+
+    backend.moe_capture_ctx = capture_ctx
+    compiled = torch.compile(model, backend=backend)
+    compiled(make_input((2, 5, 16)))
+    return model, compiled, calls
+
+
+def test_explain_keeps_the_compiled_code():
+    """compile, call, explain (more often than Dynamo's recompile limit, on the model and on the compiled
+    model), call again: no recompile, and every explain sees the region."""
+    model, compiled, calls = _compiled_once()
+    x = make_input((2, 5, 16))
+    for _ in range(torch._dynamo.config.recompile_limit + 2):
+        for target in (model, compiled):
+            rep = moe_compile.explain(target, x)
+            assert len(rep.rewritten) == 1 and not rep.refused, str(rep)
+    frames = torch._dynamo.utils.counters["frames"]["total"]
+    for seed in range(3):
+        compiled(make_input((2, 5, 16), seed=seed))
+    assert torch._dynamo.utils.counters["frames"]["total"] == frames, "the compiled model recompiled after explain"
+    assert len(calls) == 1
+
+
+def test_explain_leaves_weights_buffers_and_rng():
+    """The same parameter storages (explain does not re-home ModuleList weights), buffers and RNG state."""
+    model, compiled, _ = _compiled_once(**{"moe.rehome_weights": False})
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    rng = torch.random.get_rng_state()
+    rep = moe_compile.explain(compiled, make_input((2, 5, 16)))
+    assert len(rep.rewritten) == 1, str(rep)
+    assert [p.data_ptr() for p in model.parameters()] == ptrs, "explain() moved parameters"
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers()), "explain() changed buffers"
+    assert torch.equal(torch.random.get_rng_state(), rng), "explain() consumed random numbers"
+
+
+def test_explain_before_compile_changes_nothing():
+    """A model explained before it is compiled compiles as if explain had never run."""
+    torch._dynamo.reset()
+    x = make_input((2, 5, 16))
+    fresh = Counting()
+    moe_compile.explain(fresh, x)
+    with records.recording() as graphs:
+        torch.compile(fresh, backend="moe", options={"moe.inductor": False})(x)
+    assert [r.status for g in graphs for r in g] == ["rewritten"]
+
+
+def test_explain_notes_once_per_region():
+    """Each region carries its own notes; the report prints each note once, naming its regions."""
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = make_model(h=16, i=8, e=32, k=2, spelling="index_add")
+            self.b = make_model(h=16, i=8, e=4, k=2, spelling="index_add")
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    rep = moe_compile.explain(Two(), make_input((7, 16)))
+    a, b = sorted(rep.rewritten, key=lambda r: r.module)
+    assert any("96 per-expert weight tensors" in n for n in a.notes), a.notes
+    assert not any("per-expert weight tensors" in n for n in b.notes), b.notes   # a's note is a's only
+    text = str(rep)
+    for note in set(a.notes) | set(b.notes):
+        assert text.count(note) == 1, (note, text)
+
+
+def test_refusal_is_one_word():
+    """User-visible text calls a refusal "refused", never anything else."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    files = [*root.glob("moe_compile/*.py"), *root.glob("passes/*.py"), *root.glob("lowering/*.py"),
+             root / "README.md", *root.glob("docs/*.md")]
+    hits = [f"{f.name}:{i}" for f in files for i, line in enumerate(f.read_text().splitlines(), 1)
+            if re.search(r"\breject", line, re.I)]
+    assert not hits, hits
+
+
+def test_docs_and_tests_name_no_outside_files():
+    """No machine paths in tests, no references to files outside the repository in docs or README."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    bad = re.compile(r"(/work/|/root/|/home/|/tmp/|\.\./shared|shared/notes|[A-Z]:\\\\)")
+    files = [*root.glob("tests/**/*.py"), root / "README.md", *root.glob("docs/*.md")]
+    hits = [f"{f.relative_to(root)}:{i}" for f in files for i, line in enumerate(f.read_text().splitlines(), 1)
+            if bad.search(line) and f.name != "test_explain.py"]
+    assert not hits, hits

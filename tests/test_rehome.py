@@ -59,6 +59,7 @@ def test_rehome_can_be_disabled_and_is_reported():
     torch.compile(model, backend="moe", options={"moe.inductor": False, "moe.rehome_weights": False})(
         make_input((2, 4, 16)))
     assert _storages(model)[1] == before
+    # explain() has no side effects: it leaves the weights where they are and says the compile moves them
     report = moe_compile.explain(model, make_input((2, 4, 16)))
-    assert report.rewritten and any("re-homed" in n for n in report.rewritten[0].notes), str(report)
-    assert len(_storages(model)[1]) == 1
+    assert report.rewritten and any("one buffer per linear" in n for n in report.rewritten[0].notes), str(report)
+    assert _storages(model)[1] == before

@@ -1,0 +1,453 @@
+"""unclaimed: code that looks like MoE but that no region covers, and graph breaks in MoE code (finds only).
+
+The backend must never be silent about an MoE layer it did not rewrite. The finders
+(``loop_regions``, ``grouped_regions``) report what they recognise, rewritten or refused; this
+module finds the rest, from the graph and from Dynamo's own records:
+
+``find_unclaimed(gm, example_inputs, candidates)``
+    A *router* is the index output of ``topk`` / ``max(dim)`` / ``argmax``. It looks like an MoE
+    router when what it selects reaches *expert compute* of the same layer (module paths share the
+    MoE block, never two elements of one ModuleList):
+
+    stacked     a matmul-class op (linear, matmul, mm, bmm, einsum, grouped_mm) on a parameter of
+                3 or more dims whose first dim is the router's expert count (``W[E, ...]``, ``W[e]``,
+                ``W[ids]``)
+    selected    a matmul-class op on a 2-D parameter applied to rows picked by a per-expert
+                selection of the ids (``ids == e``, ``one_hot``, ``where``/``nonzero``)
+    gathered    a parameter's rows gathered by the routed ids (``W[ids]``, ``embedding(ids, W)``) that
+                feed a matmul or a product directly
+    weighted    the outputs of a stacked matmul multiplied by a tensor built from the ids (a dense
+                routing matrix)
+
+    A router is *claimed* when a candidate region uses it (its ids come from the same top-k, or it
+    feeds one that does), when its evidence lies inside a candidate region, or when a candidate
+    (refused before it could be assembled) names the same module. Every unclaimed router is one
+    ``Unclaimed`` finding with code ``moe_unmatched``.
+
+``escaping_routers(gm)``
+    Routers whose ids leave the graph (reach its output): the graph ends inside MoE code.
+
+``classify_break(frames, reason)`` / ``in_moe_code(frames)``
+    The reason code and fix of a graph break or skipped frame from its user stack (file, line, name,
+    source line); whether that stack is MoE code (class or function names such as ``*Experts``,
+    ``*SparseMoeBlock``, ``*Router``, ``*MoE``; source lines naming experts, routers or top-k).
+"""
+from __future__ import annotations
+
+import dataclasses
+import linecache
+import re
+
+import torch
+import torch.fx as fx
+
+from .normalize import arg, canon, common_module, module_path, val, where_in_user_code
+
+MATMULS = {"linear", "matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum", "_grouped_mm", "grouped_mm",
+           "transformers::grouped_mm_fallback", "moe_compile::grouped_mm", "moe_compile::grouped_mm_list",
+           "moe_compile::grouped_mm_list_cat"}
+# ops that keep a parameter a parameter (views, casts, per-expert indexing)
+_PARAM_VIEWS = {"view", "reshape", "transpose", "permute", "t", "contiguous", "to", "float", "half", "bfloat16",
+                "type_as", "getitem", "index_select", "unflatten", "flatten", "expand", "chunk", "split",
+                "narrow", "squeeze", "unsqueeze", "mT", "moe_compile::ep_experts"}
+_SELECTIONS = {"eq", "one_hot", "nonzero", "argwhere"}
+_GATHERS = {"getitem", "index_select", "embedding", "take", "gather", "F.embedding"}
+_INPLACE = {"setitem", "index_put_", "index_add_", "index_copy_", "scatter_", "scatter_add_", "scatter_reduce_",
+            "masked_fill_", "masked_scatter_", "copy_", "add_inplace", "mul_inplace", "iadd", "index_fill_"}
+_ID_VIEWS = {"view", "reshape", "flatten", "to", "long", "int", "contiguous", "clone", "detach", "squeeze",
+             "unsqueeze"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Unclaimed:
+    module: str
+    where: str
+    num_experts: int
+    top_k: int
+    detail: dict            # fills reasons.REASONS["moe_unmatched"]
+
+
+# ------------------------------------------------------------------------------------------ routers
+def _routers(graph: fx.Graph):
+    """(router node, its index outputs, expert count E, top_k) for every topk / max(dim) / argmax."""
+    for n in graph.nodes:
+        op = canon(n)
+        if op not in ("topk", "max", "argmax"):
+            continue
+        x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        xv = val(x)
+        if not isinstance(xv, torch.Tensor) or xv.dim() == 0:
+            continue
+        if op == "argmax":
+            dim, k, ids = arg(n, 1, "dim", None), 1, [n]
+            if dim is None:
+                continue
+        else:
+            dim = arg(n, 2, "dim", -1) if op == "topk" else arg(n, 1, "dim", None)
+            if op == "max" and not isinstance(dim, int):
+                continue  # max over everything: not a selection
+            k = arg(n, 1, "k", 1) if op == "topk" else 1
+            ids = [u for u in n.users if (canon(u) == "getitem" and len(u.args) > 1 and u.args[1] == 1)
+                   or (canon(u) == "getattr" and len(u.args) > 1 and u.args[1] == "indices")]
+        if not ids or not isinstance(dim, int):
+            continue
+        e = xv.shape[dim]
+        if not isinstance(e, int) or not isinstance(k, int) or e < 2:
+            continue
+        yield n, ids, e, k
+
+
+def router_root(ids: fx.Node) -> fx.Node | None:
+    """The topk / max / argmax node that produced ``ids`` (through casts and views), else None."""
+    n, seen = ids, 0
+    while isinstance(n, fx.Node) and seen < 32:
+        op = canon(n)
+        if op in ("topk", "max", "argmax"):
+            return n
+        if op in ("getitem", "getattr") and isinstance(n.args[0], fx.Node) and canon(n.args[0]) in ("topk", "max"):
+            return n.args[0]
+        if op in _ID_VIEWS or op == "masked_fill" and n.args and isinstance(n.args[0], fx.Node):
+            n = n.args[0]
+        else:
+            return None
+        seen += 1
+    return None
+
+
+def _reach(starts) -> set[fx.Node]:
+    """Nodes computed from ``starts``; an in-place op also taints the tensor it writes into."""
+    seen: set[fx.Node] = set()
+    stack = list(starts)
+    while stack:
+        n = stack.pop()
+        if n in seen or n.op == "output":
+            continue
+        seen.add(n)
+        stack.extend(n.users)
+        if (canon(n) or "") in _INPLACE and n.args and isinstance(n.args[0], fx.Node):
+            stack.append(n.args[0])
+    return seen
+
+
+def _param_of(n, params: set, depth: int = 8) -> fx.Node | None:
+    """The parameter node behind ``n`` (through views, casts and indexing), else None."""
+    while isinstance(n, fx.Node) and depth > 0:
+        if n in params:
+            return n
+        if (canon(n) or "") not in _PARAM_VIEWS or not n.args:
+            return None
+        n = n.args[0]
+        depth -= 1
+    return None
+
+
+def _params(gm: fx.GraphModule, example_inputs) -> set[fx.Node]:
+    """Placeholders and get_attrs that hold nn.Parameters (Dynamo lifts parameters to inputs)."""
+    out = set()
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, n in enumerate(phs):
+        real = example_inputs[i] if example_inputs is not None and i < len(example_inputs) else None
+        if isinstance(real, torch.nn.Parameter) or "_parameters" in _source_name(n):
+            out.add(n)
+    for n in gm.graph.find_nodes(op="get_attr"):
+        try:
+            if isinstance(getattr(gm, n.target), torch.nn.Parameter):
+                out.add(n)
+        except AttributeError:
+            pass
+    return out
+
+
+def _source_name(n: fx.Node) -> str:
+    src = getattr(n, "_dynamo_source", None)
+    name = getattr(src, "name", None)
+    try:
+        return str(name() if callable(name) else name or "")
+    except Exception:  # noqa: BLE001  (a source that cannot name itself is not a parameter's)
+        return ""
+
+
+def _dims(n: fx.Node) -> tuple:
+    v = val(n)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+
+
+def _local(router_mod: str, other_mod: str) -> bool:
+    """``other`` belongs to the router's MoE block: their common module is the router's module or
+    its parent, and they are not two elements of one ModuleList."""
+    r = [p for p in router_mod.split(".") if p]
+    o = [p for p in other_mod.split(".") if p]
+    i = 0
+    while i < min(len(r), len(o)) and r[i] == o[i]:
+        i += 1
+    rest_r, rest_o = r[i:], o[i:]
+    if len(rest_r) > 1:
+        return False
+    return not any(rest and rest[0].isdigit() for rest in (rest_r, rest_o))
+
+
+def _stacked(n: fx.Node, params: set, e: int) -> fx.Node | None:
+    """A matmul-class ``n`` on a parameter [E, ...] (3+ dims): the parameter, else None."""
+    if (canon(n) or "") not in MATMULS:
+        return None
+    for a in n.all_input_nodes:
+        p = _param_of(a, params)
+        if p is not None and len(_dims(p)) >= 3 and _dims(p)[0] == e:
+            return p
+    return None
+
+
+def _near_stacked(n: fx.Node, params: set, e: int, hops: int = 4) -> bool:
+    """``n`` is the output of a stacked matmul, through at most ``hops`` single-input ops."""
+    while isinstance(n, fx.Node) and hops >= 0:
+        if _stacked(n, params, e) is not None:
+            return True
+        ins = n.all_input_nodes
+        if (canon(n) or "") in MATMULS or not ins:
+            return False
+        n = ins[0]
+        hops -= 1
+    return False
+
+
+def _evidence(router: fx.Node, reach: set, params: set, e: int, skip: set, order: dict
+              ) -> list[tuple[str, fx.Node]]:
+    """(kind, node) of the expert compute that the router's selection reaches, in its MoE block."""
+    rmod = module_path(router)
+    selected = _reach([n for n in reach if (canon(n) or "") in _SELECTIONS
+                       or (canon(n) == "where" and len(n.args) == 1)])
+    found = []
+    for n in sorted(reach, key=order.__getitem__):
+        if n in skip or not _local(rmod, module_path(n)):
+            continue
+        op = canon(n) or ""
+        if op in MATMULS:
+            if _stacked(n, params, e) is not None:
+                found.append(("stacked", n))
+                continue
+            if n in selected and any(len(_dims(p)) == 2 for a in n.all_input_nodes
+                                     if (p := _param_of(a, params)) is not None):
+                found.append(("selected", n))
+                continue
+        if op in _GATHERS and n.args:
+            srcs = [a for a in n.all_input_nodes if a not in reach and _param_of(a, params) is not None
+                    and len(_dims(_param_of(a, params))) >= 2]
+            if srcs and any((canon(u) or "") in MATMULS | {"mul", "einsum"} for u in n.users):
+                found.append(("gathered", n))
+                continue
+        if op in ("mul", "einsum", "bmm", "matmul"):
+            if any(a not in reach and _near_stacked(a, params, e) for a in n.all_input_nodes):
+                found.append(("weighted", n))
+    return found
+
+
+_DESCRIBE = {
+    "stacked": "matmuls over stacked expert weights [E, ...]",
+    "selected": "linears on the rows each expert's selection picks",
+    "gathered": "expert weight rows gathered by the routed ids",
+    "weighted": "expert outputs weighted by a routing tensor built from the ids",
+}
+
+
+def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tuple = ()) -> list[Unclaimed]:
+    """Routers that look like MoE routers but that no candidate region claims (see the module doc)."""
+    routers = list(_routers(gm.graph))
+    if not routers:
+        return []
+    params = _params(gm, example_inputs)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    claimed_roots, claimed_nodes, claimed_modules = set(), set(), []
+    for c in candidates:
+        region = getattr(c, "region", None)
+        if region is not None:
+            root = router_root(region.router.ids)
+            if root is not None:
+                claimed_roots.add(root)
+            claimed_nodes |= set(region.nodes)
+        claimed_modules.append(c.module)
+    out = []
+    for router, ids, e, k in routers:
+        if router in claimed_roots:
+            continue
+        reach = _reach(ids)
+        if any(r in reach for r in claimed_roots):
+            continue  # a sub-selection of a claimed router (e.g. group-limited top-k)
+        found = _evidence(router, reach, params, e, claimed_nodes, order)
+        if not found:
+            continue
+        module = common_module([router] + [n for _, n in found])
+        if any(_same_block(module, m) for m in claimed_modules):
+            continue
+        kinds = list(dict.fromkeys(kind for kind, _ in found))
+        first = found[0][1]
+        at = where_in_user_code(first) or "?"
+        evidence = " and ".join(f"{_DESCRIBE[kind]} (`{next(n for kd, n in found if kd == kind).name}`)"
+                                for kind in kinds)
+        detail = {"k": k, "e": e, "router_at": where_in_user_code(router) or "?", "evidence": evidence,
+                  "disabled": f" (the finders {', '.join(disabled)} are disabled by moe.disable)" if disabled else ""}
+        out.append(Unclaimed(module, at, e, k, detail))
+    return out
+
+
+def _same_block(a: str, b: str) -> bool:
+    """One dotted module path is the other or contains it."""
+    if a == b:
+        return True
+    short, long_ = sorted((a, b), key=len)
+    return short == "" or long_.startswith(short + ".")
+
+
+def escaping_routers(gm: fx.GraphModule) -> list[fx.Node]:
+    """Routers whose ids reach the graph's output through views: the routing leaves the graph."""
+    out_nodes = set(gm.graph.find_nodes(op="output"))
+    found = []
+    for router, ids, _e, _k in _routers(gm.graph):
+        stack, seen = list(ids), set()
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if any(u in out_nodes for u in n.users):
+                found.append(router)
+                break
+            stack.extend(u for u in n.users if (canon(u) or "") in _ID_VIEWS)
+    return found
+
+
+# ------------------------------------------------------------------------------------ graph breaks
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    """One frame of a user stack: file, line number, function name, source line."""
+    filename: str
+    lineno: int
+    name: str
+    line: str = ""
+
+    @property
+    def at(self) -> str:
+        return f"{self.filename.rsplit('/', 1)[-1]}:{self.lineno}"
+
+    @property
+    def source(self) -> str:
+        return (self.line or linecache.getline(self.filename, self.lineno) or "").strip()
+
+
+_MOE_NAME = re.compile(r"expert|router|routing|top_?k|gating|sparse_?moe|moe_?(block|layer|mlp)|moe$|^moe", re.I)
+_MOE_LINE = re.compile(r"expert|router|routing|top_?k", re.I)
+_CLASS = re.compile(r"^class\s+(\w+)")
+
+
+def enclosing_class(filename: str, lineno: int) -> tuple[str, int]:
+    """(name, line) of the top-level class whose body holds ``filename:lineno`` ('' if none)."""
+    for i in range(lineno, 0, -1):
+        line = linecache.getline(filename, i)
+        if line and not line[0].isspace() and line.strip() and not line.startswith(("#", "@", ")")):
+            m = _CLASS.match(line)
+            return (m.group(1), i) if m else ("", 0)
+    return "", 0
+
+
+def declares_experts_implementation(filename: str, lineno: int) -> bool:
+    """The class holding ``filename:lineno`` is decorated with transformers' @use_experts_implementation
+    (so ``experts_implementation="grouped_mm"`` applies to it), and transformers has that implementation."""
+    cls, at = enclosing_class(filename, lineno)
+    if not cls:
+        return False
+    i = at - 1
+    while i > 0 and linecache.getline(filename, i).startswith("@"):
+        if "use_experts_implementation" in linecache.getline(filename, i):
+            try:
+                from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+            except ImportError:
+                return False
+            return "grouped_mm" in ALL_EXPERTS_FUNCTIONS
+        i -= 1
+    return False
+
+
+def in_moe_code(frames) -> bool:
+    """Whether a user stack is inside MoE code (names of its classes and functions, its source line)."""
+    frames = list(frames)
+    for f in frames:
+        cls, _ = enclosing_class(f.filename, f.lineno)
+        if _MOE_NAME.search(cls) or _MOE_NAME.search(f.name or ""):
+            return True
+    return bool(frames) and bool(_MOE_LINE.search(frames[-1].source))
+
+
+def classify_break(frames, reason: str) -> tuple[str, dict]:
+    """(reason code, message detail) for a graph break whose innermost user frame is ``frames[-1]``."""
+    f = list(frames)[-1] if frames else Frame("?", 0, "?")
+    src = f.source
+    low = f"{src} {reason}".lower()
+    cls, _ = enclosing_class(f.filename, f.lineno)
+    detail = {"at": f.at, "source": src or "?", "reason": " ".join(reason.split()) or "?", "cls": cls or "this class"}
+    if "expert_hit" in src:
+        code = "break_expert_hit_hf" if declares_experts_implementation(f.filename, f.lineno) else "break_expert_hit"
+    elif "split" in src and "tolist" in src:
+        code = "break_split_sizes"
+    elif "tolist" in src:
+        code = "break_tolist"
+    elif ".item()" in src:
+        code = "break_item"
+    elif "bincount" in src:
+        code = "break_bincount"
+    elif "data-dependent branching" in low or (src.startswith(("if ", "elif ", "while ")) and "data-dependent" in low):
+        code = "break_data_dependent"
+    elif "dynamic shape operator" in low or "dynamic_output_shape" in low or "nonzero" in low:
+        code = "break_dynamic_shape"
+    elif "data-dependent" in low or "guardondatadependentsymnode" in low:
+        code = "break_data_dependent"
+    else:
+        code = "break_other"
+    return code, detail
+
+
+def break_fix(code: str, detail: dict) -> str:
+    """The fix of a ``break_*`` code, its template filled from the break's detail."""
+    from . import reasons
+
+    class _Missing(dict):
+        def __missing__(self, key):
+            return "?"
+
+    return reasons.fix(code).format_map(_Missing(detail))
+
+
+def graph_break(gm: fx.GraphModule, candidates) -> tuple[str, str, str, dict] | None:
+    """(module, where, code, detail) of the graph break that ended ``gm`` (Dynamo's
+    ``compile_subgraph_reason``) when it is in MoE code: its user stack is MoE code, or a router
+    that no candidate claims sends its ids out of the graph. Else None."""
+    why = getattr(gm, "compile_subgraph_reason", None)
+    if why is None or not getattr(why, "graph_break", False):
+        return None
+    frames = [Frame(f.filename, f.lineno or 0, f.name, getattr(f, "line", "") or "")
+              for f in (getattr(why, "user_stack", None) or [])]
+    claimed = {router_root(c.region.router.ids) for c in candidates if getattr(c, "region", None) is not None}
+    escaping = [r for r in escaping_routers(gm) if r not in claimed]
+    if not escaping and not in_moe_code(frames):
+        return None
+    code, detail = classify_break(frames, str(getattr(why, "reason", "") or ""))
+    detail.update(what="graph break", effect="; Dynamo splits the graph there, so no MoE region can span it")
+    calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    module = module_path(escaping[0]) if escaping else (module_path(calls[-1]) if calls else "")
+    return module, detail["at"], code, detail
+
+
+def unclaimed_records(gm: fx.GraphModule, example_inputs, candidates, disabled: tuple = ()) -> list:
+    """The refused ``RegionRecord``s of one graph for what no candidate covers: MoE-like routers
+    (``moe_unmatched``) and the graph break that ended the graph in MoE code (``break_*``)."""
+    from moe_compile.records import REFUSED, RegionRecord
+
+    from . import reasons
+
+    out = [RegionRecord(u.module, "unmatched", REFUSED, reasons.message("moe_unmatched", u.detail), (), u.where,
+                        u.num_experts, u.top_k, code="moe_unmatched", fix=reasons.fix("moe_unmatched"))
+           for u in find_unclaimed(gm, example_inputs, candidates, disabled)]
+    brk = graph_break(gm, candidates)
+    if brk is not None:
+        module, where, code, detail = brk
+        out.append(RegionRecord(module, "graph break", REFUSED, reasons.message(code, detail), (), where, code=code,
+                                fix=break_fix(code, detail), source=detail["source"]))
+    return out

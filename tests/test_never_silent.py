@@ -1,0 +1,334 @@
+"""Never silent, never hidden: what looks like MoE and was not rewritten is listed by explain() and
+logged once at WARNING when compiling (per compiled model and region, not per call or recompile);
+graph breaks and frames Dynamo gave up on in MoE code say how to fix them (fullgraph=True included);
+our own failures compile the graph unrewritten with a warning (raise with moe.strict) and never
+become a quiet eager run; a region counts as rewritten only once the code that runs contains it."""
+from __future__ import annotations
+
+import copy
+import logging
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+
+import moe_compile
+import moe_compile.backend as backend
+from helpers import SwiGLU, check_compiled, make_input, make_model
+from moe_compile import records
+
+OPTS = {"moe.inductor": False}
+
+
+def _warnings(caplog, code: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and f"[{code}]" in r.getMessage()]
+
+
+def _nothing(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "rewrote no MoE region" in r.getMessage()]
+
+
+@pytest.fixture
+def unknown_forms(monkeypatch):
+    """Both finders recognise nothing: every MoE layer is a form the backend does not know."""
+    import moe_compile.passes.grouped_regions as gr
+    import moe_compile.passes.loop_regions as lr
+
+    monkeypatch.setattr(lr, "find_loop_regions", lambda gm, *a, **k: [])
+    monkeypatch.setattr(gr, "find_grouped_regions", lambda gm, *a, **k: [])
+
+
+class TwoLayers(nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(make_model(**kw) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+# ------------------------------------------------------------------------------ MoE-like, not claimed
+@pytest.mark.parametrize("spelling, expert", [("where_setitem", "swiglu"), ("index_add", "stacked_chunk")])
+def test_unclaimed_moe_is_listed_and_warned_once(unknown_forms, caplog, spelling, expert):
+    """A form no finder knows: one moe_unmatched record per layer, in explain() and in the counters;
+    one warning per layer and one nothing-rewritten warning over three calls and a recompile."""
+    model = TwoLayers(spelling=spelling, expert=expert, e=4, k=2)
+    rep = moe_compile.explain(model, make_input((6, 16)))
+    assert [r.code for r in rep.refused] == ["moe_unmatched"] * 2, str(rep)
+    assert sorted(r.module for r in rep.refused) == ["layers.0", "layers.1"], str(rep)
+    r = rep.refused[0]
+    assert "top-2 router over 4 experts" in r.reason and "helpers.py:" in r.reason and r.fix, r
+    assert "moe_unmatched" in str(rep) and r.fix in str(rep)
+
+    torch._dynamo.reset()
+    cm = torch.compile(model, backend="moe", options=OPTS)
+    before = records.counters["refused"]
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        for n in (6, 6, 6, 9):              # the last shape recompiles
+            cm(make_input((n, 16), seed=n))
+    assert records.counters["refused"] - before >= 2
+    warned = _warnings(caplog, "moe_unmatched")
+    assert len(warned) == 2 and all("fix:" in w for w in warned), warned
+    assert len(_nothing(caplog)) == 1
+    # another compile of the model reuses Dynamo's cached code: nothing is compiled, nothing warned twice;
+    # once Dynamo's cache is reset it compiles again, and warns again, once
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        cm2 = torch.compile(copy.deepcopy(model), backend="moe", options=OPTS)
+        cm2(make_input((6, 16)))
+        assert not caplog.records, caplog.text
+        torch._dynamo.reset()
+        cm2(make_input((6, 16)))
+        cm2(make_input((6, 16)))
+    assert len(_warnings(caplog, "moe_unmatched")) == 2 and len(_nothing(caplog)) == 1
+
+
+def test_must_not_match_is_not_flagged():
+    """A top-k and a scatter-add with no expert weights, attention, a dense MLP: not MoE."""
+    from test_backend import Attention, DenseMLP, TopkNoExperts
+
+    for cls in (TopkNoExperts, Attention, DenseMLP):
+        torch.manual_seed(0)
+        rep = moe_compile.explain(cls(), make_input((2, 5, 16)))
+        assert not rep.regions and not rep.graph_breaks, (cls.__name__, str(rep))
+
+
+def test_nothing_rewritten_warns_once_and_rewritten_model_is_quiet(caplog):
+    from test_backend import DenseMLP
+
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        cm = torch.compile(DenseMLP(), backend="moe", options=OPTS)
+        for seed in range(3):
+            cm(make_input((3, 16), seed=seed))
+    assert len(_nothing(caplog)) == 1 and "no MoE layer was found" in _nothing(caplog)[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        m = make_model(spelling="index_add")
+        cm = torch.compile(m, backend="moe", options=OPTS)
+        cm(make_input((6, 16)))
+        cm(make_input((6, 16), seed=1))
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+# ------------------------------------------------------------------------------ graph breaks
+class SkipEmptyMoE(nn.Module):
+    """DeepSeek-style: counts on the host to skip experts without tokens (Dynamo gives up on the frame)."""
+
+    def __init__(self, h=16, i=8, e=4, k=2):
+        super().__init__()
+        self.k = k
+        self.gate = nn.Linear(h, e, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(h, i) for _ in range(e))
+
+    def forward(self, x):
+        w, ids = torch.topk(self.gate(x).softmax(-1), self.k, dim=-1)
+        counts = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            if counts[e] == 0:
+                continue
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, expert(x[tok]) * w[tok, slot, None])
+        return out
+
+
+class BreakMoE(SkipEmptyMoE):
+    """A graph break between the router and the experts."""
+
+    def forward(self, x):
+        w, ids = torch.topk(self.gate(x).softmax(-1), self.k, dim=-1)
+        torch._dynamo.graph_break()
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, expert(x[tok]) * w[tok, slot, None])
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self, moe):
+        super().__init__()
+        self.norm, self.moe = nn.LayerNorm(16), moe
+
+    def forward(self, x):
+        return x + self.moe(self.norm(x))
+
+
+def test_skipped_frame_in_moe_code(caplog):
+    """Dynamo gives up on the frame (`.tolist()` of routing counts): the compile warns once with the fix,
+    explain() lists it, before and after a compile (Dynamo never traces a skipped frame again)."""
+    x = make_input((6, 16))
+    model = Block(SkipEmptyMoE())
+    rep = moe_compile.explain(model, x)
+    (b,) = rep.graph_breaks
+    assert b.reason_code == "break_tolist" and "tolist()" in b.code and "one_hot(ids, E).sum(0)" in b.fix, str(rep)
+    assert b.where.startswith("test_never_silent.py:") and "Dynamo gave up on the frame" in b.reason
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        cm = torch.compile(model, backend="moe", options=OPTS)
+        for _ in range(3):
+            torch.testing.assert_close(cm(x), model(x))
+    assert len(_warnings(caplog, "break_tolist")) == 1 and len(_nothing(caplog)) == 1, caplog.text
+    rep = moe_compile.explain(model, x)             # the frame is skipped now: still listed
+    assert [b.reason_code for b in rep.graph_breaks] == ["break_tolist"], str(rep)
+
+
+def test_graph_break_in_moe_code(caplog):
+    x = make_input((6, 16))
+    model = Block(BreakMoE())
+    rep = moe_compile.explain(model, x)
+    assert [b.reason_code for b in rep.graph_breaks] == ["break_other"], str(rep)
+    b = rep.graph_breaks[0]
+    assert "graph_break()" in b.code and "User-inserted graph break" in b.reason  # Dynamo's reason, in full
+    assert "gb0025" in b.reason or len(b.reason) > 200                             # never cut
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        cm = torch.compile(model, backend="moe", options=OPTS)
+        cm(x)
+        cm(x)
+    assert len(_warnings(caplog, "break_other")) == 1, caplog.text
+
+
+def test_fullgraph_break_in_moe_code_says_how_to_fix():
+    torch._dynamo.reset()
+    cm = torch.compile(SkipEmptyMoE(), backend="moe", fullgraph=True, options=OPTS)
+    with pytest.raises(Exception) as info:
+        cm(make_input((6, 16)))
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "moe_compile [break_tolist]" in notes and "fix: loop over range(num_experts)" in notes, notes
+
+
+@pytest.mark.parametrize("decorated", [True, False])
+def test_expert_hit_fix_checks_what_the_class_supports(tmp_path, decorated):
+    """transformers' eager loop: experts_implementation="grouped_mm" is advised only to a class that
+    has the switch (@use_experts_implementation); DBRX-like classes get the loop rewrite instead."""
+    pytest.importorskip("transformers")
+    from moe_compile.passes.unclaimed import Frame, break_fix, classify_break
+
+    src = tmp_path / "modeling_fake.py"
+    src.write_text(textwrap.dedent(f"""\
+        {"@use_experts_implementation" if decorated else "# no decorator"}
+        class FakeExperts(nn.Module):
+            def forward(self, hidden_states, top_k_index, top_k_weights):
+                for expert_idx in expert_hit:
+                    pass
+        """))
+    code, detail = classify_break([Frame(str(src), 4, "forward")], "graph break in loop")
+    fix = break_fix(code, detail)
+    if decorated:
+        assert code == "break_expert_hit_hf" and 'experts_implementation="grouped_mm"' in fix, fix
+    else:
+        assert code == "break_expert_hit" and "grouped_mm" not in fix and "range(num_experts)" in fix, fix
+        assert "FakeExperts has no experts_implementation switch" in fix
+
+
+# ------------------------------------------------------------------------------ our failures
+def _fail_when_rewritten(monkeypatch, always: bool = False):
+    real = backend._compile_rewritten
+
+    def compile_(gm, *a, **k):
+        if always or any("moe_compile" in str(n.target) for n in gm.graph.nodes):
+            raise RuntimeError("injected compile failure")
+        return real(gm, *a, **k)
+
+    monkeypatch.setattr(backend, "_compile_rewritten", compile_)
+
+
+def test_compile_failure_compiles_unrewritten_and_warns(monkeypatch, caplog):
+    _fail_when_rewritten(monkeypatch)
+    m = make_model(spelling="index_add")
+    with caplog.at_level(logging.WARNING, logger="moe_compile"), records.recording() as graphs:
+        check_compiled(m, [make_input((6, 16))], expect_rewritten=0, expect_refused=1)
+    (r,) = {r for g in graphs for r in g}
+    assert r.code == "compile_error" and "injected compile failure" in r.reason
+    assert "compiling the rewritten graph failed" in caplog.text
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="injected compile failure"):
+        torch.compile(make_model(spelling="index_add"), backend="moe",
+                      options={**OPTS, "moe.strict": True})(make_input((6, 16)))
+
+
+def test_backend_error_is_raised_not_run_eagerly(monkeypatch):
+    """An error left after our fallbacks reaches the user, as with stock torch.compile: the capture
+    scope's suppress_errors (for frames Dynamo cannot trace) must not turn it into an eager run."""
+    _fail_when_rewritten(monkeypatch, always=True)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="injected compile failure"):
+        torch.compile(make_model(spelling="index_add"), backend="moe", options=OPTS)(make_input((6, 16)))
+    assert torch._dynamo.config.suppress_errors is False  # the scope's patch is gone
+
+
+def test_lowering_failure_compiles_unrewritten_and_warns(monkeypatch, caplog):
+    import moe_compile.lowering.region as region
+
+    def boom(*a, **k):
+        raise RuntimeError("injected lowering failure")
+
+    monkeypatch.setattr(region, "lower_region", boom)
+    with caplog.at_level(logging.WARNING, logger="moe_compile"), records.recording() as graphs:
+        check_compiled(make_model(spelling="index_add"), [make_input((6, 16))], expect_rewritten=0,
+                       expect_refused=1)
+    assert [r.code for g in graphs for r in g] == ["lowering_error"] and "injected lowering failure" in caplog.text
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="injected lowering failure"):
+        torch.compile(make_model(spelling="index_add"), backend="moe",
+                      options={**OPTS, "moe.strict": True})(make_input((6, 16)))
+
+
+def test_after_compile_failure_keeps_the_rewrite(monkeypatch, caplog):
+    import moe_compile.lowering.rehome as rehome
+
+    def boom(*a, **k):
+        raise RuntimeError("injected rehome failure")
+
+    monkeypatch.setattr(rehome, "rehome_expert_weights", boom)
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        check_compiled(make_model(spelling="index_add"), [make_input((6, 16))], expect_rewritten=1)
+    assert "injected rehome failure" in caplog.text
+
+
+def test_detector_failure_warns_and_keeps_the_rewrite(monkeypatch, caplog):
+    import moe_compile.passes.unclaimed as unclaimed
+
+    def boom(*a, **k):
+        raise RuntimeError("injected detector failure")
+
+    monkeypatch.setattr(unclaimed, "find_unclaimed", boom)
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        check_compiled(make_model(spelling="index_add"), [make_input((6, 16))], expect_rewritten=1,
+                       expect_refused=1)
+    assert "injected detector failure" in caplog.text
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="injected detector failure"):
+        torch.compile(make_model(spelling="index_add"), backend="moe",
+                      options={**OPTS, "moe.strict": True})(make_input((6, 16)))
+
+
+def test_records_published_when_the_compiled_code_first_runs():
+    """A graph the backend compiled but that never ran (Dynamo dropped it) is not counted."""
+    from graphs import dynamo_graph
+
+    gm, inputs = dynamo_graph(("loop", "index_add", 2, "softmax_topk", "swiglu", None))
+    before = dict(records.counters)
+    with records.recording() as graphs:
+        fn = moe_compile.moe_backend(gm, inputs, options=OPTS)
+        assert dict(records.counters) == before and not graphs
+        fn(*inputs)
+        fn(*inputs)
+    assert records.counters["rewritten"] == before.get("rewritten", 0) + 1 and len(graphs) == 1
+
+
+# ------------------------------------------------------------------------------ zero tokens
+def test_zero_tokens_explain_and_compile_quiet(caplog):
+    m = make_model(spelling="index_add", e=4, k=2)
+    x = make_input((0, 16))
+    rep = moe_compile.explain(m, x)
+    assert [r.status for r in rep.regions] == ["rewritten"] and not rep.graph_breaks, str(rep)
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        check_compiled(m, [x], expect_rewritten=1, fresh_inputs=0)
+    assert not caplog.records, caplog.text
