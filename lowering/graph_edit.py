@@ -69,15 +69,32 @@ class GraphBuilder:
 
 
 def is_impure(node: fx.Node) -> bool:
+    """Kept by dead-code elimination even without users: in-place methods, ``setitem``, asserts,
+    torch's side-effectful functions, and any call whose recorded value is not a tensor or a size
+    (Dynamo records context changes this way: grad mode, autocast, functorch's vmap nesting around
+    ``associative_scan``, API-usage logging)."""
     if node.op in ("placeholder", "output"):
         return True
     if node.op == "call_method":
         return node.target.endswith("_") and not node.target.endswith("__")
-    if node.op == "call_function" and node.target in (operator.setitem,):
+    if node.op != "call_function":
+        return False
+    if node.target in (operator.setitem,) or canon(node) in _ASSERT_TARGETS or node.is_impure():
         return True
-    if node.op == "call_function" and canon(node) in _ASSERT_TARGETS:
-        return True
-    return node.is_impure() if node.op == "call_function" else False
+    return node.target.__module__ != "_operator" and not _computes_values(node) \
+        if hasattr(node.target, "__module__") else False
+
+
+_VALUES = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _computes_values(node: fx.Node) -> bool:
+    """The node's recorded value is tensors or sizes (Dynamo records none for calls it keeps for
+    their effect; the nodes the lowering builds always have one)."""
+    v = val(node)
+    if isinstance(v, (tuple, list)):
+        return any(isinstance(x, _VALUES) for x in v)
+    return isinstance(v, _VALUES)
 
 
 def eliminate_dead_code(g: fx.Graph) -> None:

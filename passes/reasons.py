@@ -168,8 +168,9 @@ REASONS: dict[str, Reason] = {
     "break_tolist": Reason(
         "{what} at {at}: `{source}` moves routing counts to the host (a sync, and a data-dependent Python "
         "list){effect}",
-        "loop over range(num_experts) unconditionally (an expert with no tokens is fine), or use fixed-length "
-        "counts (`one_hot(ids, E).sum(0)`) instead of bincount"),
+        "keep the counts on the device: loop over range(num_experts) unconditionally with torch.where(ids == e) "
+        "(an expert with no tokens is fine), or sort by expert and call torch._grouped_mm with offsets = "
+        "cumsum(counts) (any .tolist() of counts breaks the graph, fixed-length counts included)"),
     "break_item": Reason("{what} at {at}: `{source}` syncs with the host (`.item()`){effect}",
                          "keep the value a tensor"),
     "break_data_dependent": Reason(

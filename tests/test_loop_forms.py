@@ -116,3 +116,20 @@ def test_zero_tokens(expert):
     """An MoE block called on zero tokens works compiled as in eager, forward and backward."""
     m = make_model(spelling="index_add", expert=expert, k=2, e=4)
     check_compiled(m, [make_input((0, 16))], expect_rewritten=1, fresh_inputs=0)
+
+
+class VmapThenMoE(torch.nn.Module):
+    """torch.vmap in the same graph as an MoE layer (as Jamba's associative_scan): Dynamo records the
+    vmap nesting as calls without users or values, which the rewrite's dead-code removal must keep."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe = make_model(spelling="index_add", k=2, e=4)
+
+    def forward(self, x):
+        return self.moe(torch.vmap(lambda row: row * torch.sigmoid(row))(x))
+
+
+def test_effect_only_calls_survive_the_rewrite():
+    torch.manual_seed(0)
+    check_compiled(VmapThenMoE(), [make_input((7, 16))], expect_rewritten=1)

@@ -236,6 +236,8 @@ def assign(records, layers: list[str]) -> tuple[dict[str, list], list]:
     per_layer: dict[str, list] = {lay: [] for lay in layers}
     stray = []
     for r in records:
+        if getattr(r, "is_break", False):
+            continue  # a graph break / skipped frame in MoE code: checked through explain() (not_captured)
         cands = [lay for lay in layers if _matches(r.module, lay)]
         if not cands:
             stray.append(r)
