@@ -199,7 +199,7 @@ class DeepEPStatic(Transport):
     Static-shape intranode mode (no host sync). Token-level: it takes x [T, H], topk_idx [T, K] and
     topk_weights, de-duplicates tokens per destination rank and reduces on combine, so a lowering
     that picks it replaces permute_rows + ep_dispatch and ep_combine + unpermute_combine together.
-    DeepEP is installed from source by the user (see ../shared/notes/deepep.md), never vendored."""
+    DeepEP is installed from source by the user (DeepSeek's repository, its V1 API), never vendored."""
 
     def __init__(self, group):
         raise NotImplementedError("moe_compile.ep_transport: DeepEPStatic is an extension point")

@@ -336,6 +336,7 @@ class Frame:
 _MOE_NAME = re.compile(r"expert|router|routing|top_?k|gating|sparse_?moe|moe_?(block|layer|mlp)|moe$|^moe", re.I)
 _MOE_LINE = re.compile(r"expert|router|routing|top_?k", re.I)
 _CLASS = re.compile(r"^class\s+(\w+)")
+_DISTRIBUTED_HOOKS = re.compile(r"torch[/\\]distributed[/\\]")
 
 
 def enclosing_class(filename: str, lineno: int) -> tuple[str, int]:
@@ -424,6 +425,8 @@ def graph_break(gm: fx.GraphModule, candidates) -> tuple[str, str, str, dict] | 
         return None
     frames = [Frame(f.filename, f.lineno or 0, f.name, getattr(f, "line", "") or "")
               for f in (getattr(why, "user_stack", None) or [])]
+    if frames and _DISTRIBUTED_HOOKS.search(frames[-1].filename):
+        return None  # FSDP2 / DTensor hooks split graphs at module boundaries by design; the next frame compiles
     claimed = {router_root(c.region.router.ids) for c in candidates if getattr(c, "region", None) is not None}
     escaping = [r for r in escaping_routers(gm) if r not in claimed]
     if not escaping and not in_moe_code(frames):
