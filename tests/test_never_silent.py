@@ -166,7 +166,7 @@ def test_skipped_frame_in_moe_code(caplog):
     model = Block(SkipEmptyMoE())
     rep = moe_compile.explain(model, x)
     (b,) = rep.graph_breaks
-    assert b.reason_code == "break_tolist" and "tolist()" in b.code and "one_hot(ids, E).sum(0)" in b.fix, str(rep)
+    assert b.reason_code == "break_tolist" and "tolist()" in b.code and "torch.where(ids == e)" in b.fix, str(rep)
     assert b.where.startswith("test_never_silent.py:") and "Dynamo gave up on the frame" in b.reason
     torch._dynamo.reset()
     with caplog.at_level(logging.WARNING, logger="moe_compile"):
@@ -200,7 +200,7 @@ def test_fullgraph_break_in_moe_code_says_how_to_fix():
     with pytest.raises(Exception) as info:
         cm(make_input((6, 16)))
     notes = "\n".join(getattr(info.value, "__notes__", []))
-    assert "moe_compile [break_tolist]" in notes and "fix: loop over range(num_experts)" in notes, notes
+    assert "moe_compile [break_tolist]" in notes and "fix: keep the counts on the device" in notes, notes
 
 
 @pytest.mark.parametrize("decorated", [True, False])
@@ -331,4 +331,4 @@ def test_zero_tokens_explain_and_compile_quiet(caplog):
     assert [r.status for r in rep.regions] == ["rewritten"] and not rep.graph_breaks, str(rep)
     with caplog.at_level(logging.WARNING, logger="moe_compile"):
         check_compiled(m, [x], expect_rewritten=1, fresh_inputs=0)
-    assert not caplog.records, caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
