@@ -256,7 +256,7 @@ def wgrad_finish(src: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtyp
 # ----------------------------------------------------------------------------------- swiglu
 @triton.jit
 def silu_mul(g, u):
-    """silu(g) * u, in the precision of g and u (fp32 here and in the TMA GEMM's epilogue)."""
+    """silu(g) * u, in the precision of g and u (fp32 here)."""
     return g * tl.sigmoid(g) * u
 
 

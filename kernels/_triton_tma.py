@@ -25,13 +25,10 @@ up dgrad 515 vs 486, down dgrad 509 vs 470; GPT-OSS up 601 vs 586, up dgrad 606 
 up 646 vs 624, down 599 vs 610 (the one shape where CUTLASS is ahead). Weight gradients stay on
 CUTLASS: a TMA version of the 2Dx2D form was 5-15% slower.
 
-Two SwiGLU epilogues (``EPI``), kept for ``examples/benchmark/fusion_ab.py`` and not used by the
-rewrite: ``grouped_mm_swiglu`` (gate and up accumulators side by side, writes h and a) and
-``grouped_mm_dswiglu`` (the down dgrad reads h in its epilogue and writes dh). This kernel's
-epilogue is not overlapped with the next tile's main loop, so what the fusion saves in bytes it
-pays back in exposed epilogue time: on an H200 the forward took 1.00-1.05x and the backward
-1.29-1.50x (1.15-1.27x with ``EPI_SUB = 2``) the time of the GEMM plus the one-pass swiglu op
-(docs/benchmarks.md, section 0).
+SwiGLU fused into this kernel's epilogue (forward, and the down dgrad's dSwiGLU) was built and
+measured in session 5 and removed: the epilogue is not overlapped with the next tile's main loop,
+so what the fusion saved in bytes came back as exposed epilogue time (forward 1.00-1.05x, backward
+1.15-1.50x the GEMM plus the one-pass swiglu op on an H200; docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -41,7 +38,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._triton_gmm import group_tiles, num_sms, tile_coords
-from ._triton_moe import silu_mul, swiglu_grads
 
 
 @triton.jit
@@ -63,18 +59,14 @@ def _load_b(b_desc, e, n0, k0, K, N, B_NK: tl.constexpr, B3D: tl.constexpr, BN: 
 
 
 @triton.jit
-def _mainloop(a_desc, b_desc, e, m0, n0, n_up, K, WN, B_NK: tl.constexpr, B3D: tl.constexpr,
-              DUAL: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """acc = A[m0 : m0+ROWS] @ w[e][:, n0 : n0+BN]; with DUAL also acc2 for columns n_up + n0 (the
-    SwiGLU up half), sharing every A tile."""
+def _mainloop(a_desc, b_desc, e, m0, n0, K, WN, B_NK: tl.constexpr, B3D: tl.constexpr, ROWS: tl.constexpr,
+              BN: tl.constexpr, BK: tl.constexpr):
+    """acc = A[m0 : m0+ROWS] @ w[e][:, n0 : n0+BN]."""
     acc = tl.zeros((ROWS, BN), dtype=tl.float32)
-    acc2 = tl.zeros((ROWS, BN), dtype=tl.float32)
     for ki in range(tl.cdiv(K, BK)):
         a = a_desc.load([m0, ki * BK])
         acc = tl.dot(a, _load_b(b_desc, e, n0, ki * BK, K, WN, B_NK, B3D, BN, BK), acc)
-        if DUAL:
-            acc2 = tl.dot(a, _load_b(b_desc, e, n_up + n0, ki * BK, K, WN, B_NK, B3D, BN, BK), acc2)
-    return acc, acc2
+    return acc
 
 
 @triton.jit
@@ -88,7 +80,7 @@ def _with_bias(acc, bias_ptr, e, sbe, n0, N, HAS_BIAS: tl.constexpr, BN: tl.cons
 @triton.jit
 def _put(desc, ptr, val, m0, n0, row_end, N, stride, FULL: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr):
     """Store a [ROWS, BN] tile at (m0, n0): TMA for a full tile, masked (rows < row_end, cols < N)
-    otherwise. ``ptr`` already points at the tile's column block base (e.g. h + N for the up half)."""
+    otherwise."""
     if FULL:
         desc.store([m0, n0], val.to(ptr.dtype.element_ty))
     else:
@@ -99,70 +91,11 @@ def _put(desc, ptr, val, m0, n0, row_end, N, stride, FULL: tl.constexpr, ROWS: t
 
 
 @triton.jit
-def _get(ptr, m0, n0, row_end, N, stride, ROWS: tl.constexpr, BN: tl.constexpr):
-    rows = m0 + tl.arange(0, ROWS)
-    cols = n0 + tl.arange(0, BN)
-    return tl.load(ptr + rows.to(tl.int64)[:, None] * stride + cols[None, :],
-                   mask=(rows < row_end)[:, None] & (cols < N)[None, :], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _swiglu_fwd_part(g_acc, u_acc, c_desc, c_ptr, g_desc, u_desc, h_ptr, m0, n0, row_end, N, stride_cm, stride_h,
-                     FULL: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr):
-    g = g_acc.to(h_ptr.dtype.element_ty)
-    u = u_acc.to(h_ptr.dtype.element_ty)
-    _put(g_desc, h_ptr, g, m0, n0, row_end, N, stride_h, FULL, ROWS, BN)
-    _put(u_desc, h_ptr + N, u, m0, n0, row_end, N, stride_h, FULL, ROWS, BN)
-    _put(c_desc, c_ptr, silu_mul(g.to(tl.float32), u.to(tl.float32)), m0, n0, row_end, N, stride_cm, FULL, ROWS, BN)
-
-
-@triton.jit
-def _swiglu_bwd_part(da, g_desc, u_desc, c_ptr, h_ptr, m0, n0, row_end, N, stride_cm, stride_h,
-                     FULL: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr):
-    g = _get(h_ptr, m0, n0, row_end, N, stride_h, ROWS, BN)
-    u = _get(h_ptr + N, m0, n0, row_end, N, stride_h, ROWS, BN)
-    dg, du = swiglu_grads(g, u, da)
-    _put(g_desc, c_ptr, dg, m0, n0, row_end, N, stride_cm, FULL, ROWS, BN)
-    _put(u_desc, c_ptr + N, du, m0, n0, row_end, N, stride_cm, FULL, ROWS, BN)
-
-
-@triton.jit
-def _halves(t, ROWS: tl.constexpr, BN: tl.constexpr):
-    return t.reshape(ROWS, 2, BN // 2).permute(0, 2, 1).split()
-
-
-@triton.jit
-def _epilogue(acc, acc2, c_desc, c_ptr, g_desc, u_desc, h_ptr, bias_ptr, e, sbe, m0, n0, row_end, N,
-              stride_cm, stride_h, EPI: tl.constexpr, HAS_BIAS: tl.constexpr, FULL: tl.constexpr,
-              SUB: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr):
-    """EPI 0: c = acc (+ bias).  EPI 1 (SwiGLU forward): h = [acc | acc2] rounded, c = silu(g) * u
-    from the rounded g, u (what the unfused swiglu op reads back).  EPI 2 (SwiGLU backward, acc = da):
-    h [g | u] read here, c = [da * u * silu'(g) | da * silu(g)] (two halves of width N).
-    SUB 2: the SwiGLU epilogues run on two column halves in turn (fewer live registers)."""
-    if EPI == 0:
-        acc = _with_bias(acc, bias_ptr, e, sbe, n0, N, HAS_BIAS, BN)
-        _put(c_desc, c_ptr, acc, m0, n0, row_end, N, stride_cm, FULL, ROWS, BN)
-    elif EPI == 1:
-        if SUB == 2:
-            g0, g1 = _halves(acc, ROWS, BN)
-            u0, u1 = _halves(acc2, ROWS, BN)
-            _swiglu_fwd_part(g0, u0, c_desc, c_ptr, g_desc, u_desc, h_ptr, m0, n0, row_end, N, stride_cm,
-                             stride_h, FULL, ROWS, BN // 2)
-            _swiglu_fwd_part(g1, u1, c_desc, c_ptr, g_desc, u_desc, h_ptr, m0, n0 + BN // 2, row_end, N,
-                             stride_cm, stride_h, FULL, ROWS, BN // 2)
-        else:
-            _swiglu_fwd_part(acc, acc2, c_desc, c_ptr, g_desc, u_desc, h_ptr, m0, n0, row_end, N, stride_cm,
-                             stride_h, FULL, ROWS, BN)
-    else:
-        if SUB == 2:
-            d0, d1 = _halves(acc, ROWS, BN)
-            _swiglu_bwd_part(d0, g_desc, u_desc, c_ptr, h_ptr, m0, n0, row_end, N, stride_cm, stride_h, FULL,
-                             ROWS, BN // 2)
-            _swiglu_bwd_part(d1, g_desc, u_desc, c_ptr, h_ptr, m0, n0 + BN // 2, row_end, N, stride_cm, stride_h,
-                             FULL, ROWS, BN // 2)
-        else:
-            _swiglu_bwd_part(acc, g_desc, u_desc, c_ptr, h_ptr, m0, n0, row_end, N, stride_cm, stride_h, FULL,
-                             ROWS, BN)
+def _epilogue(acc, c_desc, c_ptr, bias_ptr, e, sbe, m0, n0, row_end, N, stride_cm, HAS_BIAS: tl.constexpr,
+              FULL: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr):
+    """c = acc (+ bias)."""
+    acc = _with_bias(acc, bias_ptr, e, sbe, n0, N, HAS_BIAS, BN)
+    _put(c_desc, c_ptr, acc, m0, n0, row_end, N, stride_cm, FULL, ROWS, BN)
 
 
 @triton.jit
@@ -177,12 +110,11 @@ def _zero_rows(ptr, tail0, M, N, stride, pid, num_progs, BM: tl.constexpr, BN: t
 
 
 @triton.jit
-def _tma_gmm_kernel(a_desc, ah_desc, b_desc, c_desc, c_ptr, g_desc, u_desc, h_ptr, bias_ptr, offs_ptr,
-                    M, N, K, E, WN, stride_cm, stride_h, sbe, num_progs,
-                    EPI: tl.constexpr, B_NK: tl.constexpr, B3D: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _tma_gmm_kernel(a_desc, ah_desc, b_desc, c_desc, c_ptr, bias_ptr, offs_ptr, M, N, K, E, WN, stride_cm, sbe,
+                    num_progs, B_NK: tl.constexpr, B3D: tl.constexpr, HAS_BIAS: tl.constexpr,
                     HALF_TAIL: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, GROUP_M: tl.constexpr, SUB: tl.constexpr):
-    """N: the output's column count (for SwiGLU, the width of a, half of h); WN: the weight's."""
+                    BK: tl.constexpr, GROUP_M: tl.constexpr):
+    """N: the output's column count; WN: the weight's."""
     pid = tl.program_id(0)
     eidx, starts, counts, m_tiles, g_tiles, g_end, total = group_tiles(offs_ptr, M, N, E, E_P2, BM, BN)
     for tile in range(pid, total, num_progs):
@@ -191,22 +123,19 @@ def _tma_gmm_kernel(a_desc, ah_desc, b_desc, c_desc, c_ptr, g_desc, u_desc, h_pt
         m0 = row_start + pid_m * BM
         n0 = pid_n * BN
         if HALF_TAIL and row_end - m0 <= BM // 2:
-            acc_h, acc2_h = _mainloop(ah_desc, b_desc, e, m0, n0, N, K, WN, B_NK, B3D, EPI == 1, BM // 2, BN, BK)
-            _epilogue(acc_h, acc2_h, c_desc, c_ptr, g_desc, u_desc, h_ptr, bias_ptr, e, sbe, m0, n0, row_end, N,
-                      stride_cm, stride_h, EPI, HAS_BIAS, False, SUB, BM // 2, BN)
+            acc_h = _mainloop(ah_desc, b_desc, e, m0, n0, K, WN, B_NK, B3D, BM // 2, BN, BK)
+            _epilogue(acc_h, c_desc, c_ptr, bias_ptr, e, sbe, m0, n0, row_end, N, stride_cm, HAS_BIAS, False,
+                      BM // 2, BN)
         else:
-            acc, acc2 = _mainloop(a_desc, b_desc, e, m0, n0, N, K, WN, B_NK, B3D, EPI == 1, BM, BN, BK)
+            acc = _mainloop(a_desc, b_desc, e, m0, n0, K, WN, B_NK, B3D, BM, BN, BK)
             if m0 + BM <= row_end:
-                _epilogue(acc, acc2, c_desc, c_ptr, g_desc, u_desc, h_ptr, bias_ptr, e, sbe, m0, n0, row_end, N,
-                          stride_cm, stride_h, EPI, HAS_BIAS, True, SUB, BM, BN)
+                _epilogue(acc, c_desc, c_ptr, bias_ptr, e, sbe, m0, n0, row_end, N, stride_cm, HAS_BIAS, True, BM, BN)
             else:
-                _epilogue(acc, acc2, c_desc, c_ptr, g_desc, u_desc, h_ptr, bias_ptr, e, sbe, m0, n0, row_end, N,
-                          stride_cm, stride_h, EPI, HAS_BIAS, False, SUB, BM, BN)
+                _epilogue(acc, c_desc, c_ptr, bias_ptr, e, sbe, m0, n0, row_end, N, stride_cm, HAS_BIAS, False,
+                          BM, BN)
     # rows past the last group's end belong to no expert: zeroed here rather than by a second launch
     tail0 = tl.max(starts + counts, 0)
-    _zero_rows(c_ptr, tail0, M, 2 * N if EPI == 2 else N, stride_cm, pid, num_progs, BM, BN)  # dh is [M, 2N]
-    if EPI == 1:
-        _zero_rows(h_ptr, tail0, M, 2 * N, stride_h, pid, num_progs, BM, BN)
+    _zero_rows(c_ptr, tail0, M, N, stride_cm, pid, num_progs, BM, BN)
 
 
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -232,19 +161,12 @@ def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     return w_ok and _aligned(x, (0,)) and w.shape[2] % 8 == 0 and x.shape[1] == w.shape[1]
 
 
-def _config(n: int, epi: int = 0) -> dict:
+def _config(n: int) -> dict:
     # 128x256x64, 8 warps (two consumer warpgroups), 3 stages: 144 KB of operand buffers + 64 KB
     # for the TMA store, one program per SM. Best of 9 configs tried on the 8 layer GEMMs
     # (warp_specialize, 4 stages + split store, 256x128, 128x128, BK=128 among them).
-    # SwiGLU epilogues: 128 columns (the forward keeps two 128x128 accumulators, gate and up: the
-    # same registers and operand bytes per stage as one 128x256 tile).
     bn = 256 if n >= 256 else (128 if n > 64 else 64)
-    if epi:
-        bn = min(bn, 128)
-    return dict(BM=128, BN=bn, BK=64, GROUP_M=8, num_warps=8, num_stages=3, SUB=EPI_SUB if epi else 1)
-
-
-EPI_SUB = 2  # SwiGLU epilogues in two column halves (1: whole tile); fusion_ab.py and the tests set it
+    return dict(BM=128, BN=bn, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 
 def _b_desc(w: torch.Tensor, bn: int, bk: int):
@@ -261,34 +183,25 @@ def _b_desc(w: torch.Tensor, bn: int, bk: int):
     return desc, False, not b2d
 
 
-def _launch(x, w, offsets, epi, n, c, h, bias=None):
-    """One persistent launch; n is the output tile grid's column count (a's width for SwiGLU)."""
+def _launch(x, w, offsets, n, c, bias=None):
+    """One persistent launch over the output tile grid [M, n]."""
     m, k = x.shape
     e = w.shape[0]
-    cfg = _config(n, epi)
+    cfg = _config(n)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     a_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [bm, bk])
     ah_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [bm // 2, bk])
     b_desc, b_nk, b3d = _b_desc(w, bn, bk)
-    halves = h if epi == 1 else c  # the [M, 2N] tensor written as two [M, N] column halves
-    sb = bn // cfg["SUB"]  # the epilogue's store block
-    if epi:
-        g_desc = TensorDescriptor(halves, [m, n], [halves.stride(0), 1], [bm, sb])
-        u_desc = TensorDescriptor(halves[:, n:], [m, n], [halves.stride(0), 1], [bm, sb])
-    c_desc = TensorDescriptor(c, [m, n], [c.stride(0), 1], [bm, sb]) if epi != 2 else g_desc
-    if epi == 0:
-        g_desc = u_desc = c_desc
+    c_desc = TensorDescriptor(c, [m, n], [c.stride(0), 1], [bm, bn])
     if bias is not None:
         bias = bias if bias.stride(-1) == 1 else bias.contiguous()
     upper = (triton.cdiv(m, bm) + e) * triton.cdiv(n, bn)
     progs = max(1, min(upper, num_sms(x.device)))
     return _tma_gmm_kernel[(progs,)](
-        a_desc, ah_desc, b_desc, c_desc, c, g_desc, u_desc, h if h is not None else c,
-        bias if bias is not None else c, offsets, m, n, k, e, w.shape[2], c.stride(0),
-        h.stride(0) if h is not None else 0, bias.stride(0) if bias is not None else 0, progs,
-        EPI=epi, B_NK=b_nk, B3D=b3d, HAS_BIAS=bias is not None, HALF_TAIL=HALF_TAIL,
-        E_P2=triton.next_power_of_2(e), BM=bm, BN=bn, BK=bk, GROUP_M=cfg["GROUP_M"], SUB=cfg["SUB"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        a_desc, ah_desc, b_desc, c_desc, c, bias if bias is not None else c, offsets, m, n, k, e, w.shape[2],
+        c.stride(0), bias.stride(0) if bias is not None else 0, progs,
+        B_NK=b_nk, B3D=b3d, HAS_BIAS=bias is not None, HALF_TAIL=HALF_TAIL, E_P2=triton.next_power_of_2(e),
+        BM=bm, BN=bn, BK=bk, GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
@@ -300,33 +213,5 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
     m, n = x.shape[0], w.shape[2]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m and n:
-        _launch(x, w, offsets, 0, n, y, None, bias)
+        _launch(x, w, offsets, n, y, bias)
     return y
-
-
-def swiglu_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """``supported`` plus a gate/up split on a 16-byte boundary (N = w.shape[2] / 2, a multiple of 8)."""
-    return supported(x, w) and w.shape[2] % 16 == 0
-
-
-def grouped_mm_swiglu(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(a [M, N], h [M, 2N]): h = per-group x @ w[e] (w [E, K, 2N] = gate | up), a = silu(h[:, :N]) *
-    h[:, N:] computed in the GEMM's epilogue from the rounded h (h is never read back). Rows past
-    offsets[-1] are 0 in both. Needs ``swiglu_supported(x, w)``."""
-    m, n = x.shape[0], w.shape[2] // 2
-    h = torch.empty(m, 2 * n, dtype=x.dtype, device=x.device)
-    a = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m and n:
-        _launch(x, w, offsets, 1, n, a, h)
-    return a, h
-
-
-def grouped_mm_dswiglu(dy: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """dh [M, 2N] for a = swiglu(h) given da = per-group dy @ w[e] (w [E, K, N]), da kept in fp32 and
-    never written: dh = [da * u * silu'(g) | da * silu(g)] in the GEMM's epilogue. Rows past
-    offsets[-1] are 0. Needs ``supported(dy, w)``, N a multiple of 8 and h [M, 2N] row-major."""
-    m, n = dy.shape[0], w.shape[2]
-    dh = torch.empty(m, 2 * n, dtype=dy.dtype, device=dy.device)
-    if m and n:
-        _launch(dy, w, offsets, 2, n, dh, h)
-    return dh
