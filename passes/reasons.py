@@ -149,6 +149,11 @@ REASONS: dict[str, Reason] = {
         "torch.where(ids == e); out.index_add_(0, tok, w[tok, slot, None] * experts[e](x[tok]))`, or 3-D expert "
         "weights with sort + torch._grouped_mm as transformers' grouped_mm experts do; if the layer is already "
         "written so, please report it with moe_compile.explain's output"),
+    "nested_region": Reason(
+        "a top-{k} router over {e} experts runs inside `{subgraph}`, a torch.compiler.nested_compile_region "
+        "subgraph called at {at}; the backend does not rewrite inside such subgraphs, so it is compiled as written",
+        "compile each block on its own instead: drop nested_compile_region and call "
+        "moe_compile.compile_blocks(model) (one compiled graph serves every block of a class)"),
     "break_expert_hit_hf": Reason(
         "{what} at {at}: transformers' eager experts loop `{source}` iterates over a data-dependent list of the "
         "experts that got tokens{effect}",

@@ -24,6 +24,11 @@ module finds the rest, from the graph and from Dynamo's own records:
     (refused before it could be assembled) names the same module. Every unclaimed router is one
     ``Unclaimed`` finding with code ``moe_unmatched``.
 
+``nested_regions(gm)``
+    ``torch.compiler.nested_compile_region`` subgraphs (``invoke_subgraph``) whose body holds a
+    router whose ids reach a matmul: the finders do not enter these bodies, so each is reported
+    (code ``nested_region``), once per subgraph.
+
 ``escaping_routers(gm)``
     Routers whose ids leave the graph (reach its output): the graph ends inside MoE code.
 
@@ -438,6 +443,24 @@ def graph_break(gm: fx.GraphModule, candidates) -> tuple[str, str, str, dict] | 
     return module, detail["at"], code, detail
 
 
+def nested_regions(gm: fx.GraphModule) -> list[tuple[str, str, int, int]]:
+    """(subgraph name, where it is called, E, top_k) per nested_compile_region subgraph holding MoE-like code."""
+    out, seen = [], set()
+    for n in gm.graph.nodes:
+        sub_node = n.args[0] if canon(n) == "invoke_subgraph" and n.args else None
+        if not isinstance(sub_node, fx.Node) or sub_node.op != "get_attr" or sub_node.target in seen:
+            continue
+        seen.add(sub_node.target)
+        sub = getattr(gm, sub_node.target, None)
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        for router, ids, e, k in _routers(sub.graph):
+            if any((canon(r) or "") in MATMULS for r in _reach(ids)):
+                out.append((sub_node.target, where_in_user_code(n) or "?", e, k))
+                break
+    return out
+
+
 def unclaimed_records(gm: fx.GraphModule, example_inputs, candidates, disabled: tuple = ()) -> list:
     """The refused ``RegionRecord``s of one graph for what no candidate covers: MoE-like routers
     (``moe_unmatched``) and the graph break that ended the graph in MoE code (``break_*``)."""
@@ -448,6 +471,10 @@ def unclaimed_records(gm: fx.GraphModule, example_inputs, candidates, disabled: 
     out = [RegionRecord(u.module, "unmatched", REFUSED, reasons.message("moe_unmatched", u.detail), (), u.where,
                         u.num_experts, u.top_k, code="moe_unmatched", fix=reasons.fix("moe_unmatched"))
            for u in find_unclaimed(gm, example_inputs, candidates, disabled)]
+    for name, where, e, k in nested_regions(gm):
+        detail = {"k": k, "e": e, "subgraph": name, "at": where}
+        out.append(RegionRecord(name, "nested region", REFUSED, reasons.message("nested_region", detail), (), where,
+                                e, k, code="nested_region", fix=reasons.fix("nested_region")))
     brk = graph_break(gm, candidates)
     if brk is not None:
         module, where, code, detail = brk

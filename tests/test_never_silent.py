@@ -332,3 +332,27 @@ def test_zero_tokens_explain_and_compile_quiet(caplog):
     with caplog.at_level(logging.WARNING, logger="moe_compile"):
         check_compiled(m, [x], expect_rewritten=1, fresh_inputs=0)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def test_moe_inside_nested_compile_region_is_reported(monkeypatch, caplog):
+    """torch.compiler.nested_compile_region makes each decoder layer an invoke_subgraph whose body the
+    finders do not enter: the MoE layer inside is refused with `nested_region` (the fix names
+    moe_compile.compile_blocks), once for the subgraph every layer shares, not 'no MoE layer found'."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=32, intermediate_size=32, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM._from_config(cfg)
+    cls = type(model.model.layers[0])
+    monkeypatch.setattr(cls, "forward", torch.compiler.nested_compile_region(cls.forward))
+    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        cm = torch.compile(model, backend="moe", options=OPTS)
+        cm(input_ids=ids)
+        cm(input_ids=ids)
+    found = _warnings(caplog, "nested_region")
+    assert len(found) == 1, caplog.text
+    assert "top-2 router over 4 experts" in found[0] and "compile_blocks" in caplog.text
+    assert "no MoE layer was found" not in caplog.text

@@ -68,11 +68,15 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import flops  # noqa: E402  (examples/flops.py)
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 VARIANTS = ("single_moe", "ep_moe", "ep_moe_chunks1", "ep_titan", "ep_deepep")
@@ -151,34 +155,24 @@ TINY_LAYERS = {
 
 
 # ------------------------------------------------------------------------------------------ FLOPs (NeMo Automodel)
-# Re-derived from NVIDIA-NeMo/Automodel nemo_automodel/components/utils/flops_utils.py (read 2026-11-23,
-# commit 032a69a): qwen3_flops, deepseekv3_flops, moe_mlp_flops_calculator. Each GEMM counts 2*m*n*k, x3
-# for forward + the two backward GEMMs; per sequence of `seq` tokens, times `gbs` sequences.
+# examples/flops.py's formulas (Automodel's qwen3_flops and deepseekv3_flops, re-derived there), fed
+# this file's configs under the Hugging Face config names they read.
+def _as_hf_config(c: ModelCfg, dense_layers: int = 0, dense_inter: int = 0) -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        hidden_size=c.hidden, num_hidden_layers=c.layers, num_attention_heads=c.heads,
+        num_key_value_heads=c.kv_heads or c.heads, head_dim=c.head_dim or c.hidden // c.heads,
+        num_experts_per_tok=c.top_k, moe_intermediate_size=c.moe_inter, intermediate_size=dense_inter or c.moe_inter,
+        vocab_size=c.vocab, q_lora_rank=c.q_lora or None, kv_lora_rank=c.kv_lora, qk_nope_head_dim=c.qk_nope,
+        qk_rope_head_dim=c.qk_rope, v_head_dim=c.v_head, first_k_dense_replace=dense_layers)
+
+
 def automodel_qwen3_flops(c: ModelCfg, gbs: int, seq: int) -> float:
-    q_ratio = c.head_dim * c.heads / c.hidden
-    attention = 6 * gbs * c.layers * seq * c.hidden ** 2 * q_ratio * (
-        (c.kv_heads / c.heads * 2 + 1)            # Q, K, V projections
-        + seq / c.hidden * 2 * 0.5                # QK^T and PV, causal: half
-        + 1)                                      # output projection
-    mlp = 6 * gbs * c.layers * seq * c.hidden * 3 * c.moe_inter * c.top_k   # routed experts only (gated: 3 GEMMs)
-    vocab = 6 * gbs * seq * c.hidden * c.vocab
-    return attention + mlp + vocab
+    return flops.qwen3(_as_hf_config(c), gbs, seq)
 
 
 def automodel_deepseekv3_flops(c: ModelCfg, gbs: int, seq: int, dense_layers: int = 0, dense_inter: int = 0) -> float:
-    heads = c.heads
-    bmm = 0.5 * (c.qk_nope + c.qk_rope) * heads * seq ** 2 + 0.5 * c.v_head * heads * seq ** 2   # causal: half
-    attention = 6 * bmm * c.layers
-    mla = (c.hidden * c.q_lora + c.q_lora * (c.qk_nope + c.qk_rope) * heads if c.q_lora
-           else c.hidden * (c.qk_nope + c.qk_rope) * heads)
-    mla += c.hidden * c.qk_rope + c.hidden * c.kv_lora + c.kv_lora * (c.qk_nope + c.v_head) * heads
-    mla += c.v_head * heads * c.hidden
-    # Automodel counts ONE shared expert of moe_intermediate_size per MoE layer (our dsv3 has exactly one)
-    moe_ffn = 3 * c.hidden * c.moe_inter * (1 + c.top_k)
-    ffn = dense_layers * 3 * c.hidden * dense_inter + (c.layers - dense_layers) * moe_ffn
-    linear = 6 * (mla * c.layers + ffn) * seq
-    vocab = 6 * c.vocab * c.hidden * seq
-    return (attention + linear + vocab) * gbs
+    """Automodel counts ONE shared expert of moe_intermediate_size per MoE layer (our dsv3 has exactly one)."""
+    return flops.deepseek_v3(_as_hf_config(c, dense_layers, dense_inter), gbs, seq)
 
 
 def automodel_moe_mlp_flops(tokens: int, hidden: int, inter: int, top_k: int) -> float:

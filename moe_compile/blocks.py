@@ -1,0 +1,139 @@
+"""Per-block compilation: compile time that does not grow with depth.
+
+``torch.compile(model, backend="moe")`` traces the whole model as one frame: Dynamo inlines every
+decoder layer, so tracing, the backend's passes and Inductor all grow with the number of layers
+(48 layers of a small model: ~20x the compile time of one). Compiling each repeated block on its
+own instead lets Dynamo trace ONE block: every other block of the same class runs the same
+compiled code (its guards check the other block's parameters by type, shape and stride, not by
+identity), so a 48-layer model compiles about as fast as a 1-layer one::
+
+    moe_compile.compile_blocks(model)            # each decoder layer: block.compile(backend="moe")
+    loss = model(input_ids=ids, labels=ids).loss # embeddings, final norm, head and loss run eagerly
+    loss.backward()
+
+Every MoE layer is still rewritten (each block's graph holds its router and its experts), and the
+outputs and gradients are those of eager (tests/test_blocks.py). What differs from a whole-model
+compile: the code between blocks (embedding, final norm, LM head, loss) runs eagerly, and blocks
+whose code or static attributes differ (e.g. GPT-OSS's sliding / full attention layers) compile
+once per kind.
+
+``torch.compiler.nested_compile_region`` (one whole-model graph whose blocks are one shared
+subgraph) is NOT a way to get this with ``backend="moe"``: the block becomes an ``invoke_subgraph``
+higher-order op whose body the backend's passes do not enter, so no MoE layer is rewritten (each
+such subgraph holding an MoE layer is refused with code ``nested_region``, warned once).
+
+ModuleList experts: after compiling a graph the backend re-homes the expert weights it read into
+one buffer per linear (``lowering/rehome.py``), but only for the parameters that graph was
+compiled with, i.e. the first block's. ``compile_blocks`` gives every other block of the same
+class the same layout, once, at the start of the model's second call (the first compiles):
+same Parameter objects, values, shapes and strides (``p.data`` moves, as the backend does).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+
+__all__ = ["compile_blocks", "find_blocks"]
+
+log = logging.getLogger(__name__)
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of ``model``: the items of the ``nn.ModuleList`` whose items are all of
+    one class and hold the most parameters together (e.g. ``model.model.layers`` of a Hugging Face
+    causal LM, not the experts inside each layer); among equals the outermost."""
+    best, best_size = None, -1
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1:
+            size = sum(p.numel() for p in module.parameters())
+            if size > best_size:
+                best, best_size = list(module), size
+    if best is None:
+        raise ValueError(f"compile_blocks: {type(model).__name__} has no nn.ModuleList of blocks of one class; "
+                         "pass blocks=[...] (the modules to compile one by one)")
+    return best
+
+
+def compile_blocks(model: nn.Module, backend="moe", *, blocks: Iterable[nn.Module] | str | None = None,
+                   **compile_kwargs) -> list[nn.Module]:
+    """Compile each block of ``model`` separately with ``block.compile(backend=backend, **compile_kwargs)``
+    (``torch.compile``'s arguments: ``options``, ``mode``, ``fullgraph``, ``dynamic``), in place.
+
+    ``blocks``: the modules to compile; a dotted path inside ``model`` ("model.layers"); default
+    ``find_blocks(model)``. Returns the compiled blocks. Call ``model(...)`` as before: it stays an
+    eager module that calls compiled blocks. With FSDP2 (and expert parallelism), call it after
+    ``fully_shard`` on the blocks and the root, as examples/train.py does: Dynamo does not trace
+    FSDP's hooks, they run eagerly around each block's compiled code."""
+    if isinstance(blocks, str):
+        blocks = list(model.get_submodule(blocks))
+    blocks = find_blocks(model) if blocks is None else list(blocks)
+    if not blocks:
+        raise ValueError("compile_blocks: no blocks to compile")
+    for block in blocks:
+        block.compile(backend=backend, **compile_kwargs)
+    by_class: dict[type, list[nn.Module]] = {}
+    for block in blocks:
+        by_class.setdefault(type(block), []).append(block)
+    groups = [g for g in by_class.values() if len(g) > 1]
+    if groups:
+        _MirrorOnce(model, groups)
+    return blocks
+
+
+class _MirrorOnce:
+    """A forward pre-hook on the (eager) root: on the model's second call, give every block the
+    parameter layout the backend gave the first block of its class while compiling it; then it
+    removes itself. Runs outside every compiled frame (Dynamo never sees it)."""
+
+    def __init__(self, model: nn.Module, groups: list[list[nn.Module]]):
+        self.groups, self.calls = groups, 0
+        self.handle = model.register_forward_pre_hook(self)
+
+    def __call__(self, module, args):
+        self.calls += 1
+        if self.calls < 2:  # the first call compiles (and re-homes) the first block of each class
+            return None
+        self.handle.remove()
+        moved = sum(mirror_layout(group[0], other) for group in self.groups for other in group[1:])
+        if moved:
+            log.debug("compile_blocks: gave %d parameters the first block's one-buffer layout", moved)
+        return None
+
+
+def _shared_storage_groups(block: nn.Module) -> list[list[tuple[str, torch.Tensor]]]:
+    """Parameters of ``block`` that live in one storage with others (a re-homed buffer), grouped."""
+    by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for name, p in block.named_parameters():
+        if type(p.data) is torch.Tensor and p.device.type != "meta":
+            by_storage.setdefault(p.untyped_storage().data_ptr(), []).append((name, p))
+    return [g for g in by_storage.values() if len(g) > 1]
+
+
+def mirror_layout(src: nn.Module, dst: nn.Module) -> int:
+    """Move the parameters of ``dst`` that correspond (by name) to parameters of ``src`` sharing one
+    storage into one new storage with the same layout (offsets, shapes, strides); values and
+    Parameter objects are kept. Skips a group unless every counterpart is a plain Parameter of the
+    same shape, stride, dtype and device, in a storage of its own. Returns how many moved."""
+    dst_params = dict(dst.named_parameters())
+    moved = 0
+    for group in _shared_storage_groups(src):
+        pairs = [(p, dst_params.get(name)) for name, p in group]
+        if not all(isinstance(q, nn.Parameter) and type(q.data) is torch.Tensor and q.shape == p.shape
+                   and q.stride() == p.stride() and q.dtype == p.dtype and q.device == p.device
+                   for p, q in pairs):
+            continue
+        if len({q.untyped_storage().data_ptr() for _, q in pairs}) != len(pairs):
+            continue  # already sharing storage: leave it
+        first = pairs[0][0]
+        numel = first.untyped_storage().nbytes() // first.element_size()
+        with torch.no_grad():
+            flat = torch.empty(numel, dtype=first.dtype, device=first.device)
+            for p, q in pairs:
+                view = flat.as_strided(p.shape, p.stride(), p.storage_offset())
+                view.copy_(q)
+                q.data = view
+        moved += len(pairs)
+    return moved

@@ -1,0 +1,150 @@
+"""moe_compile.compile_blocks: per-block compilation rewrites every MoE layer, compiles one graph
+for all blocks of a class, and trains like eager (outputs, every gradient, AdamW steps); ModuleList
+experts of every block get the first block's one-buffer layout without new Parameter objects."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters as dynamo_counters
+
+import moe_compile
+from helpers import FP32_REL, HF_FP32_REL, assert_close_rel
+
+OPTS = {"moe.inductor": False}
+# three AdamW steps of fp32 training, compiled vs eager: each step's gradients differ by ~1e-7
+# (FP32_REL's summation order), and AdamW moves every weight by ~lr whatever the gradient's size,
+# so the weights stay within ~1e-6 relative; 10x margin.
+TRAIN_REL = 10 * FP32_REL
+
+
+def _route_permute_calls(fn) -> int:
+    """MoE layers running rewritten code in one call of ``fn``: calls of moe_compile::route_permute."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    name = "moe_compile::route_permute"
+    return sum(1 for e in prof.events() if e.name == name and (e.cpu_parent is None or e.cpu_parent.name != name))
+
+
+# ----------------------------------------------------------------------------- plain-loop model
+class Expert(nn.Module):
+    def __init__(self, h, i):
+        super().__init__()
+        self.w1, self.w3, self.w2 = nn.Linear(h, i, bias=False), nn.Linear(h, i, bias=False), nn.Linear(i, h, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, h=16, i=12, e=4, k=2):
+        super().__init__()
+        self.k = k
+        self.norm = nn.RMSNorm(h)
+        self.gate = nn.Linear(h, e, bias=False)
+        self.experts = nn.ModuleList(Expert(h, i) for _ in range(e))
+
+    def forward(self, h):
+        x = self.norm(h)
+        w, ids = F.softmax(self.gate(x), dim=-1).topk(self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, expert(x[tok]) * w[tok, slot, None])
+        return h + out
+
+
+class LoopLM(nn.Module):
+    def __init__(self, layers=3, h=16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(h, h)
+        self.layers = nn.ModuleList(Block(h) for _ in range(layers))
+        self.out = nn.Linear(h, h)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(h)
+
+
+def _shares_one_storage(block) -> bool:
+    ptrs = {p.untyped_storage().data_ptr() for ex in block.experts for p in (ex.w1.weight, ex.w3.weight)}
+    return len(ptrs) == 1
+
+
+def test_loop_blocks_train_like_eager_and_share_the_first_layout():
+    eager = LoopLM()
+    model = copy.deepcopy(eager)
+    params_before = [id(p) for p in model.parameters()]
+    graphs0 = dynamo_counters["stats"]["unique_graphs"]
+    blocks = moe_compile.compile_blocks(model, options=OPTS)
+    assert blocks == list(model.layers)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, model)]
+    for step in range(3):
+        x = torch.randn(10, 16, generator=torch.Generator().manual_seed(step))
+        outs = []
+        for m, opt in zip((eager, model), opts):
+            out = m(x)
+            out.square().mean().backward()
+            outs.append(out.detach())
+            if step == 0:
+                grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+                if m is eager:
+                    ref_grads = grads
+            opt.step()
+            opt.zero_grad()
+        assert_close_rel(outs[1], outs[0], TRAIN_REL, f"step {step}: output")
+        if step == 0:
+            for n, g in grads.items():
+                assert_close_rel(g, ref_grads[n], FP32_REL, f"gradient of {n}")
+    for (n, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+        assert_close_rel(p.detach(), q.detach(), TRAIN_REL, f"{n} after 3 AdamW steps")
+    assert [id(p) for p in model.parameters()] == params_before, "Parameter objects were replaced"
+    assert dynamo_counters["stats"]["unique_graphs"] - graphs0 == 1, "each block compiled its own graph"
+    assert _route_permute_calls(lambda: model(torch.randn(10, 16))) == len(model.layers)
+    # the backend re-homed the first block's experts while compiling it; the others got the same layout
+    assert all(_shares_one_storage(b) for b in model.layers)
+
+
+# ----------------------------------------------------------------------------- Hugging Face model
+transformers = pytest.importorskip("transformers")
+
+
+def _qwen3(layers):
+    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=32, intermediate_size=32, max_position_embeddings=64,
+                                      use_cache=False, decoder_sparse_step=1, mlp_only_layers=[])
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM._from_config(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("gate.weight"):
+                p.normal_(0.0, 0.5)
+    return model.train()
+
+
+def test_hf_blocks_match_eager_every_layer_rewritten():
+    eager = _qwen3(4)
+    model = copy.deepcopy(eager)
+    graphs0 = dynamo_counters["stats"]["unique_graphs"]
+    moe_compile.compile_blocks(model, options=OPTS)
+    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    for m in (eager, model):
+        m(input_ids=ids, labels=ids).loss.backward()
+    assert dynamo_counters["stats"]["unique_graphs"] - graphs0 == 1
+    for (n, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+        assert_close_rel(p.grad, q.grad, HF_FP32_REL, f"gradient of {n}")
+    with torch.no_grad():
+        assert_close_rel(model(input_ids=ids).logits, eager(input_ids=ids).logits, HF_FP32_REL, "logits")
+        assert _route_permute_calls(lambda: model(input_ids=ids)) == 4
+
+
+def test_find_blocks_needs_a_module_list():
+    with pytest.raises(ValueError, match="compile_blocks: Linear has no nn.ModuleList"):
+        moe_compile.compile_blocks(nn.Linear(2, 2))
