@@ -262,9 +262,9 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         b = base.get((r["experts"], r["inductor"]))
-        per = (r["step_us"] - b["step_us"]) / (3 * r["experts"]) if b and r["form"] == "list" else float("nan")
+        per = (f"{(r['step_us'] - b['step_us']) / (3 * r['experts']):.1f}" if b and r["form"] == "list" else "-")
         print(f"| {r['experts']} | {r['params']} | {r['inductor']} | {r['form']} | {r['change']} | {r['step_us']:.0f} "
-              f"| {r['fwd_us']:.0f} | {r['guard_us']:.0f} | {per:.1f} |")
+              f"| {r['fwd_us']:.0f} | {r['guard_us']:.0f} | {per} |")
     for r in rows:
         if "profile" in r:
             print(f"\n### own time per step by area: E={r['experts']} {r['form']} inductor={r['inductor']} "
