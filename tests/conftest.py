@@ -8,7 +8,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 # Two tiers. The default run (CI, the README's test command) leaves out the tests marked `slow`:
 # multi-process runs whose contract a faster test also covers (4 ranks where 2 ranks run by default,
 # every model where one runs by default, the examples under torchrun). `MOE_SLOW=1` runs them too
-# (everything: ~15 min on 2 cores); run it before closing an issue that touches what they cover.
+# (everything); run it before closing an issue that touches what they cover. `-n 2` (pytest-xdist)
+# runs two workers: each test is its own unit (no shared state across tests but the Inductor cache),
+# and the multi-process tests use file-based rendezvous (no ports).
 RUN_SLOW = os.environ.get("MOE_SLOW", "") not in ("", "0")
 
 
