@@ -204,6 +204,7 @@ class Progress:
 
 def train(args, cfg, label: str, device, dtype, rank: int, world: int, data: PermutationData) -> list[float]:
     """One training run; returns the loss of every step (mean over ranks)."""
+    torch._dynamo.reset()  # each run compiles afresh (torch 2.11 may reuse one backend's code for another)
     model = make_model(args, cfg, device, dtype)
     ep = args.ep if label == "moe" else 1  # expert-parallel layers run only compiled
     shard(model, args, world, device.type, ep)
@@ -326,6 +327,9 @@ def main(argv=None):
         torch.cuda.set_device(device)
     if world > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if args.ep < 1 or (args.ep > 1 and world == 1):
+        raise SystemExit(f"--ep {args.ep}: expert parallelism needs torchrun with a multiple of --ep ranks "
+                         "(e.g. torchrun --nproc-per-node 4 examples/train.py --ep 2)")
     if args.inductor is None:
         args.inductor = device.type == "cuda"
     if args.stock is None:

@@ -16,8 +16,15 @@ Kept: Parameter identity (optimizers, hooks, state_dict and ``load_state_dict`` 
 latter copies into the buffer). Skipped (recorded, never required for correctness): tensors that are
 not plain leaf Parameters of one dtype/device/shape, non-contiguous or already evenly spaced ones.
 A later ``model.to(...)`` allocates new storages: the op then reads the weights in place again.
+
+Never under FSDP2 (``fully_shard``): the parameters a compiled graph reads are FSDP's unsharded
+parameters, whose storage FSDP refills on every all-gather; moving their ``.data`` would leave the
+experts computing with the weights of the step that compiled (``fsdp_in_use``; the graph then reads
+the per-expert weights in place, as without re-homing).
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.fx as fx
@@ -74,9 +81,30 @@ def _rehome(groups: list[list[torch.Tensor]]) -> str:
     return f"re-homed {len(groups)} x {len(groups[0])} expert weights {tuple(first.shape)} into one buffer"
 
 
+def fsdp_in_use() -> bool:
+    """Some module of this process is ``fully_shard``-ed (FSDP2): parameters may be FSDP's."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:  # a torch without FSDP2: nothing manages the parameters
+        return False
+    for state in list(_module_state_mapping.values()):
+        if isinstance(state, weakref.ref):  # torch keeps the states by weak reference
+            state = state()
+        if isinstance(state, FSDPState):
+            return True
+    return False
+
+
 def rehome_expert_weights(gm: fx.GraphModule, example_inputs) -> list[str]:
     """Re-home the per-expert weights of every grouped_mm_list (one buffer per linear) and
     grouped_mm_list_cat (one buffer for both linears, side by side) in gm; returns report notes."""
+    if fsdp_in_use():
+        if any(getattr(n.target, "_opname", "") in ("grouped_mm_list", "grouped_mm_list_cat")
+               for n in gm.graph.nodes if n.op == "call_function"):
+            return ["expert weights not re-homed: FSDP2 owns the storage of the parameters it gathers "
+                    "(the grouped GEMMs read the per-expert weights in place)"]
+        return []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     index = {n: i for i, n in enumerate(placeholders)}
     notes = []

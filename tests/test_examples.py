@@ -106,7 +106,7 @@ def test_train_tracks_eager(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("args", [["--ep", "2"], ["--compile", "blocks"]])
 def test_train_torchrun_fsdp2(tmp_path, args):
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]  # own port
     _run(torchrun + [TRAIN, "--steps", "6", "--out", "out", *args], tmp_path, env={"OMP_NUM_THREADS": "1"})
     moe, eager = _curves(tmp_path / "out" / "loss.csv")
     assert max(abs(a - b) for a, b in zip(moe, eager)) <= CURVE_ATOL, list(zip(moe, eager))

@@ -11,6 +11,11 @@ import torch
 import moe_compile
 from helpers import FP32_REL, assert_close_rel, make_input, make_model
 
+# four SGD steps of fp32 training, compiled vs eager: each step's gradients differ by ~1e-7 (FP32_REL's
+# summation order) and the weights carry it into the next step; 10x margin. Stale expert weights
+# (a step behind) differ by ~1e-3.
+STEPS_REL = 10 * FP32_REL
+
 STEPS = 3
 LR = 0.05
 
@@ -63,3 +68,44 @@ def test_rehome_can_be_disabled_and_is_reported():
     report = moe_compile.explain(model, make_input((2, 4, 16)))
     assert report.rewritten and any("one buffer per linear" in n for n in report.rewritten[0].notes), str(report)
     assert _storages(model)[1] == before
+
+
+# ------------------------------------------------------------------------------------------ FSDP2
+def body_fsdp2_steps(rank, world_size, compile_blocks):
+    """FSDP2 gathers each block's parameters into storage it owns and refills on every all-gather:
+    re-homing those parameters would leave the experts reading the first step's weights."""
+    from torch.distributed.fsdp import fully_shard
+
+    from test_blocks import LoopLM
+
+    eager = LoopLM(layers=2)
+    model = copy.deepcopy(eager)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    if compile_blocks:
+        moe_compile.compile_blocks(model, options={"moe.inductor": False})
+        fn = model
+    else:
+        fn = torch.compile(model, backend="moe", options={"moe.inductor": False})
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (eager, model)]
+    g = torch.Generator().manual_seed(0)
+    before = moe_compile.counters["rewritten"]
+    for step in range(4):
+        x = torch.randn(12, 16, generator=g)
+        outs = []
+        for f, opt in zip((eager, fn), opts):
+            y = f(x)
+            (y * y).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            outs.append(y.detach())
+        assert_close_rel(outs[1], outs[0], STEPS_REL, f"FSDP2, step {step}: output")
+    assert moe_compile.counters["rewritten"] > before, "the MoE layers were not rewritten"
+
+
+@pytest.mark.parametrize("compile_blocks", [False, True])
+def test_fsdp2_parameters_are_not_rehomed(compile_blocks):
+    from dist_utils import run_distributed
+
+    run_distributed(body_fsdp2_steps, 1, compile_blocks)
