@@ -121,12 +121,6 @@ def make_model(args, cfg, device, dtype):
     return model.train()
 
 
-def decoder_layers(model):
-    from moe_compile.blocks import find_blocks
-
-    return find_blocks(model)
-
-
 def shard(model, args, world: int, device_type: str, ep: int):
     """FSDP2 (+ expert parallelism with ep > 1), in place. Returns the mesh (None on one process)."""
     if world == 1:
@@ -135,6 +129,7 @@ def shard(model, args, world: int, device_type: str, ep: int):
     from torch.distributed.fsdp import fully_shard
 
     import moe_compile
+    from moe_compile.blocks import find_blocks
 
     if world % ep:
         raise SystemExit(f"--ep {ep} must divide the number of ranks ({world})")
@@ -143,7 +138,7 @@ def shard(model, args, world: int, device_type: str, ep: int):
     if ep > 1:
         moe_compile.parallelize_experts(model, mesh["ep"])     # each rank keeps E / ep experts
         moe_compile.fully_shard_experts(model, mesh["dp"])     # ... sharded over the ranks holding the same ones
-    for layer in decoder_layers(model):
+    for layer in find_blocks(model):                           # the decoder layers
         fully_shard(layer, mesh=flat)                          # dense parameters over every rank
     fully_shard(model, mesh=flat)
     return mesh

@@ -1,8 +1,11 @@
-"""Helpers shared by the interleaved A/B benchmarks (``gmm_ab.py``, ``fusion_ab.py``) and
-``moe_kernels.py``: one argument parser, one header line, one timing loop, one attribute patch."""
+"""Helpers shared by the benchmarks: for the interleaved A/B ones (``gmm_ab.py``, ``fusion_ab.py``)
+and ``moe_kernels.py`` one argument parser, one header line, one timing loop, one attribute patch;
+for ``moe_layer.py`` and ``model_step.py`` one device/versions record; for ``ep.py`` and
+``model_step.py`` the interval arithmetic of profiler timelines (``merge``, ``length``, ``uncovered``)."""
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 from typing import Callable
 
@@ -48,3 +51,59 @@ def with_attr(mod, attr: str, value, fn: Callable) -> Callable:
         finally:
             setattr(mod, attr, old)
     return run
+
+
+def versions(device: str = "cuda") -> dict:
+    """Device and library versions for a result table: on "cuda" the GPU (name, SMs) and CUDA, else the CPU."""
+    import torch
+    import transformers
+
+    info = dict(torch=torch.__version__, transformers=transformers.__version__)
+    if device == "cuda":
+        p = torch.cuda.get_device_properties(0)
+        info = dict(device=p.name, sms=p.multi_processor_count, cuda=torch.version.cuda, **info)
+        try:
+            import triton
+            info["triton"] = triton.__version__
+        except ImportError:
+            info["triton"] = "missing"
+    else:
+        import platform
+        info = dict(device=f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                           f"{torch.get_num_threads()} threads)", **info)
+    return info
+
+
+# ------------------------------------------------------------------------------------------ timelines
+def merge(intervals):
+    """Union of [start, end) intervals as a sorted, disjoint list."""
+    out = []
+    for s, e in sorted(i for i in intervals if i[1] > i[0]):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [tuple(i) for i in out]
+
+
+def length(intervals) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def uncovered(a, b) -> float:
+    """|union(a) minus union(b)|: the time in a's intervals during which no interval of b is running."""
+    a, b = merge(a), merge(b)
+    total, j = 0.0, 0
+    for s, e in a:
+        cur = s
+        while j < len(b) and b[j][1] <= cur:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < e:
+            if b[k][0] > cur:
+                total += b[k][0] - cur
+            cur = max(cur, b[k][1])
+            k += 1
+        if cur < e:
+            total += e - cur
+    return total

@@ -76,7 +76,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import flops  # noqa: E402  (examples/flops.py)
+from ab import length, merge, uncovered  # noqa: E402,F401  (examples/benchmark/ab.py; tests use ep.merge / ep.uncovered)
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 VARIANTS = ("single_moe", "ep_moe", "ep_moe_chunks1", "ep_titan", "ep_deepep")
@@ -525,40 +527,6 @@ class DeepEPExperts(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------ exposed communication
-def merge(intervals):
-    """Union of [start, end) intervals as a sorted, disjoint list."""
-    out = []
-    for s, e in sorted(i for i in intervals if i[1] > i[0]):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return [tuple(i) for i in out]
-
-
-def length(intervals) -> float:
-    return sum(e - s for s, e in intervals)
-
-
-def uncovered(a, b) -> float:
-    """|union(a) minus union(b)|: the time in a's intervals during which no interval of b is running."""
-    a, b = merge(a), merge(b)
-    total, j = 0.0, 0
-    for s, e in a:
-        cur = s
-        while j < len(b) and b[j][1] <= cur:
-            j += 1
-        k = j
-        while k < len(b) and b[k][0] < e:
-            if b[k][0] > cur:
-                total += b[k][0] - cur
-            cur = max(cur, b[k][1])
-            k += 1
-        if cur < e:
-            total += e - cur
-    return total
-
-
 COMM_KINDS = {  # kernel-name substrings (lower case) -> kind; anything else on the GPU is compute
     "a2a": ("alltoall", "all_to_all", "sendrecv", "deep_ep::intranode::dispatch", "deep_ep::intranode::combine",
             "deep_ep::internode", "notify_dispatch", "notify_combine"),

@@ -73,6 +73,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ab import length, merge, versions  # noqa: E402  (examples/benchmark/ab.py)
 from flops import model_flops  # noqa: E402  (examples/flops.py)
 
 
@@ -274,18 +276,6 @@ def _stack_names(op):
     return names
 
 
-def _union_us(intervals) -> float:
-    total, end = 0.0, -math.inf
-    for s, e in sorted(intervals):
-        if s > end:
-            total += e - s
-            end = e
-        elif e > end:
-            total += e - end
-            end = e
-    return total
-
-
 def time_split(events, wall_us: float, steps: int, device: str) -> dict:
     """{part: ms per step} from profiler events (see the module docstring for the rule)."""
     from torch.autograd import DeviceType
@@ -309,7 +299,7 @@ def time_split(events, wall_us: float, steps: int, device: str) -> dict:
             s, e = op.time_range.start, op.time_range.end
             intervals.append((s, e))
             parts[classify(_stack_names(op))] += e - s
-    parts["host gaps"] = max(0.0, wall_us - _union_us(intervals))
+    parts["host gaps"] = max(0.0, wall_us - length(merge(intervals)))
     return {k: v / steps / 1e3 for k, v in parts.items()}
 
 
@@ -441,25 +431,6 @@ def run_variant(name, form, variant, args, device, dtype) -> dict:
 
 
 # ------------------------------------------------------------------------------------ main
-def versions(device: str) -> dict:
-    import transformers
-
-    info = dict(torch=torch.__version__, transformers=transformers.__version__)
-    if device == "cuda":
-        p = torch.cuda.get_device_properties(0)
-        info = dict(device=p.name, sms=p.multi_processor_count, cuda=torch.version.cuda, **info)
-        try:
-            import triton
-            info["triton"] = triton.__version__
-        except ImportError:
-            info["triton"] = "missing"
-    else:
-        import platform
-        info = dict(device=f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                           f"{torch.get_num_threads()} threads)", **info)
-    return info
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))

@@ -256,18 +256,6 @@ def flops(shape):
     return t * k * 6 * h * i + 2 * t * h * e
 
 
-def versions():
-    import triton
-    try:
-        import transformers
-        tv = transformers.__version__
-    except ImportError:
-        tv = "missing"
-    p = torch.cuda.get_device_properties(0)
-    return dict(device=p.name, sms=p.multi_processor_count, torch=torch.__version__, cuda=torch.version.cuda,
-                triton=triton.__version__, transformers=tv)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -282,7 +270,9 @@ def main():
     ap.add_argument("--moe-option", action="append", default=[], metavar="KEY=VALUE",
                     help="an option for the backend='moe' variants, e.g. moe.debug=True (value parsed as Python)")
     args = ap.parse_args()
-    info = versions()
+    from ab import versions
+
+    info = versions("cuda")
     print("# " + " ".join(f"{k}={v}" for k, v in info.items()), flush=True)
     if args.micro:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
