@@ -97,10 +97,6 @@ class _MirrorOnce:
         if self.calls < 2:  # the first call compiles (and re-homes) the first block of each class
             return None
         self.handle.remove()
-        from moe_compile.lowering.rehome import fsdp_in_use
-
-        if fsdp_in_use():  # the backend did not re-home FSDP's parameters: nothing to mirror
-            return None
         moved = sum(mirror_layout(group[0], other) for group in self.groups for other in group[1:])
         if moved:
             log.debug("compile_blocks: gave %d parameters the first block's one-buffer layout", moved)
