@@ -99,12 +99,7 @@ def fsdp_in_use() -> bool:
 def rehome_expert_weights(gm: fx.GraphModule, example_inputs) -> list[str]:
     """Re-home the per-expert weights of every grouped_mm_list (one buffer per linear) and
     grouped_mm_list_cat (one buffer for both linears, side by side) in gm; returns report notes."""
-    if fsdp_in_use():
-        if any(getattr(n.target, "_opname", "") in ("grouped_mm_list", "grouped_mm_list_cat")
-               for n in gm.graph.nodes if n.op == "call_function"):
-            return ["expert weights not re-homed: FSDP2 owns the storage of the parameters it gathers "
-                    "(the grouped GEMMs read the per-expert weights in place)"]
-        return []
+    fsdp = fsdp_in_use()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     index = {n: i for i, n in enumerate(placeholders)}
     notes = []
@@ -121,5 +116,9 @@ def rehome_expert_weights(gm: fx.GraphModule, example_inputs) -> list[str]:
             continue
         if None in groups or even_step([w for g in zip(*groups) for w in g]):
             continue  # unusable, or already side by side in one buffer
+        if fsdp:
+            notes.append("expert weights not re-homed: FSDP2 owns the storage of the parameters it gathers "
+                         "(the grouped GEMMs read the per-expert weights in place)")
+            continue
         notes.append(_rehome(groups))
     return notes
