@@ -315,9 +315,13 @@ def _moe_backend(gm, example_inputs, mode, options):
     config, inductor_options = MoEConfig.from_options(mode, options)
     session = records_mod.current_session()
     new_gm, records = pipeline.run_dynamo_stage(gm, example_inputs, config)
+    plan, inputs, stacked = None, example_inputs, []
     notes: list = []
     try:
-        compiled = _compile_rewritten(new_gm, example_inputs, config, inductor_options, records, notes)
+        if new_gm is not gm:
+            before = pipeline.run_before_compile(new_gm, example_inputs, records, config)
+            plan, inputs, stacked, records = before.plan, before.inputs, before.to_rehome, before.records
+        compiled = _compile_rewritten(new_gm, inputs, config, inductor_options, records, notes)
     except Exception as exc:
         if new_gm is gm or config.strict:
             raise
@@ -328,13 +332,17 @@ def _moe_backend(gm, example_inputs, mode, options):
                                        reason=reasons.message("compile_error", detail),
                                        fix=reasons.fix("compile_error"))
                    if r.status == records_mod.REWRITTEN else r for r in records]
-        new_gm, notes = gm, []
+        new_gm, notes, plan, inputs, stacked = gm, [], None, example_inputs, []
         compiled = _compile_rewritten(gm, example_inputs, config, inductor_options, records, notes)
+    if plan is not None:
+        from .expert_inputs import StackedInputs
+
+        compiled = StackedInputs(compiled, plan)
     if any(r.status == records_mod.REWRITTEN for r in records):
         # after compiling: AOTAutograd's fake inputs were made with the parameters' old storage
         # offsets; the compiled code itself does not depend on them (lowering/rehome.py)
         try:
-            records = pipeline.run_after_compile(new_gm, example_inputs, records, config)
+            records = pipeline.run_after_compile(new_gm, inputs, records, config, stacked)
         except Exception as exc:  # an optional optimisation: the compiled code is right without it
             if config.strict:
                 raise

@@ -36,6 +36,10 @@ class MoEConfig:
     rehome_weights: move ModuleList expert weights into one buffer per linear at compile time
         (same Parameters and values; lets the grouped GEMM read them as one 3-D tensor, no per-step
         copy). False is the same as listing "rehome_weights" in ``disable``.
+    stack_expert_params: give the compiled graph each such buffer as ONE input (one autograd leaf;
+        the gradient is handed to the same Parameters) instead of one input per expert weight, which
+        costs host time per Parameter on every step. Single-process jobs without FSDP2 only.
+        False is the same as listing "stack_expert_params" in ``disable``.
     disable: names of optional passes to skip (``moe_compile.pipeline.OPTIONAL_PASSES``).
     mode: the Inductor mode, for when torch.compile's own ``mode=`` cannot be combined with options.
     ep_overlap_chunks: an expert-parallel MoE layer's tokens are split into this many chunks, so each
@@ -47,6 +51,7 @@ class MoEConfig:
     capture_dynamic: bool = True
     strict: bool = False
     rehome_weights: bool = True
+    stack_expert_params: bool = True
     disable: tuple[str, ...] = ()
     mode: str = "default"
     ep_overlap_chunks: int = 2
@@ -70,8 +75,9 @@ class MoEConfig:
             required = [p for p in unknown if p in PASS_NAMES]
             raise ValueError(f"MoEConfig: moe.disable names {'passes that cannot be disabled' if required else 'unknown passes'} "
                              f"{unknown}; optional passes: {list(OPTIONAL_PASSES)}")
-        if not self.rehome_weights and "rehome_weights" not in self.disable:
-            object.__setattr__(self, "disable", (*self.disable, "rehome_weights"))
+        for name in ("rehome_weights", "stack_expert_params"):
+            if not getattr(self, name) and name not in self.disable:
+                object.__setattr__(self, "disable", (*self.disable, name))
 
     @classmethod
     def allowed_keys(cls) -> list[str]:

@@ -6,6 +6,7 @@
     post_grad      each forward / backward ATen graph after  host_syncs, ep_overlap
                    AOTAutograd (Inductor's post-grad hook,
                    or the aot_eager compilers)
+    before_compile the rewritten graph and its real inputs   stack_expert_params
     after_compile  the compiled graph's real inputs          rehome_weights
 
 ``moe.disable`` names optional passes to skip (never ``normalize``, ``check`` or ``lower``);
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class Pass:
     name: str
-    stage: str          # "dynamo" | "post_grad" | "after_compile"
+    stage: str          # "dynamo" | "before_compile" | "post_grad" | "after_compile"
     run: Callable       # (state) -> None
     optional: bool
     doc: str
@@ -140,11 +141,32 @@ def _ep_overlap(graph: fx.Graph, notes: list) -> None:
     schedule_collectives(graph)
 
 
+@dataclasses.dataclass
+class BeforeCompileState:
+    """The before_compile stage's work: the rewritten graph (edited in place), the inputs it will be
+    compiled with, and the plan that maps Dynamo's inputs onto them (``lowering/expert_stack.py``)."""
+    gm: fx.GraphModule
+    inputs: list
+    may_move: bool
+    plan: object = None
+    records: list = dataclasses.field(default_factory=list)
+    to_rehome: list = dataclasses.field(default_factory=list)   # stacked Parameter groups, moved after compiling
+    notes: list = dataclasses.field(default_factory=list)
+
+
+def _stack_expert_params(s: BeforeCompileState) -> None:
+    from moe_compile.lowering.expert_stack import stack_expert_params
+
+    s.plan, s.inputs, s.to_rehome, notes = stack_expert_params(s.gm, s.inputs, s.may_move)
+    s.notes += notes
+
+
 def _rehome(state) -> None:
-    gm, example_inputs, notes = state
+    gm, example_inputs, notes, stacked = state
+    from moe_compile.lowering.expert_stack import rehome_groups
     from moe_compile.lowering.rehome import rehome_expert_weights
 
-    notes += rehome_expert_weights(gm, example_inputs)
+    notes += rehome_groups(stacked) + rehome_expert_weights(gm, example_inputs)
 
 
 PASSES: tuple[Pass, ...] = (
@@ -160,6 +182,8 @@ PASSES: tuple[Pass, ...] = (
     Pass("lower", "dynamo", _lower, False, "rewrite accepted regions into moe_compile ops (lowering/region.py)"),
     Pass("swiglu", "dynamo", _swiglu, True,
          "silu(h[:, :N]) * h[:, N:] on rewritten GEMM outputs -> moe_compile.swiglu (lowering/swiglu.py)"),
+    Pass("stack_expert_params", "before_compile", _stack_expert_params, True,
+         "ModuleList expert weights -> one graph input (one autograd leaf) per buffer (lowering/expert_stack.py)"),
     Pass("host_syncs", "post_grad", _host_syncs, True,
          "note host-sync ops left in graphs with moe_compile ops (passes/host_syncs.py)"),
     Pass("ep_overlap", "post_grad", _ep_overlap, True,
@@ -280,6 +304,9 @@ def _refused_record(r) -> RegionRecord:
                         fix=r.fix)
 
 
+_LIST_NOTE = " per-expert weight tensors enter the compiled graph"
+
+
 def _list_weight_note(gm: fx.GraphModule, nodes=None) -> tuple[str, ...]:
     """Per-expert weight lists (ModuleList experts) cost host time per parameter on every step."""
     n = sum(len(a) for node in gm.graph.nodes if (nodes is None or node in nodes)
@@ -287,7 +314,7 @@ def _list_weight_note(gm: fx.GraphModule, nodes=None) -> tuple[str, ...]:
             for a in node.args if isinstance(a, (list, tuple)))
     if n < 64:
         return ()
-    return (f"{n} per-expert weight tensors enter the compiled graph one by one (ModuleList experts): guards, "
+    return (f"{n}{_LIST_NOTE} one by one (ModuleList experts): guards, "
             "autograd and gradient accumulation cost host time for each on every step (~10 us each); if the step is "
             "host-bound, mode=\"reduce-overhead\" (CUDA graphs) hides the kernel launches, "
             "`with moe_compile.compiled_backward(): loss.backward()` runs the backward and its per-parameter "
@@ -310,11 +337,33 @@ def post_grad_hook(config, notes: list):
     return run
 
 
-def run_after_compile(gm: fx.GraphModule, example_inputs, records: list, config) -> list:
-    """The after_compile stage; returns the records with what it did noted on rewritten regions."""
+def run_before_compile(gm: fx.GraphModule, example_inputs, records: list, config) -> BeforeCompileState:
+    """The before_compile stage on the rewritten graph (edited in place). Returns its state: the plan
+    (None when the graph keeps Dynamo's inputs), the inputs to compile it with, the records (what the
+    stage did noted; op names and notes of the weight lists it replaced updated) and the Parameter
+    groups for the after_compile stage to re-home."""
+    s = BeforeCompileState(gm, list(example_inputs), "rehome_weights" not in config.disable)
+    for p in enabled("before_compile", config):
+        p.run(s)
+    if s.plan is not None and not any((canon(n) or "").startswith("moe_compile::grouped_mm_list") for n in gm.graph.nodes):
+        # every weight list became a stack: the regions run the 3-D-weight ops, with no per-Parameter cost
+        records = [dataclasses.replace(r, ops=tuple(dict.fromkeys("grouped_mm" if o.startswith("grouped_mm_list") else o
+                                                                  for o in r.ops)),
+                                       notes=tuple(n for n in r.notes if _LIST_NOTE not in n))
+                   if r.status == REWRITTEN else r for r in records]
+    if s.notes:
+        records = [dataclasses.replace(r, notes=r.notes + tuple(s.notes)) if r.status == REWRITTEN else r
+                   for r in records]
+    s.records = records
+    return s
+
+
+def run_after_compile(gm: fx.GraphModule, example_inputs, records: list, config, stacked: list = ()) -> list:
+    """The after_compile stage; returns the records with what it did noted on rewritten regions.
+    ``stacked``: Parameter groups the compiled graph reads as stacked inputs (``run_before_compile``)."""
     notes: list = []
     for p in enabled("after_compile", config):
-        p.run((gm, example_inputs, notes))
+        p.run((gm, example_inputs, notes, list(stacked)))
     if not notes:
         return records
     return [dataclasses.replace(r, notes=r.notes + tuple(notes)) if r.status == REWRITTEN else r for r in records]

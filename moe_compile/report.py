@@ -107,12 +107,25 @@ def _unwrap(fn):
 
 
 def _explain_notes(r: RegionRecord) -> RegionRecord:
-    if r.status == REWRITTEN and any(o.startswith("grouped_mm_list") for o in r.ops):
-        note = ("ModuleList expert weights: torch.compile(backend=\"moe\") moves them into one buffer per linear "
-                "when it compiles (same Parameters and values; explain() leaves them in place; "
-                "options={\"moe.rehome_weights\": False} keeps them where they are)")
-        return dataclasses.replace(r, notes=r.notes + (note,))
-    return r
+    """What the compile does that explain (which touches no user tensor) does not: ModuleList expert
+    weights are re-homed into one buffer per linear and, where nothing else hooks their gradients,
+    given to the graph as one stacked input per buffer (lowering/expert_stack.py)."""
+    if not (r.status == REWRITTEN and any(o.startswith("grouped_mm_list") for o in r.ops)):
+        return r
+    from .lowering.expert_stack import why_not_stacked
+    from .pipeline import _LIST_NOTE
+
+    notes = r.notes
+    if why_not_stacked() is None:
+        notes = tuple(n.split(_LIST_NOTE)[0] + " per-expert weight tensors (ModuleList experts): the compile gives "
+                      "the graph one stacked input per buffer instead (one autograd leaf each, gradients handed "
+                      "to the same Parameters), so they cost no per-Parameter autograd or wrapper time; "
+                      "options={\"moe.stack_expert_params\": False} keeps one input per Parameter"
+                      if _LIST_NOTE in n else n for n in notes)
+    note = ("ModuleList expert weights: torch.compile(backend=\"moe\") moves them into one buffer per linear "
+            "when it compiles (same Parameters and values; explain() leaves them in place; "
+            "options={\"moe.rehome_weights\": False} keeps them where they are)")
+    return dataclasses.replace(r, notes=notes + (note,))
 
 
 def _earlier_skips(fn, tried: set) -> list[RegionRecord]:

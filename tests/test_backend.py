@@ -203,13 +203,18 @@ def test_inductor_options_forwarded(monkeypatch):
     check_compiled(m, [make_input((5, 8))], expect_rewritten=1, inductor=True, fresh_inputs=0,
                    options={"epilogue_fusion": False})
     assert patches_seen and patches_seen[0].get("epilogue_fusion") is False  # later calls: compile_fx recursing
-    # ModuleList experts reach the ops as per-expert lists: the backend turns Inductor's per-input
+    # ModuleList experts stacked (one input per linear, the default): Inductor's defaults stand
+    assert "size_asserts" not in patches_seen[0]
+    # ModuleList experts that reach the ops as per-expert lists: the backend turns Inductor's per-input
     # size asserts off (Dynamo guards cover them) ...
+    patches_seen.clear()
+    check_compiled(m, [make_input((5, 8))], expect_rewritten=1, inductor=True, fresh_inputs=0,
+                   options={"moe.stack_expert_params": False})
     assert patches_seen[0].get("size_asserts") is False
     # ... unless the user asks for them
     patches_seen.clear()
     check_compiled(m, [make_input((5, 8))], expect_rewritten=1, inductor=True, fresh_inputs=0,
-                   options={"size_asserts": True})
+                   options={"size_asserts": True, "moe.stack_expert_params": False})
     assert patches_seen[0].get("size_asserts") is True
 
 
@@ -336,18 +341,18 @@ def test_rewritten_graph_keeps_dynamo_annotations(monkeypatch):
     """The rewritten copy of Dynamo's graph keeps what AOTAutograd reads from it: the parameter
     sources and each placeholder's source, so the parameters stay static inputs (CUDA graphs would
     otherwise copy every expert weight on every replay) and their guards stay deduplicated."""
-    from torch._functorch._aot_autograd import frontend_utils
+    import torch._functorch.aot_autograd as aot
 
     seen = {}
-    if hasattr(frontend_utils, "_try_get_metadata_from_dynamo"):
-        orig = frontend_utils._try_get_metadata_from_dynamo
+    if hasattr(aot, "_try_get_metadata_from_dynamo"):  # aot_autograd's own reference is the one it calls
+        orig = aot._try_get_metadata_from_dynamo
 
         def spy(mod, *args, **kwargs):
             sources, static = orig(mod, *args, **kwargs)
             seen["static"] = list(static)
             return sources, static
 
-        monkeypatch.setattr(frontend_utils, "_try_get_metadata_from_dynamo", spy)
+        monkeypatch.setattr(aot, "_try_get_metadata_from_dynamo", spy)
     graphs = {}
     real = pipeline.run_dynamo_stage
 
@@ -359,12 +364,14 @@ def test_rewritten_graph_keeps_dynamo_annotations(monkeypatch):
     monkeypatch.setattr(pipeline, "run_dynamo_stage", record)
     m = make_model(spelling="index_add", h=8, i=8, e=3, k=2)
     torch._dynamo.reset()
-    torch.compile(m, backend="moe", options={"moe.inductor": False})(make_input((5, 8))).sum().backward()
+    # (stacked ModuleList weights replace placeholders after this stage: tests/test_expert_stack.py)
+    torch.compile(m, backend="moe", options={"moe.inductor": False, "moe.stack_expert_params": False})(
+        make_input((5, 8))).sum().backward()
     before, after = graphs["before"], graphs["after"]
     assert after is not before and [r.status for r in graphs["records"]] == ["rewritten"]
     assert after._param_name_to_source is before._param_name_to_source
     assert after.meta.get("dynamo_compile_id") == before.meta.get("dynamo_compile_id") is not None
     src = lambda g: [getattr(n, "_dynamo_source", None) for n in g.graph.find_nodes(op="placeholder")]  # noqa: E731
     assert src(after) == src(before) and None not in src(before)
-    if "static" in seen:  # every parameter of the model is a static input of the compiled graph
+    if hasattr(aot, "_try_get_metadata_from_dynamo"):  # every parameter is a static input of the compiled graph
         assert len(seen["static"]) == len(list(m.parameters()))

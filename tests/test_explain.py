@@ -83,13 +83,20 @@ def test_experts_with_different_mlps_are_refused():
     assert "expert 1's MLP differs in structure" in rep.refused[0].reason
 
 
-def test_explain_notes_many_list_weights():
-    """ModuleList experts with many experts: the report says the per-parameter host cost and the fix."""
+def test_explain_notes_many_list_weights(monkeypatch):
+    """ModuleList experts with many experts: the report says that the compile stacks them (one graph
+    input per buffer), or, where it cannot, the per-parameter host cost and the fixes."""
     many = moe_compile.explain(make_model(h=16, i=8, e=32, k=2, spelling="index_add"), make_input((7, 16)))
     few = moe_compile.explain(make_model(h=16, i=8, e=4, k=2, spelling="index_add"), make_input((7, 16)))
     (r,) = many.rewritten
-    assert any("96 per-expert weight tensors" in n and "reduce-overhead" in n for n in r.notes), r.notes
+    assert any("96 per-expert weight tensors" in n and "one stacked input per buffer" in n for n in r.notes), r.notes
     assert not any("per-expert weight tensors" in n for r in few.rewritten for n in r.notes)
+    # where stacking cannot apply (FSDP2, several processes) the cost note and its fixes stay
+    import moe_compile.lowering.expert_stack as expert_stack
+
+    monkeypatch.setattr(expert_stack, "why_not_stacked", lambda: "a multi-process job")
+    (r,) = moe_compile.explain(make_model(h=16, i=8, e=32, k=2, spelling="index_add"), make_input((7, 16))).rewritten
+    assert any("96 per-expert weight tensors" in n and "reduce-overhead" in n for n in r.notes), r.notes
 
 
 class Counting(nn.Module):

@@ -1,0 +1,134 @@
+"""Run a graph whose per-expert weights were stacked (``lowering/expert_stack.py``): each call passes
+one tensor per stack instead of the E Parameters it is made of, and hands its gradient back to them.
+
+Per call and stack (Dynamo's inputs still include every Parameter, which is what is checked):
+- the Parameters sit where the plan's layout says, in one live storage: the stack is a view of that
+  storage made into a fresh autograd leaf; when the backward has accumulated its gradient [E, R, K],
+  a post-accumulate-grad hook gives each Parameter its slice (``p.grad = g[e, rows]`` if it had
+  none, else ``p.grad += g[e, rows]``, out of place under ``create_graph``): the values per-Parameter
+  accumulation would give, without one autograd node, wrapper step and input view per Parameter;
+- otherwise (``.data`` replaced, e.g. by ``model.to()`` with a new dtype handled by a recompile, or
+  by a user's assignment; or a Parameter with a tensor hook, which must run) the Parameters are
+  stacked with ``torch.stack``, differentiably: each gets its gradient through autograd as usual, at
+  the cost of a copy per step; a warning says so once per stack.
+
+The layout check costs one address read per Parameter (cached per set of addresses, as
+``kernels/layout.strided_stack`` does) plus two hook-attribute reads; the full layout check runs once
+per set of addresses (e.g. once per block under ``compile_blocks``).
+"""
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+
+from moe_compile.lowering.expert_stack import StackPlan, laid_out, stack_view
+
+log = logging.getLogger(__name__)
+
+_DATA_PTR = torch.Tensor.data_ptr
+_GRAD = operator.attrgetter("grad")
+_TENSOR_HOOKS = operator.attrgetter("_backward_hooks")
+_ACC_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
+
+
+class _HandOver:
+    """Post-accumulate-grad hook of one call's stack leaf: its gradient, sliced, to the Parameters."""
+
+    __slots__ = ("params", "rows")
+
+    def __init__(self, params: tuple, rows: tuple[int, ...]):
+        self.params, self.rows = params, rows
+
+    def __call__(self, leaf: torch.Tensor) -> None:
+        g, leaf.grad = leaf.grad, None
+        if g is None:
+            return
+        parts = g.split(self.rows, dim=1) if len(self.rows) > 1 else (g,)
+        views = [v for part in parts for v in part.unbind(0)]   # segment-major, as params
+        params = self.params
+        grads = list(map(_GRAD, params))
+        if not any(x is not None for x in grads):   # the usual case: grads were set to None
+            for p, v in zip(params, views):
+                p.grad = v
+            return
+        out_of_place = torch.is_grad_enabled()        # create_graph=True: as AccumulateGrad does
+        old, new = [], []
+        for p, have, v in zip(params, grads, views):
+            if have is None:
+                p.grad = v
+            elif out_of_place:
+                p.grad = have + v
+            else:
+                old.append(have)
+                new.append(v)
+        if old:
+            torch._foreach_add_(old, new)
+
+
+class _Feed:
+    """The tensor one stack input gets on each call."""
+
+    __slots__ = ("get", "rows", "shape", "experts", "layouts", "warned", "what")
+
+    def __init__(self, stack, what: str):
+        self.get = operator.itemgetter(*stack.flat_positions)
+        self.rows, self.shape, self.experts = stack.rows, stack.shape, stack.shape[0]
+        self.layouts: dict = {}
+        self.warned = False
+        self.what = what
+
+    def _in_place(self, params: tuple) -> bool:
+        key = tuple(map(_DATA_PTR, params))
+        ok = self.layouts.get(key)
+        if ok is None:
+            if len(self.layouts) > 1024:
+                self.layouts.clear()
+            ok = self.layouts[key] = laid_out(params, self.rows, self.experts)
+        if not ok:
+            return False
+        # the addresses are those of a checked layout; it still holds if the stack lies inside the
+        # first Parameter's (live) storage: memory inside it belongs to views of it alone
+        first, last = params[0], params[-1]
+        storage = first.untyped_storage()
+        if last.untyped_storage().data_ptr() != storage.data_ptr():
+            return False
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return (first.storage_offset() + numel) * first.element_size() <= storage.nbytes()
+
+    def __call__(self, args) -> torch.Tensor:
+        params = self.get(args)
+        hooked = any(map(_TENSOR_HOOKS, params)) or any(map(_ACC_HOOKS, params))
+        if not hooked and self._in_place(params):
+            leaf = stack_view(params[0], self.shape)
+            if params[0].requires_grad:
+                leaf.requires_grad_()
+                leaf.register_post_accumulate_grad_hook(_HandOver(params, self.rows))
+            return leaf
+        if not self.warned:
+            self.warned = True
+            why = ("some have gradient hooks, which must run" if hooked else
+                   "they no longer share the buffer they were stacked from (their .data was replaced)")
+            log.warning("moe_compile: %s: %s; stacking a copy of them on every step (correct, slower)", self.what, why)
+        e = self.experts
+        segs = [torch.stack(params[s * e:(s + 1) * e]) for s in range(len(self.rows))]
+        return segs[0] if len(segs) == 1 else torch.cat(segs, dim=1)
+
+
+class StackedInputs:
+    """The compiled graph called with Dynamo's inputs: kept ones passed on, stacks built per call."""
+
+    def __init__(self, fn, plan: StackPlan):
+        self.fn, self.keep = fn, plan.keep
+        self.feeds = [_Feed(s, f"{len(s.flat_positions)} expert weights {tuple(s.shape)}") for s in plan.stacks]
+
+    def __call__(self, *args):  # Dynamo calls compiled graphs unboxed (one argument per input)
+        new = [args[i] for i in self.keep]
+        new += [feed(args) for feed in self.feeds]
+        return self.fn(*new)
+
+    def __getattr__(self, name):  # anything else Dynamo or Inductor read from the compiled function
+        return getattr(self.__dict__["fn"], name)

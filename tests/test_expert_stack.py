@@ -1,0 +1,183 @@
+"""ModuleList expert weights enter the compiled graph as one stacked input per buffer, one autograd leaf
+whose gradient is handed to the Parameters (lowering/expert_stack.py, moe_compile/expert_inputs.py).
+
+Every test checks gradients of every Parameter against eager, and that the stacking fired (the graph
+ran grouped_mm, no weight list, and the Parameters' gradients are slices of one buffer: they came
+from the hand-over, not from per-Parameter autograd)."""
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from helpers import FP32_REL, assert_close_rel, check_compiled, make_input, make_model
+from moe_compile import records
+
+# four SGD steps of fp32 training: each step's gradients differ by ~1e-7 (FP32_REL's summation
+# order) and the weights carry it into the next step; 10x margin (as tests/test_rehome.py)
+STEPS_REL = 10 * FP32_REL
+LR = 0.05
+
+
+def _experts(model):
+    return [p for e in model.experts.experts for p in (e.w1.weight, e.w3.weight, e.w2.weight)]
+
+
+def _compile(model, **options):
+    torch._dynamo.reset()
+    return torch.compile(model, backend="moe", options={"moe.inductor": False, **options})
+
+
+def _stacked(graphs) -> bool:
+    recs = [r for g in graphs for r in g if r.status == records.REWRITTEN]
+    assert recs, "nothing was rewritten"
+    return all("grouped_mm" in r.ops and not any(o.startswith("grouped_mm_list") for o in r.ops)
+               and any("stacked input" in n for n in r.notes) for r in recs)
+
+
+def _handed_over(model) -> bool:
+    """The expert gradients are slices of shared buffers (the hand-over's), not separate tensors."""
+    grads = [p.grad for p in _experts(model)]
+    return all(g is not None for g in grads) and len({g.untyped_storage().data_ptr() for g in grads}) <= 2
+
+
+def _train(model, ref, compiled, steps, set_to_none=True, micro=1, loss_of=lambda y: y.square().mean(),
+           shape=(3, 5, 16)):
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=LR)
+    for step in range(steps):
+        for m in range(micro):
+            x = make_input(shape, seed=10 * step + m).to(next(model.parameters()).device)
+            out, out_ref = compiled(x), ref(x.detach().clone().requires_grad_())
+            assert_close_rel(out.detach(), out_ref.detach(), STEPS_REL, f"step {step}.{m}: output")
+            loss_of(out).backward()
+            loss_of(out_ref).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_close_rel(p.grad, q.grad, STEPS_REL, f"step {step}: grad of {name}")
+        if step == steps - 1:
+            return
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        opt_ref.zero_grad(set_to_none=set_to_none)
+
+
+@pytest.mark.parametrize("inductor", [False, True])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_stacked_experts_train_like_eager(inductor, set_to_none):
+    model = make_model(spelling="index_add", expert="swiglu", e=4, k=2)
+    ref = copy.deepcopy(model)
+    ids = [id(p) for p in model.parameters()]
+    with records.recording() as graphs:
+        compiled = _compile(model, **{"moe.inductor": inductor})
+        _train(model, ref, compiled, steps=3, set_to_none=set_to_none)
+    assert _stacked(graphs), graphs
+    assert _handed_over(model) or not set_to_none   # zeroed in place: accumulated into step 1's buffers
+    assert [id(p) for p in model.parameters()] == ids, "Parameter objects must be kept"
+
+
+def test_gradient_accumulation_over_micro_batches():
+    """Two forwards and backwards per step without zeroing in between: the second hand-over adds."""
+    model = make_model(spelling="where_setitem", expert="swiglu", e=4, k=2)
+    ref = copy.deepcopy(model)
+    with records.recording() as graphs:
+        _train(model, ref, _compile(model), steps=2, micro=2)
+    assert _stacked(graphs)
+
+
+def test_backward_twice_through_one_graph():
+    model = make_model(spelling="index_add", expert="swiglu", e=4, k=2)
+    ref = copy.deepcopy(model)
+    compiled = _compile(model)
+    x = make_input((2, 6, 16))
+    out, out_ref = compiled(x), ref(x.detach().clone())
+    for _ in range(2):
+        out.square().sum().backward(retain_graph=True)
+        out_ref.square().sum().backward(retain_graph=True)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close_rel(p.grad, q.grad, FP32_REL, f"grad of {name}")
+    assert _handed_over(model)
+
+
+@pytest.mark.parametrize("case", ["top1", "zero_tokens", "empty_experts", "one_hot_expert", "bf16"])
+def test_edge_cases_match_eager(case):
+    dtype = torch.bfloat16 if case == "bf16" else torch.float32
+    model = make_model(dtype=dtype, spelling="index_add", expert="swiglu", e=5, k=1 if case == "top1" else 2,
+                       routing={"one_hot_expert": "hot", "empty_experts": "empty"}.get(case, "random"))
+    shape = (0, 16) if case == "zero_tokens" else (3, 7, 16)
+    with records.recording() as graphs:
+        check_compiled(model, (make_input(shape, dtype=dtype),), expect_rewritten=1, fresh_inputs=1)
+    assert _stacked(graphs)
+
+
+def test_frozen_experts_get_no_gradient():
+    model = make_model(spelling="index_add", expert="swiglu", e=4, k=2)
+    for p in _experts(model):
+        p.requires_grad_(False)
+    with records.recording() as graphs:
+        check_compiled(model, (make_input((3, 5, 16)),), expect_rewritten=1)
+    assert _stacked(graphs)
+
+
+def test_tensor_hooks_run(caplog):
+    """A gradient hook on an expert Parameter must run: those steps stack the weights differentiably."""
+    model = make_model(spelling="index_add", expert="swiglu", e=4, k=2)
+    ref = copy.deepcopy(model)
+    seen = []
+    for m in (model, ref):
+        m.experts.experts[1].w2.weight.register_hook(lambda g, m=m: seen.append(m) or g * 3)
+    compiled = _compile(model)
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        _train(model, ref, compiled, steps=2)
+    assert seen.count(model) == 2 and seen.count(ref) == 2, "the hook did not run on every step"
+    assert sum("gradient hooks" in r.getMessage() for r in caplog.records) == 1, caplog.text
+
+
+def test_replaced_weights_are_read_where_they_are(caplog):
+    """``p.data = ...`` after compiling moves an expert out of the stacked buffer: the next steps stack
+    a copy (and warn once) instead of reading the stale buffer."""
+    model = make_model(spelling="index_add", expert="swiglu", e=4, k=2)
+    compiled = _compile(model)
+    compiled(make_input((3, 5, 16))).sum().backward()   # the shapes _train uses: no recompile
+    with torch.no_grad():
+        model.experts.experts[2].w1.weight.data = torch.randn_like(model.experts.experts[2].w1.weight)
+    ref = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        _train(model, ref, compiled, steps=2)
+    assert sum("no longer share" in r.getMessage() for r in caplog.records) == 1, caplog.text
+
+
+def test_can_be_disabled():
+    model = make_model(spelling="index_add", expert="swiglu", e=4, k=2)
+    with records.recording() as graphs:
+        check_compiled(model, (make_input((3, 5, 16)),), expect_rewritten=1,
+                       options={"moe.stack_expert_params": False})
+    recs = [r for g in graphs for r in g if r.status == records.REWRITTEN]
+    assert any(o.startswith("grouped_mm_list") for o in recs[0].ops) and not _stacked(graphs)
+
+
+def test_stacks_are_static_inputs(monkeypatch):
+    """Each stack is a static input of the compiled graph, as the Parameters it replaces were: CUDA
+    graphs would otherwise copy every expert weight into their input buffer on every replay."""
+    import torch._functorch.aot_autograd as aot
+
+    if not hasattr(aot, "_try_get_metadata_from_dynamo"):
+        pytest.skip("this torch has no _try_get_metadata_from_dynamo")
+    seen = {}
+    orig = aot._try_get_metadata_from_dynamo
+
+    def spy(mod, *args, **kwargs):
+        sources, static = orig(mod, *args, **kwargs)
+        seen["static"] = list(static)
+        return sources, static
+
+    monkeypatch.setattr(aot, "_try_get_metadata_from_dynamo", spy)
+    model = make_model(spelling="index_add", expert="swiglu", e=4, k=2)
+    with records.recording() as graphs:
+        _compile(model)(make_input((3, 5, 16))).sum().backward()
+    assert _stacked(graphs)
+    others = len(list(model.parameters())) - len(_experts(model))
+    assert len(seen["static"]) == others + 2, seen   # the router's Parameters + w1|w3 and w2 stacks
