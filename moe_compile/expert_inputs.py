@@ -75,18 +75,23 @@ class _Feed:
     def __init__(self, stack, what: str):
         self.get = operator.itemgetter(*stack.flat_positions)
         self.rows, self.shape, self.experts = stack.rows, stack.shape, stack.shape[0]
-        self.layouts: dict = {}
+        self.layouts: dict = {}   # addresses -> laid out (True), or how many calls found them not laid out
         self.warned = False
         self.what = what
 
     def _in_place(self, params: tuple) -> bool:
         key = tuple(map(_DATA_PTR, params))
         ok = self.layouts.get(key)
-        if ok is None:
+        if ok is None or ok is not True:
             if len(self.layouts) > 1024:
                 self.layouts.clear()
-            ok = self.layouts[key] = laid_out(params, self.rows, self.experts)
-        if not ok:
+            ok = laid_out(params, self.rows, self.experts) or (ok or 0) + 1
+            self.layouts[key] = ok
+        if ok is not True:
+            # warned from the second call with the same addresses: compile_blocks gives the other
+            # blocks the compiled block's layout after the model's first call (moe_compile/blocks.py)
+            if ok >= 2:
+                self._warn("they no longer share the buffer they were stacked from (their .data was replaced)")
             return False
         # the addresses are those of a checked layout; it still holds if the stack lies inside the
         # first Parameter's (live) storage: memory inside it belongs to views of it alone
@@ -99,6 +104,11 @@ class _Feed:
             numel *= d
         return (first.storage_offset() + numel) * first.element_size() <= storage.nbytes()
 
+    def _warn(self, why: str) -> None:
+        if not self.warned:
+            self.warned = True
+            log.warning("moe_compile: %s: %s; stacking a copy of them on every step (correct, slower)", self.what, why)
+
     def __call__(self, args) -> torch.Tensor:
         params = self.get(args)
         hooked = any(map(_TENSOR_HOOKS, params)) or any(map(_ACC_HOOKS, params))
@@ -108,11 +118,8 @@ class _Feed:
                 leaf.requires_grad_()
                 leaf.register_post_accumulate_grad_hook(_HandOver(params, self.rows))
             return leaf
-        if not self.warned:
-            self.warned = True
-            why = ("some have gradient hooks, which must run" if hooked else
-                   "they no longer share the buffer they were stacked from (their .data was replaced)")
-            log.warning("moe_compile: %s: %s; stacking a copy of them on every step (correct, slower)", self.what, why)
+        if hooked:
+            self._warn("some have gradient hooks, which must run")
         e = self.experts
         segs = [torch.stack(params[s * e:(s + 1) * e]) for s in range(len(self.rows))]
         return segs[0] if len(segs) == 1 else torch.cat(segs, dim=1)
