@@ -10,6 +10,10 @@ traces the whole backward, gradient accumulation included, into one graph and ru
         loss = model(x).sum()
         loss.backward()          # one compiled graph; every p.grad as with a plain backward
 
+In a single process without FSDP2 the backend already gives ModuleList experts one graph input and
+one autograd leaf per buffer (lowering/expert_stack.py); this is for graphs that keep one input per
+Parameter (multi-process jobs, FSDP2, ``moe.stack_expert_params=False``).
+
 The backward graph is compiled with ``backend`` (default: this backend, which leaves backward
 graphs to Inductor). This wraps ``torch._dynamo.compiled_autograd._enable``, a private torch API
 (present in torch 2.11 and 2.13); ``torch._dynamo.config.compiled_autograd = True`` does the same for

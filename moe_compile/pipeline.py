@@ -315,7 +315,9 @@ def _list_weight_note(gm: fx.GraphModule, nodes=None) -> tuple[str, ...]:
     if n < 64:
         return ()
     return (f"{n}{_LIST_NOTE} one by one (ModuleList experts): guards, "
-            "autograd and gradient accumulation cost host time for each on every step (~10 us each); if the step is "
+            "autograd and gradient accumulation cost host time for each on every step (~10 us each; the backend "
+            "stacks them into one input per buffer where nothing hooks their gradients: moe.stack_expert_params); "
+            "if the step is "
             "host-bound, mode=\"reduce-overhead\" (CUDA graphs) hides the kernel launches, "
             "`with moe_compile.compiled_backward(): loss.backward()` runs the backward and its per-parameter "
             "gradient accumulation as one compiled graph, and storing each projection's experts as one 3-D "

@@ -21,7 +21,8 @@ them alike; each round's median is in the JSON lines), the forward alone likewis
 ``--try``: the same measurement with one change that keeps the user's Parameters (same objects, no
 new state): ``compiled_backward`` (the backward through ``moe_compile.compiled_backward()``),
 ``guard_filter`` (``options={"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}``: no
-TENSOR_MATCH guards on Parameters), ``no_grad_reset`` (the step without setting 3E grads to None:
+TENSOR_MATCH guards on Parameters), ``unstacked`` (``moe.stack_expert_params=False``: one graph input
+and autograd leaf per Parameter, as before lowering/expert_stack.py), ``no_grad_reset`` (the step without setting 3E grads to None:
 the part of the cost that is the benchmark's own loop).
 """
 from __future__ import annotations
@@ -140,6 +141,8 @@ class Case:
         options = {"moe.inductor": inductor}
         if change == "guard_filter":
             options["guard_filter_fn"] = torch.compiler.keep_tensor_guards_unsafe
+        if change == "unstacked":
+            options["moe.stack_expert_params"] = False
         self.fn = fn = torch.compile(layer, backend="moe", options=options)
         self.x = x = torch.randn(T, H, generator=torch.Generator().manual_seed(1))
         g = torch.randn(T, H, generator=torch.Generator().manual_seed(2))
@@ -222,7 +225,7 @@ def main():
     ap.add_argument("--forms", nargs="+", default=["list", "3d"], choices=["list", "3d"])
     ap.add_argument("--inductor", nargs="+", default=["True", "False"], choices=["True", "False"])
     ap.add_argument("--try", dest="changes", nargs="*", default=[],
-                    choices=["compiled_backward", "guard_filter", "no_grad_reset"])
+                    choices=["compiled_backward", "guard_filter", "unstacked", "no_grad_reset"])
     ap.add_argument("--steps", type=int, default=10, help="steps per round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=5)
