@@ -159,6 +159,25 @@ def check_compiled(fn, args, *, expect_rewritten: int, expect_refused: int = 0, 
     return delta
 
 
+def spy_static_inputs(monkeypatch) -> dict | None:
+    """Record the static input indices AOTAutograd takes from Dynamo's graph (CUDA graphs copy every
+    non-static input on every replay) as ``seen["static"]``; None on a torch without the hook."""
+    import torch._functorch.aot_autograd as aot
+
+    if not hasattr(aot, "_try_get_metadata_from_dynamo"):
+        return None
+    seen: dict = {}
+    orig = aot._try_get_metadata_from_dynamo  # aot_autograd's own reference is the one it calls
+
+    def spy(mod, *args, **kwargs):
+        sources, static = orig(mod, *args, **kwargs)
+        seen["static"] = list(static)
+        return sources, static
+
+    monkeypatch.setattr(aot, "_try_get_metadata_from_dynamo", spy)
+    return seen
+
+
 # ==================================================================================== model builders
 class SwiGLU(nn.Module):
     def __init__(self, h, i, bias=False):

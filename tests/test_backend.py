@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import moe_compile
 import moe_compile.pipeline as pipeline
 from moe_compile import records
-from helpers import check_compiled, make_input, make_model
+from helpers import check_compiled, make_input, make_model, spy_static_inputs
 
 HERE = os.path.dirname(__file__)
 
@@ -341,18 +341,7 @@ def test_rewritten_graph_keeps_dynamo_annotations(monkeypatch):
     """The rewritten copy of Dynamo's graph keeps what AOTAutograd reads from it: the parameter
     sources and each placeholder's source, so the parameters stay static inputs (CUDA graphs would
     otherwise copy every expert weight on every replay) and their guards stay deduplicated."""
-    import torch._functorch.aot_autograd as aot
-
-    seen = {}
-    if hasattr(aot, "_try_get_metadata_from_dynamo"):  # aot_autograd's own reference is the one it calls
-        orig = aot._try_get_metadata_from_dynamo
-
-        def spy(mod, *args, **kwargs):
-            sources, static = orig(mod, *args, **kwargs)
-            seen["static"] = list(static)
-            return sources, static
-
-        monkeypatch.setattr(aot, "_try_get_metadata_from_dynamo", spy)
+    seen = spy_static_inputs(monkeypatch)
     graphs = {}
     real = pipeline.run_dynamo_stage
 
@@ -373,5 +362,5 @@ def test_rewritten_graph_keeps_dynamo_annotations(monkeypatch):
     assert after.meta.get("dynamo_compile_id") == before.meta.get("dynamo_compile_id") is not None
     src = lambda g: [getattr(n, "_dynamo_source", None) for n in g.graph.find_nodes(op="placeholder")]  # noqa: E731
     assert src(after) == src(before) and None not in src(before)
-    if hasattr(aot, "_try_get_metadata_from_dynamo"):  # every parameter is a static input of the compiled graph
+    if seen is not None:  # every parameter is a static input of the compiled graph
         assert len(seen["static"]) == len(list(m.parameters()))

@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 
-from helpers import FP32_REL, assert_close_rel, check_compiled, make_input, make_model
+from helpers import FP32_REL, assert_close_rel, check_compiled, make_input, make_model, spy_static_inputs
 from moe_compile import records
 
 # four SGD steps of fp32 training: each step's gradients differ by ~1e-7 (FP32_REL's summation
@@ -162,19 +162,9 @@ def test_can_be_disabled():
 def test_stacks_are_static_inputs(monkeypatch):
     """Each stack is a static input of the compiled graph, as the Parameters it replaces were: CUDA
     graphs would otherwise copy every expert weight into their input buffer on every replay."""
-    import torch._functorch.aot_autograd as aot
-
-    if not hasattr(aot, "_try_get_metadata_from_dynamo"):
+    seen = spy_static_inputs(monkeypatch)
+    if seen is None:
         pytest.skip("this torch has no _try_get_metadata_from_dynamo")
-    seen = {}
-    orig = aot._try_get_metadata_from_dynamo
-
-    def spy(mod, *args, **kwargs):
-        sources, static = orig(mod, *args, **kwargs)
-        seen["static"] = list(static)
-        return sources, static
-
-    monkeypatch.setattr(aot, "_try_get_metadata_from_dynamo", spy)
     model = make_model(spelling="index_add", expert="swiglu", e=4, k=2)
     with records.recording() as graphs:
         _compile(model)(make_input((3, 5, 16))).sum().backward()
