@@ -171,3 +171,17 @@ def test_stacks_are_static_inputs(monkeypatch):
     assert _stacked(graphs)
     others = len(list(model.parameters())) - len(_experts(model))
     assert len(seen["static"]) == others + 2, seen   # the router's Parameters + w1|w3 and w2 stacks
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_inference_after_training(mode):
+    """The stack is a fresh leaf per call: under no_grad / inference_mode it is a plain view, no hook."""
+    model = make_model(spelling="index_add", expert="swiglu", e=4, k=2)
+    with records.recording() as graphs:
+        compiled = _compile(model)
+        compiled(make_input((3, 5, 16))).sum().backward()
+        x = make_input((3, 5, 16), requires_grad=False, seed=3)
+        with mode():
+            got, ref = compiled(x), model(x)
+    assert _stacked(graphs)
+    assert_close_rel(got, ref, FP32_REL, f"output under {mode.__name__}")
