@@ -55,7 +55,6 @@ class Stack:
     positions: tuple[tuple[int, ...], ...]
     rows: tuple[int, ...]
     shape: tuple[int, ...]
-    requires_grad: bool
 
     @property
     def flat_positions(self) -> tuple[int, ...]:
@@ -222,8 +221,7 @@ def stack_expert_params(gm: fx.GraphModule, example_inputs, may_move: bool = Tru
                 if w_node is not ph:
                     gm.graph.erase_node(w_node)
                 gm.graph.erase_node(ph)
-        stacks.append(Stack(tuple(tuple(index[p] for p in seg) for seg in c.placeholders), rows, shape,
-                            first.requires_grad))
+        stacks.append(Stack(tuple(tuple(index[p] for p in seg) for seg in c.placeholders), rows, shape))
         # the compile's example input is the fake value: AOTAutograd would give a real tensor it has
         # not seen from Dynamo sizes of its own (symbols with no source, which break Dynamo's guards)
         fakes.append(fake)
