@@ -138,6 +138,16 @@ def _only_used_by(c: _Candidate) -> bool:
     return True
 
 
+def _rows(params: tuple[tuple[torch.Tensor, ...], ...]) -> tuple[int, ...]:
+    """Rows of each segment (the per-expert weights' first dimension)."""
+    return tuple(s[0].shape[0] for s in params)
+
+
+def _laid_out_segments(params: tuple[tuple[torch.Tensor, ...], ...]) -> bool:
+    """``laid_out`` for Parameters grouped by segment."""
+    return laid_out(tuple(p for s in params for p in s), _rows(params), len(params[0]))
+
+
 def laid_out(params: tuple, rows: tuple[int, ...], experts: int) -> bool:
     """The Parameters (segment-major: every expert of segment 0, then of segment 1) sit as
     ``_rehome`` puts them: one storage holding [E, sum(rows), *tail], expert e of segment s at
@@ -189,8 +199,7 @@ def stack_expert_params(gm: fx.GraphModule, example_inputs, may_move: bool = Tru
         phs = [p for s in c.placeholders for p in s]
         if not _only_used_by(c) or seen & set(phs) or len(set(phs)) != len(phs):
             continue
-        rows = tuple(s[0].shape[0] for s in c.params)
-        if not may_move and not laid_out(tuple(p for s in c.params for p in s), rows, len(c.params[0])):
+        if not may_move and not _laid_out_segments(c.params):
             continue
         seen.update(phs)
         chosen.append(c)
@@ -199,8 +208,7 @@ def stack_expert_params(gm: fx.GraphModule, example_inputs, may_move: bool = Tru
     stacks, fakes, groups = [], [], []
     last_ph = placeholders[-1]
     for j, c in enumerate(chosen):
-        first = c.params[0][0]
-        rows = tuple(s[0].shape[0] for s in c.params)
+        first, rows = c.params[0][0], _rows(c.params)
         shape = (len(c.params[0]), sum(rows), *first.shape[1:])
         mode = GraphBuilder.fake_mode_of(c.node, "stack_expert_params")
         with mode:
@@ -225,7 +233,7 @@ def stack_expert_params(gm: fx.GraphModule, example_inputs, may_move: bool = Tru
         # the compile's example input is the fake value: AOTAutograd would give a real tensor it has
         # not seen from Dynamo sizes of its own (symbols with no source, which break Dynamo's guards)
         fakes.append(fake)
-        groups.append([list(s) for s in c.params])
+        groups.append(c.params)
     eliminate_dead_code(gm.graph)
     gm.recompile()
     removed = {i for st in stacks for i in st.flat_positions}
@@ -237,11 +245,6 @@ def stack_expert_params(gm: fx.GraphModule, example_inputs, may_move: bool = Tru
 
 
 def rehome_groups(groups: list) -> list[str]:
-    """After compiling: put each stacked group's Parameters into one buffer (``rehome._rehome``)
-    unless they already are; the stacked inputs are then views of that buffer."""
-    notes = []
-    for g in groups:
-        rows = tuple(s[0].shape[0] for s in g)
-        if not laid_out(tuple(p for s in g for p in s), rows, len(g[0])):
-            notes.append(_rehome(g))
-    return notes
+    """After compiling: put each stacked group's Parameters (by segment) into one buffer
+    (``rehome._rehome``) unless they already are; the stacked inputs are then views of that buffer."""
+    return [_rehome([list(s) for s in g]) for g in groups if not _laid_out_segments(g)]

@@ -19,6 +19,7 @@ per set of addresses (e.g. once per block under ``compile_blocks``).
 from __future__ import annotations
 
 import logging
+import math
 import operator
 
 import torch
@@ -70,11 +71,12 @@ class _HandOver:
 class _Feed:
     """The tensor one stack input gets on each call."""
 
-    __slots__ = ("get", "rows", "shape", "experts", "layouts", "warned", "what")
+    __slots__ = ("get", "rows", "shape", "experts", "numel", "layouts", "warned", "what")
 
     def __init__(self, stack, what: str):
         self.get = operator.itemgetter(*stack.flat_positions)
         self.rows, self.shape, self.experts = stack.rows, stack.shape, stack.shape[0]
+        self.numel = math.prod(stack.shape)
         self.layouts: dict = {}   # addresses -> laid out (True), or how many calls found them not laid out
         self.warned = False
         self.what = what
@@ -82,7 +84,7 @@ class _Feed:
     def _in_place(self, params: tuple) -> bool:
         key = tuple(map(_DATA_PTR, params))
         ok = self.layouts.get(key)
-        if ok is None or ok is not True:
+        if ok is not True:
             if len(self.layouts) > 1024:
                 self.layouts.clear()
             ok = laid_out(params, self.rows, self.experts) or (ok or 0) + 1
@@ -99,10 +101,7 @@ class _Feed:
         storage = first.untyped_storage()
         if last.untyped_storage().data_ptr() != storage.data_ptr():
             return False
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        return (first.storage_offset() + numel) * first.element_size() <= storage.nbytes()
+        return (first.storage_offset() + self.numel) * first.element_size() <= storage.nbytes()
 
     def _warn(self, why: str) -> None:
         if not self.warned:
