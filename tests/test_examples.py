@@ -77,6 +77,18 @@ def test_model_step_tiny(tmp_path):
         assert abs(r["loss"] - rows[0]["loss"]) <= 1e-4 * rows[0]["loss"], (r["loss"], rows[0]["loss"])
 
 
+def test_model_step_tiny_fsdp(tmp_path):
+    """--fsdp on one rank (FSDP2 per decoder layer and on the model, per-block compile): the MoE layers
+    are rewritten, and the first loss is eager's."""
+    rows, _ = _rows(tmp_path, ["--models", "qwen3", "--forms", "hf", "--variants", "eager", "moe", "--per-block",
+                               "--fsdp", "--steps", "2", "--warmup", "0", "--profile-steps", "0",
+                               "--moe-option", "moe.inductor=False"])
+    assert [r.get("error") for r in rows] == [None, None], rows
+    assert [r["rewritten"] for r in rows] == [0, 1]  # per block: one graph, every layer runs it
+    assert all(r["sharded_params"] > 0 for r in rows), rows  # FSDP2 holds the Parameters
+    assert abs(rows[1]["loss"] - rows[0]["loss"]) <= 1e-4 * rows[0]["loss"], rows
+
+
 @pytest.mark.slow
 def test_model_step_tiny_every_model_and_variant(tmp_path):
     rows, _ = _rows(tmp_path, ["--steps", "2", "--warmup", "0", "--profile-steps", "1"])

@@ -319,3 +319,44 @@ def test_swiglu_op_matches_silu_mul(dtype):
         torch.library.opcheck(ops.swiglu_backward, (h.detach(), da))
     with pytest.raises(ValueError, match="swiglu"):
         ops.swiglu(torch.randn(3, 5))
+
+
+def _quack_load_with(monkeypatch, modules: dict):
+    """kernels._quack's first load with these stand-ins in sys.modules (None: not installed)."""
+    import sys
+
+    from moe_compile.kernels import _quack
+
+    monkeypatch.setattr(_quack, "_STATE", {})
+    for name, mod in modules.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    return _quack
+
+
+def test_quack_missing_is_quiet(monkeypatch, recwarn):
+    """Without the optional extra the weight gradient quietly keeps torch._grouped_mm: no warning,
+    and the reason is there to ask for."""
+    q = _quack_load_with(monkeypatch, {"quack": None, "quack.gemm_config": None, "quack.gemm_interface": None})
+    assert not q.available()
+    assert "not installed" in q.why_not()
+    assert not [w for w in recwarn if "quack" in str(w.message)]
+
+
+def test_quack_broken_install_warns_once(monkeypatch):
+    """An installed but broken quack (e.g. a cutlass-dsl it cannot import) is said once, with the fix."""
+    import types
+
+    broken = types.ModuleType("quack.gemm_config")
+
+    def fail(name):
+        raise RuntimeError("no module cutlass.cutlass_dsl")
+
+    broken.__getattr__ = fail  # `from quack.gemm_config import GemmConfig` raises inside the import
+    q = _quack_load_with(monkeypatch, {"quack": types.ModuleType("quack"), "quack.gemm_config": broken})
+    with pytest.warns(UserWarning, match=r"quack-kernels failed to import: RuntimeError.*moe_compile\[quack\]"):
+        assert not q.available()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not q.available() and "cutlass_dsl" in q.why_not()  # tried once per process

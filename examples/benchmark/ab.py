@@ -53,6 +53,23 @@ def with_attr(mod, attr: str, value, fn: Callable) -> Callable:
     return run
 
 
+def add_kernel_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--kernel", action="append", default=[], metavar="NAME=VALUE",
+                    help="a kernel choice of moe_compile.kernels.cuda for this run, e.g. WGRAD_BACKEND=cutlass "
+                         "or GMM_BACKEND=triton (set before anything runs; printed with the versions)")
+
+
+def apply_kernel_args(pairs: list[str]) -> None:
+    """Set each NAME=VALUE of --kernel on moe_compile.kernels.cuda (a module-level choice that exists)."""
+    from moe_compile.kernels import cuda
+
+    for pair in pairs:
+        name, value = pair.split("=", 1)
+        if not hasattr(cuda, name):
+            raise SystemExit(f"--kernel {pair}: moe_compile.kernels.cuda has no {name}")
+        setattr(cuda, name, value)
+
+
 def versions(device: str = "cuda") -> dict:
     """Device and library versions for a result table: on "cuda" the GPU (name, SMs) and CUDA, else the CPU."""
     import torch
@@ -67,6 +84,14 @@ def versions(device: str = "cuda") -> dict:
             info["triton"] = triton.__version__
         except ImportError:
             info["triton"] = "missing"
+        from moe_compile.kernels import _quack, cuda
+
+        info["wgrad"] = cuda.WGRAD_BACKEND
+        if _quack.available():
+            import quack
+            info["quack"] = quack.__version__
+        else:
+            info["quack"] = "missing"
     else:
         import platform
         info = dict(device=f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, "

@@ -6,6 +6,8 @@ torch.compile / backend="moe" / backend="moe" + CUDA graphs, in one run.
     python examples/benchmark/model_step.py --models qwen3 --forms hf --variants eager inductor moe moe_cg
     python examples/benchmark/model_step.py --models qwen3 --per-block       # compile_blocks instead of whole-model
     python examples/benchmark/model_step.py --tiny                           # CPU check: small widths, 2 layers
+    python examples/benchmark/model_step.py --models qwen3 --per-block --fsdp # FSDP2 (one rank here;
+    torchrun --nproc-per-node 2 examples/benchmark/model_step.py --models qwen3 --per-block --fsdp  # or P ranks)
 
 Models (``MODELS``; ``--layers``/``--batch``/``--seq`` override the defaults):
   qwen3    Qwen3-30B-A3B widths: H 2048, 128 experts of I 768, top-8, GQA 32/4 heads of 128, vocab 151936
@@ -51,6 +53,10 @@ moe_compile op; in the eager loop form the per-expert GEMMs are ordinary aten::l
 as gemm; eager embedding backward's index sort counts as MoE (small). optimizer = fused AdamW.
 other = norms, element-wise, loss, copies.
 
+--fsdp: ``fully_shard`` on every decoder layer, then on the model (FSDP2 over all ranks; launched
+without torchrun it is a one-rank group, which still runs FSDP2's all-gather / free / reduce-scatter
+path and so shows its memory behaviour on one GPU). Tokens and figures are per rank; rank 0 prints.
+
 Run on a GPU with a fresh Inductor cache (``TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)``); the table is printed last.
 """
 from __future__ import annotations
@@ -74,7 +80,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ab import length, merge, versions  # noqa: E402  (examples/benchmark/ab.py)
+from ab import add_kernel_arg, apply_kernel_args, length, merge, versions  # noqa: E402  (examples/benchmark/ab.py)
 from flops import model_flops  # noqa: E402  (examples/flops.py)
 
 
@@ -251,7 +257,7 @@ PARTS = (  # (part, pattern): the first part whose pattern matches the kernel or
     ("optimizer", r"adam|multi_tensor_apply"),
     ("attention", r"flash|fmha|sdpa|scaled_dot_product|efficient_attention|flex_attention|attention_kernel"),
     ("moe", r"moe_compile|grouped|group_?gemm|groupproblem|gmm|permute_rows|unpermute|combine|swiglu|route_|"
-            r"topk|sort|histc|bincount|index_add|searchsorted"),
+            r"topk|sort|histc|bincount|index_add|searchsorted|quack"),  # quack: its weight-gradient GEMM
     ("gemm", r"gemm|matmul|\bmm\b|aten::mm|aten::addmm|aten::bmm|aten::linear|cublas|cutlass|nvjet|xmma|"
              r"sm\d\d_|triton_tem"),
 )
@@ -311,6 +317,37 @@ def route_permute_calls(events) -> int:
 
 
 # ------------------------------------------------------------------------------------ one variant
+def start_process_group(device: str) -> int:
+    """The default process group for --fsdp: torchrun's, else a one-rank group. Returns the rank."""
+    import os
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = "nccl" if device == "cuda" else "gloo"
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if "RANK" in os.environ:  # torchrun
+            dist.init_process_group(backend)
+        else:  # one rank: an in-process store, no port to collide on
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return dist.get_rank()
+
+
+def shard(model: nn.Module) -> int:
+    """FSDP2: each decoder layer, then the rest of the model, sharded over every rank. Returns the
+    number of Parameters FSDP2 now holds as DTensors (all of them)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from moe_compile.blocks import find_blocks
+
+    for block in find_blocks(model):
+        fully_shard(block)
+    fully_shard(model)
+    return sum(isinstance(p, DTensor) for p in model.parameters())
+
+
 def compile_model(model, variant: str, per_block: bool, moe_options: dict, device: str):
     backend = {"eager": None, "inductor": "inductor", "moe": "moe", "moe_cg": "moe"}[variant]
     if backend is None:
@@ -363,6 +400,7 @@ def run_variant(name, form, variant, args, device, dtype) -> dict:
     seq = args.seq or (TINY_SHAPE["seq"] if args.tiny else spec.seq)
     torch._dynamo.reset()  # torch 2.11 reuses a code object's compiled entry across backends otherwise
     model = build(name, form, args.tiny, layers, device, dtype)
+    sharded = shard(model) if args.fsdp else None
     params = [p for p in model.parameters() if p.requires_grad]
     fused = device == "cuda" or hasattr(torch._C._VariableFunctions, "_fused_adamw_")
     opt = torch.optim.AdamW(params, lr=1e-4, fused=fused)
@@ -381,6 +419,8 @@ def run_variant(name, form, variant, args, device, dtype) -> dict:
         losses.append(loss.detach().clone())
 
     row = dict(model=name, form=form, variant=variant, layers=layers, batch=batch, seq=seq)
+    if sharded is not None:
+        row["sharded_params"] = sharded
     rewritten0 = moe_compile.counters["rewritten"]
     _sync(device)
     t0 = time.perf_counter()
@@ -448,7 +488,9 @@ def main(argv=None):
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--moe-option", action="append", default=[], metavar="KEY=VALUE",
                     help="an option for the backend='moe' variants, e.g. moe.inductor=False (value parsed as Python)")
+    ap.add_argument("--fsdp", action="store_true", help="FSDP2 on every decoder layer and the model (see above)")
     ap.add_argument("--json", default=None)
+    add_kernel_arg(ap)
     args = ap.parse_args(argv)
     args.steps = args.steps or (3 if args.tiny else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
@@ -456,7 +498,17 @@ def main(argv=None):
     args.moe_options = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in args.moe_option)}
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if args.fsdp:
+        import torch.distributed as dist
+
+        quiet = start_process_group(device) != 0
+        if quiet:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - rank 0 prints the table
+    if device == "cuda":
+        apply_kernel_args(args.kernel)
     info = versions(device)
+    if args.fsdp:
+        info["fsdp_ranks"] = dist.get_world_size()
     print("# " + " ".join(f"{k}={v}" for k, v in info.items()), flush=True)
     for name in args.models:
         layers = args.layers or (TINY_SHAPE["layers"] if args.tiny else MODELS[name].layers)
@@ -490,12 +542,14 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(dict(info=info, argv=sys.argv, results=results), f, indent=1)
     print_table(results, info, args)
+    if args.fsdp:
+        dist.destroy_process_group()
     return results
 
 
 def print_table(results, info, args):
     print(f"\n## {info['device']}: " + ", ".join(f"{k} {v}" for k, v in info.items() if k != "device")
-          + f" ({'per-block' if args.per_block else 'whole-model'} compile)")
+          + f" ({'per-block' if args.per_block else 'whole-model'} compile{', FSDP2' if args.fsdp else ''})")
     print("| model | form | variant | layers | tokens | step ms | tokens/s | TFLOP/s | host ms | peak GiB | compile s "
           "| regions rewritten | moe layers | loss | " + " | ".join(f"{p} ms" for p in PART_NAMES) + " |")
     print("|---" * (14 + len(PART_NAMES)) + "|")

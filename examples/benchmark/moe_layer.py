@@ -269,9 +269,11 @@ def main():
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of each variant's step")
     ap.add_argument("--moe-option", action="append", default=[], metavar="KEY=VALUE",
                     help="an option for the backend='moe' variants, e.g. moe.debug=True (value parsed as Python)")
-    args = ap.parse_args()
-    from ab import versions
+    from ab import add_kernel_arg, apply_kernel_args, versions
 
+    add_kernel_arg(ap)
+    args = ap.parse_args()
+    apply_kernel_args(args.kernel)
     info = versions("cuda")
     print("# " + " ".join(f"{k}={v}" for k, v in info.items()), flush=True)
     if args.micro:

@@ -91,6 +91,26 @@ def gmm_backend(name: str):
         kcuda.GMM_BACKEND = old
 
 
+@contextlib.contextmanager
+def wgrad_backend(name: str):
+    """The weight-gradient kernel ("quack" also counts its calls: a test of quack's path fails when
+    the kernel was not the one that ran)."""
+    from moe_compile.kernels import _quack
+
+    if name == "quack" and not _quack.available():
+        pytest.skip(f"quack-kernels not usable here: {_quack.why_not()}")
+    calls = []
+    real = _quack.grouped_mm_wgrad
+    old, kcuda.WGRAD_BACKEND = kcuda.WGRAD_BACKEND, "quack" if name == "quack" else "cutlass"
+    _quack.grouped_mm_wgrad = lambda *a: (calls.append(1), real(*a))[1]
+    try:
+        with gmm_backend("triton" if name == "triton" else "auto"):
+            yield calls
+    finally:
+        kcuda.WGRAD_BACKEND = old
+        _quack.grouped_mm_wgrad = real
+
+
 reference_impls = registry.reference_only
 
 
@@ -172,23 +192,26 @@ def test_grouped_mm(shape, routing, dtype, backend, gen, monkeypatch):
                 assert rel(y, ref) <= tol, ("list", rel(y, ref), len(b))
 
 
-@pytest.mark.parametrize("backend", ["cutlass", "triton"])
+@pytest.mark.parametrize("backend", ["cutlass", "triton", "quack"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_grouped_mm_wgrad_and_bias_grad(shape, routing, dtype, backend, gen):
     t, k, e, h, n = shape
+    if backend == "quack" and dtype != torch.bfloat16:
+        pytest.skip("quack's kernel is used for 16-bit operands only")
     ids = make_ids(t, k, e, routing, gen)
     _, _, offsets = kcuda.route_permute(ids, e)
     m = t * k
     x, dy = rand((m, h), dtype, gen), rand((m, n), dtype, gen)
     counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
     ref = reference.grouped_mm_wgrad(x, dy, offsets, e)
-    with gmm_backend(backend):
+    with wgrad_backend(backend) as calls:
         poison(((e, h, n), dtype), ((e, h, n), torch.float32))
         dw = kcuda.grouped_mm_wgrad(x, dy, offsets, e)
         poison(((e, h, n), dtype), ((e, h, n), dtype))
         dw_lp = ops.grouped_mm_wgrad_lowp(x, dy, offsets, e)
+    assert len(calls) == (2 if backend == "quack" else 0), "the weight-gradient kernel under test did not run"
     assert dw.shape == (e, h, n) and dw.dtype == torch.float32 and dw_lp.dtype == dtype
     for out, tol in ((dw, FP32_GEMM_REL if dtype == torch.float32 else BF16_GEMM_REL),
                      (dw_lp, BF16_GEMM_REL if dtype == torch.bfloat16 else FP32_GEMM_REL)):
@@ -327,6 +350,38 @@ def test_layer_is_cuda_graph_safe(gen):
     graph.replay()
     torch.cuda.synchronize()
     assert rel(static_out, step()) == 0.0
+
+
+def test_quack_wgrad_in_cuda_graph(gen):
+    """quack's weight gradient launches on the current stream (capture on a side stream would fail
+    otherwise), needs no host sync, and a replay on new routing (empty experts included) matches."""
+    t, k, e, h, n = 256, 4, 16, 136, 392
+    dtype = torch.bfloat16
+    ids = make_ids(t, k, e, "uniform", gen)
+    x, dy = rand((t * k, h), dtype, gen), rand((t * k, n), dtype, gen)
+    with wgrad_backend("quack") as calls:
+        def step():
+            _, _, offsets = kcuda.route_permute(ids, e)
+            return ops.grouped_mm_wgrad_lowp(x, dy, offsets, e), offsets
+
+        step()  # compiles outside the capture
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_dw, static_offsets = step()
+        ids.copy_(make_ids(t, k, e, "empty", gen))
+        static_dw.fill_(float("nan"))  # an expert the replay does not write stays NaN
+        graph.replay()
+        torch.cuda.synchronize()
+    assert len(calls) == 3
+    counts = torch.diff(static_offsets, prepend=static_offsets.new_zeros(1))
+    assert (counts == 0).any(), "the replayed routing must leave experts empty"
+    assert torch.all(static_dw[counts == 0] == 0)
+    assert rel(static_dw, reference.grouped_mm_wgrad(x, dy, static_offsets, e)) <= BF16_GEMM_REL
 
 
 def test_opcheck_cuda(gen):

@@ -1,0 +1,154 @@
+"""quack-kernels' CuTe DSL varlen grouped GEMMs against the kernels backend="moe" ran before them,
+on the six grouped GEMMs of one MoE layer's training step (issue 14 item 3; kernels/_quack.py).
+
+    python examples/benchmark/quack_ab.py                      # needs the quack extra installed
+    python examples/benchmark/quack_ab.py --shapes qwen3 --rounds 3 --configs pp128x192
+
+Per layer shape: the forward products (up: K=H, N=2I; down: K=I, N=H, weights in nn.Linear's
+[E, N, K] layout), the data-gradient products (the same weights read as [E, K, N]) and the weight
+gradients (dw[e] = dy[rows e]^T x[rows e], [E, N, K]: the parameter's own layout).
+Kernels: "ours" = what kernels/cuda.py ran before quack (TMA Triton for forward/dgrad on sm90; for
+the weight gradient torch._grouped_mm + one pass zeroing empty experts, bf16 out:
+grouped_mm_wgrad_lowp with WGRAD_BACKEND=cutlass); "cutlass" = torch._grouped_mm alone;
+"quack[cfg]" = quack's GEMM with cu_seqlens_m (forward, dgrad) or cu_seqlens_k (weight gradient)
+and a fixed GemmConfig (no autotuning: each config compiles once, seconds). Each result is checked
+against torch._grouped_mm first; timings interleave the kernels per round (ab.interleave). Prints
+TFLOP/s, then a per-layer table with the sum over the six GEMMs.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+# name: (tokens T, top-k, experts E, hidden H, expert intermediate I)
+LAYERS = {
+    "qwen3": (8192, 8, 128, 2048, 768),
+    "gptoss": (8192, 4, 32, 2880, 2880),
+    "mixtral": (4096, 2, 8, 4096, 14336),
+}
+# quack GemmConfig fields (tile_m, tile_n, pingpong, cluster_m, cluster_n)
+CONFIGS = {
+    "pp128x192": (128, 192, True, 2, 1),
+    "pp128x128": (128, 128, True, 1, 2),
+    "co256x128": (256, 128, False, 2, 1),
+    "co256x192": (256, 192, False, 2, 1),
+}
+
+
+def products(t, k, e, h, i, g):
+    """{name: (kind, a, b, offsets, flop)} for one layer; kind "m" = varlen rows, "k" = wgrad."""
+    m = t * k
+    ids = torch.randn(t, e, device="cuda", generator=g).topk(k, dim=-1).indices.reshape(-1)
+    offs = torch.cumsum(torch.bincount(ids, minlength=e), 0).to(torch.int32)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * shape[-1] ** -0.5
+
+    x, a, dy, dh = rnd(m, h), rnd(m, i), rnd(m, h), rnd(m, 2 * i)
+    w_up, w_down = rnd(e, 2 * i, h), rnd(e, h, i)  # nn.Linear layout [E, N, K]
+    return {
+        "up": ("m", x, w_up.transpose(1, 2), offs, 2.0 * m * h * 2 * i),
+        "down": ("m", a, w_down.transpose(1, 2), offs, 2.0 * m * i * h),
+        "up_dgrad": ("m", dh, w_up, offs, 2.0 * m * 2 * i * h),
+        "down_dgrad": ("m", dy, w_down, offs, 2.0 * m * h * i),
+        # as grouped_mm_weight_grad computes them for nn.Linear-layout weights: dy^T x, [E, N, K]
+        "up_wgrad": ("k", dh, x, offs, 2.0 * m * h * 2 * i),
+        "down_wgrad": ("k", dy, a, offs, 2.0 * m * i * h),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=list(LAYERS), choices=list(LAYERS))
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    import quack
+    import triton
+    from ab import interleave, with_attr
+    from quack.gemm_config import GemmConfig
+    from quack.gemm_interface import gemm_tuned
+
+    from moe_compile.kernels import _triton_tma, cuda
+
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
+          f"quack {quack.__version__}", flush=True)
+    g = torch.Generator(device="cuda")
+    g.manual_seed(0)
+    table, compile_s = {}, {}
+    for layer in args.shapes:
+        for pname, (kind, a, b, offs, flop) in products(*LAYERS[layer], g).items():
+            cu = torch.cat([offs.new_zeros(1), offs])
+            e = offs.numel()
+            if kind == "m":
+                ref = torch._grouped_mm(a, b, offs=offs)
+                fns = {"ours": lambda a=a, b=b, o=offs: _triton_tma.grouped_mm(a, b, o),
+                       "cutlass": lambda a=a, b=b, o=offs: torch._grouped_mm(a, b, offs=o)}
+                out = torch.empty(a.shape[0], b.shape[-1], device="cuda", dtype=a.dtype)
+                qkw = dict(cu_seqlens_m=cu)
+                qa, qb = a, b
+            else:
+                ref = torch._grouped_mm(a.t(), b, offs=offs)
+                fns = {"ours": with_attr(cuda, "WGRAD_BACKEND", "cutlass",
+                                         lambda a=a, b=b, o=offs, e=e: cuda.grouped_mm_wgrad_lowp(a, b, o, e)),
+                       "cutlass": lambda a=a, b=b, o=offs: torch._grouped_mm(a.t(), b, offs=o)}
+                out = torch.empty(e, a.shape[1], b.shape[1], device="cuda", dtype=a.dtype)
+                qkw = dict(cu_seqlens_k=cu)
+                qa, qb = a.t(), b
+            for cname in args.configs:
+                tm, tn, pp, cm, cn = CONFIGS[cname]
+                cfg = GemmConfig(tile_m=tm, tile_n=tn, pingpong=pp, cluster_m=cm, cluster_n=cn,
+                                 is_dynamic_persistent=False, device_capacity=9)
+
+                def q(qa=qa, qb=qb, out=out, cfg=cfg, qkw=qkw):
+                    gemm_tuned.fn(qa, qb, out, config=cfg, **qkw)
+                    return out
+                t0 = time.perf_counter()
+                try:
+                    q()
+                    torch.cuda.synchronize()
+                except Exception as exc:  # a config quack cannot build for this shape: say so, go on
+                    print(f"# {layer} {pname} quack[{cname}]: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                    continue
+                compile_s[(layer, pname, cname)] = time.perf_counter() - t0
+                fns[f"quack[{cname}]"] = q
+            for kname, fn in fns.items():  # same values before timing
+                got = fn().float()
+                err = ((got - ref.float()).norm() / ref.float().norm()).item()
+                if err > 1e-2:
+                    print(f"# {layer} {pname} {kname}: relative error {err:.3g}, dropped", flush=True)
+                    fns[kname] = None
+            fns = {k: v for k, v in fns.items() if v is not None}
+            times = interleave(fns, args.rounds, warmup=25, rep=100)
+            for kname, ms in times.items():
+                table[(layer, pname, kname)] = statistics.median(ms)
+                print(f"{layer} {pname} {kname}: {flop / statistics.median(ms) / 1e9:.0f} TFLOP/s "
+                      f"({', '.join(f'{flop / x / 1e9:.0f}' for x in ms)})", flush=True)
+    kernels = sorted({k for (_, _, k) in table}, key=lambda k: (k != "ours", k != "cutlass", k))
+    print("\n| layer | GEMM | " + " | ".join(f"{k} TFLOP/s" for k in kernels) + " | best quack / ours |")
+    print("|---|---|" + "---|" * (len(kernels) + 1))
+    for layer in args.shapes:
+        flops = {p: v[4] for p, v in products(*LAYERS[layer], g).items()}
+        sums = {k: 0.0 for k in kernels}
+        best_sum = 0.0
+        for pname, flop in flops.items():
+            row = {k: table.get((layer, pname, k)) for k in kernels}
+            qs = [v for k, v in row.items() if k.startswith("quack") and v is not None]
+            best_sum += min(qs) if qs else float("nan")
+            for k, v in row.items():
+                sums[k] += v if v is not None else float("nan")
+            cells = [f"{flop / v / 1e9:.0f}" if v else "-" for v in row.values()]
+            ratio = f"{row['ours'] / min(qs):.2f}x" if qs else "-"
+            print(f"| {layer} | {pname} | " + " | ".join(cells) + f" | {ratio} |")
+        print(f"| {layer} | all six, ms | " + " | ".join(f"{v:.3f}" for v in sums.values())
+              + f" | {sums['ours'] / best_sum:.2f}x (best per GEMM {best_sum:.3f} ms) |")
+    if compile_s:
+        print(f"\nquack compile per config and shape: median {statistics.median(compile_s.values()):.1f} s, "
+              f"max {max(compile_s.values()):.1f} s")
+
+
+if __name__ == "__main__":
+    main()
