@@ -3,7 +3,7 @@ groups: one group's epilogue overlaps the other's main loop) for the weight grad
 
 Optional: ``pip install "moe_compile[quack]"`` (quack-kernels 0.4.1 with nvidia-cutlass-dsl 4.4.2:
 the newest pair that imports on torch 2.11 / CUDA 13 here; quack 0.6.5 with nvidia-cutlass-dsl 4.8.1
-has no ``cutlass.cutlass_dsl`` as installed, ../shared/notes/anchors.md). Imported lazily, the first
+has no ``cutlass.cutlass_dsl`` as installed). Imported lazily, the first
 time a weight gradient runs on an sm90 GPU; never on CPU.
 
     dw[e] = a[rows e]^T @ b[rows e]   (a [M, P], b [M, Q], rows of group e = offsets[e-1]..offsets[e])
@@ -16,7 +16,8 @@ main loop and its tile is written from the zeroed accumulator (tests/gpu checks 
 Config: 128 x 192 tiles, ping-pong, 2 x 1 cluster (quack's sm90 default). Measured against the
 others quack offers on the benchmark layers' weight gradients (examples/benchmark/quack_ab.py,
 docs/benchmarks.md section 2.7). Fixed, not autotuned: the autotuner compiles dozens of configs on
-first use (minutes), and one config compiles in ~1-3 s per shape.
+first use (minutes). Shapes are symbolic in quack's compile, so the kernel compiles once per
+process and dtype/layout (~1-3 s), not per token count.
 
 No host sync: offsets stay on the device; the launch shape depends only on M, P, Q and E.
 """
@@ -43,15 +44,22 @@ def _load():
             _STATE["gemm"] = gemm_tuned.fn  # the untuned entry point: config given, no autotuning
             _STATE["config"] = GemmConfig(tile_m=TILE_M, tile_n=TILE_N, pingpong=PINGPONG, cluster_m=CLUSTER_M,
                                           cluster_n=CLUSTER_N, is_dynamic_persistent=False, device_capacity=9)
-        except ModuleNotFoundError as exc:  # not installed: the optional extra was not asked for
-            _STATE["error"] = f"quack-kernels is not installed ({exc})"
-            log.debug("moe_compile.kernels: %s; the weight gradient uses torch._grouped_mm", _STATE["error"])
+        except ModuleNotFoundError as exc:
+            if exc.name != "quack":  # quack is there but a dependency is missing or mismatched
+                _broken(exc)
+            else:  # not installed: the optional extra was not asked for
+                _STATE["error"] = f"quack-kernels is not installed ({exc})"
+                log.debug("moe_compile.kernels: %s; the weight gradient uses torch._grouped_mm", _STATE["error"])
         except Exception as exc:  # installed but broken: say so once, and run the fallback
-            _STATE["error"] = f"quack-kernels failed to import: {type(exc).__name__}: {exc}"
-            warnings.warn(f"moe_compile.kernels: {_STATE['error']}; the weight gradient uses torch._grouped_mm "
-                          "instead. Fix: pip install 'moe_compile[quack]' (pins a working quack/cutlass-dsl pair)",
-                          stacklevel=3)
+            _broken(exc)
     return _STATE.get("gemm")
+
+
+def _broken(exc: Exception) -> None:
+    _STATE["error"] = f"quack-kernels failed to import: {type(exc).__name__}: {exc}"
+    warnings.warn(f"moe_compile.kernels: {_STATE['error']}; the weight gradient uses torch._grouped_mm "
+                  "instead. Fix: pip install 'moe_compile[quack]' (pins a working quack/cutlass-dsl pair)",
+                  stacklevel=4)
 
 
 def available() -> bool:
@@ -66,13 +74,11 @@ def why_not() -> str | None:
 
 
 def usable(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
-    """The operands this kernel takes: 16-bit a and b of one dtype, 2-D, rows contiguous (stride 1
-    on the last dim) with 16-byte aligned row pitch and base, fp32 or the operands' dtype out."""
-    es = a.element_size()
-    return (a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype and a.dim() == 2 and b.dim() == 2
+    """The operands this kernel is used (and tested) for: bf16 a and b, 2-D, contiguous, widths a
+    multiple of 8 elements (16-byte rows), 16-byte aligned bases, at least one row; bf16 or fp32 out."""
+    return (a.dtype == torch.bfloat16 and b.dtype == a.dtype and a.dim() == 2 and b.dim() == 2
             and out_dtype in (a.dtype, torch.float32) and a.shape[0] > 0
-            and all(t.stride(-1) == 1 and (t.stride(0) * es) % 16 == 0 and t.data_ptr() % 16 == 0
-                    and (t.shape[1] * es) % 16 == 0 for t in (a, b))
+            and all(t.is_contiguous() and t.shape[1] % 8 == 0 and t.data_ptr() % 16 == 0 for t in (a, b))
             and available())
 
 
@@ -80,7 +86,7 @@ def grouped_mm_wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, nu
                      out_dtype: torch.dtype) -> torch.Tensor:
     """[E, P, Q] in out_dtype: a[rows e]^T @ b[rows e] per group, 0 for empty groups."""
     gemm = _load()
-    cu = torch.cat([offsets.new_zeros(1), offsets.to(torch.int32)])
+    cu = torch.cat([offsets.new_zeros(1, dtype=torch.int32), offsets.to(torch.int32)])
     out = torch.empty(num_experts, a.shape[1], b.shape[1], dtype=out_dtype, device=a.device)
     gemm(a.t(), b, out, config=_STATE["config"], cu_seqlens_k=cu)
     return out

@@ -20,8 +20,8 @@ What runs where (all sync-free: no .item()/.tolist()/nonzero, static launch shap
     grouped_mm_list            one strided view + the grouped_mm path when the weights are evenly
                                spaced views of one buffer; else Triton reading each expert in place
                                through a cached table of offsets in pinned host memory (no copy)
-    grouped_mm_wgrad  16-bit,  quack-kernels' warp-specialised varlen GEMM (_quack, optional extra
-                sm90, aligned  "quack"; 1.2x CUTLASS on the benchmark layers' weight gradients,
+    grouped_mm_wgrad  bf16,    quack-kernels' warp-specialised varlen GEMM (_quack, optional extra
+                sm90, aligned  "quack"; 1.07-1.27x CUTLASS on the benchmark layers' weight gradients,
                                examples/benchmark/quack_ab.py), fp32 or bf16 out directly
                 bf16           torch._grouped_mm 2Dx2D (x^T, dy) + one pass to fp32 that zeros
                                empty groups; otherwise a Triton kernel writing fp32 directly
@@ -60,8 +60,10 @@ AUTO_TRITON_MAX_ROWS_PER_GROUP = 128
 
 # Weight-gradient grouped GEMM. "auto": quack's kernel (kernels/_quack.py) on sm90 where quack-kernels
 # is installed and the operands fit, else as "cutlass"; "cutlass": torch._grouped_mm where legal, the
-# Triton kernel for the rest; "quack": quack wherever it fits (tests). GMM_BACKEND="triton" overrides.
+# Triton kernel for the rest; "quack": like auto, but an error if quack cannot be imported (tests,
+# benchmarks). GMM_BACKEND="triton" overrides.
 WGRAD_BACKEND = "auto"
+WGRAD_BACKENDS = ("auto", "cutlass", "quack")
 
 _CUTLASS_DEVICE: dict[int | None, bool] = {}
 
@@ -220,9 +222,14 @@ def _wgrad(x, dy, offsets, num_experts, out_dtype):
     from . import _quack, _triton_gmm, _triton_moe
 
     offsets = offsets.to(torch.int32) if offsets.dtype != torch.int32 else offsets
-    if (WGRAD_BACKEND != "cutlass" and GMM_BACKEND != "triton" and _tma_device(x)
-            and _quack.usable(x, dy, out_dtype)):
-        return _quack.grouped_mm_wgrad(x, dy, offsets, num_experts, out_dtype)
+    if WGRAD_BACKEND != "cutlass" and GMM_BACKEND != "triton" and _tma_device(x):
+        if WGRAD_BACKEND not in WGRAD_BACKENDS:
+            raise ValueError(f"moe_compile.kernels.cuda.WGRAD_BACKEND is {WGRAD_BACKEND!r}; use one of {WGRAD_BACKENDS}")
+        if WGRAD_BACKEND == "quack" and not _quack.available():
+            raise RuntimeError(f"moe_compile.kernels.cuda.WGRAD_BACKEND is 'quack' but {_quack.why_not()}; "
+                               "pip install 'moe_compile[quack]', or set it to 'auto'")
+        if _quack.usable(x, dy, out_dtype):
+            return _quack.grouped_mm_wgrad(x, dy, offsets, num_experts, out_dtype)
     k, n = x.shape[1], dy.shape[1]
     if _use_cutlass(x, dy) and k % 8 == 0 and n % 8 == 0 and x.shape[0] > 0:
         dw = torch._grouped_mm(x.t(), dy, offs=offsets)  # [E, K, N] bf16, fp32 accumulation

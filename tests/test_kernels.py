@@ -336,27 +336,34 @@ def _quack_load_with(monkeypatch, modules: dict):
 def test_quack_missing_is_quiet(monkeypatch, recwarn):
     """Without the optional extra the weight gradient quietly keeps torch._grouped_mm: no warning,
     and the reason is there to ask for."""
-    q = _quack_load_with(monkeypatch, {"quack": None, "quack.gemm_config": None, "quack.gemm_interface": None})
+    import importlib.util
+
+    if importlib.util.find_spec("quack") is not None:
+        pytest.skip("quack-kernels is installed here")
+    q = _quack_load_with(monkeypatch, {})
     assert not q.available()
     assert "not installed" in q.why_not()
     assert not [w for w in recwarn if "quack" in str(w.message)]
 
 
-def test_quack_broken_install_warns_once(monkeypatch):
-    """An installed but broken quack (e.g. a cutlass-dsl it cannot import) is said once, with the fix."""
+@pytest.mark.parametrize("error", [ModuleNotFoundError("No module named 'cutlass.cutlass_dsl'", name="cutlass.cutlass_dsl"),
+                                   RuntimeError("CUDA driver too old")])
+def test_quack_broken_install_warns_once(monkeypatch, error):
+    """An installed but broken quack (a cutlass-dsl it cannot import, as quack 0.6.5 with
+    nvidia-cutlass-dsl 4.8.1 on the GPU image; any other import-time error) is said once, with the fix."""
     import types
 
     broken = types.ModuleType("quack.gemm_config")
 
     def fail(name):
-        raise RuntimeError("no module cutlass.cutlass_dsl")
+        raise error
 
     broken.__getattr__ = fail  # `from quack.gemm_config import GemmConfig` raises inside the import
     q = _quack_load_with(monkeypatch, {"quack": types.ModuleType("quack"), "quack.gemm_config": broken})
-    with pytest.warns(UserWarning, match=r"quack-kernels failed to import: RuntimeError.*moe_compile\[quack\]"):
+    with pytest.warns(UserWarning, match=rf"quack-kernels failed to import: {type(error).__name__}.*moe_compile\[quack\]"):
         assert not q.available()
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert not q.available() and "cutlass_dsl" in q.why_not()  # tried once per process
+        assert not q.available() and str(error) in q.why_not()  # tried once per process

@@ -61,13 +61,18 @@ def add_kernel_arg(ap: argparse.ArgumentParser) -> None:
 
 def apply_kernel_args(pairs: list[str]) -> None:
     """Set each NAME=VALUE of --kernel on moe_compile.kernels.cuda (a module-level choice that exists)."""
+    if not pairs:
+        return
+    import ast
+
     from moe_compile.kernels import cuda
 
     for pair in pairs:
         name, value = pair.split("=", 1)
         if not hasattr(cuda, name):
             raise SystemExit(f"--kernel {pair}: moe_compile.kernels.cuda has no {name}")
-        setattr(cuda, name, value)
+        old = getattr(cuda, name)
+        setattr(cuda, name, value if isinstance(old, str) else type(old)(ast.literal_eval(value)))
 
 
 def versions(device: str = "cuda") -> dict:
@@ -87,11 +92,12 @@ def versions(device: str = "cuda") -> dict:
         from moe_compile.kernels import _quack, cuda
 
         info["wgrad"] = cuda.WGRAD_BACKEND
-        if _quack.available():
-            import quack
-            info["quack"] = quack.__version__
-        else:
-            info["quack"] = "missing"
+        if p.major == 9:  # where kernels/cuda.py would run quack's weight gradient
+            if _quack.available():
+                import quack
+                info["quack"] = quack.__version__
+            else:
+                info["quack"] = "missing"
     else:
         import platform
         info = dict(device=f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, "

@@ -504,8 +504,9 @@ def main(argv=None):
         quiet = start_process_group(device) != 0
         if quiet:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - rank 0 prints the table
-    if device == "cuda":
-        apply_kernel_args(args.kernel)
+    if args.kernel and device != "cuda":
+        raise SystemExit("--kernel chooses CUDA kernels; this run is on the CPU")
+    apply_kernel_args(args.kernel)
     info = versions(device)
     if args.fsdp:
         info["fsdp_ranks"] = dist.get_world_size()
@@ -538,7 +539,7 @@ def main(argv=None):
                             torch.cuda.empty_cache()
                 print(json.dumps(row), flush=True)
                 results.append(row)
-    if args.json:
+    if args.json and not (args.fsdp and dist.get_rank() != 0):
         with open(args.json, "w") as f:
             json.dump(dict(info=info, argv=sys.argv, results=results), f, indent=1)
     print_table(results, info, args)
