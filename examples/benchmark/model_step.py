@@ -282,8 +282,9 @@ def _stack_names(op):
     return names
 
 
-def time_split(events, wall_us: float, steps: int, device: str) -> dict:
-    """{part: ms per step} from profiler events (see the module docstring for the rule)."""
+def time_split(events, wall_us: float, steps: int, device: str, kernels: dict | None = None) -> dict:
+    """{part: ms per step} from profiler events (see the module docstring for the rule). ``kernels``:
+    filled with {(part, kernel name): ms per step} (GPU runs)."""
     from torch.autograd import DeviceType
 
     cpu_ops = [e for e in events if e.device_type == DeviceType.CPU and not getattr(e, "is_async", False)]
@@ -297,7 +298,10 @@ def time_split(events, wall_us: float, steps: int, device: str) -> dict:
                 continue
             s, e = k.time_range.start, k.time_range.end
             intervals.append((s, e))
-            parts[classify([k.name] + _stack_names(by_corr.get(getattr(k, "linked_correlation_id", 0))))] += e - s
+            part = classify([k.name] + _stack_names(by_corr.get(getattr(k, "linked_correlation_id", 0))))
+            parts[part] += e - s
+            if kernels is not None:
+                kernels[(part, k.name)] = kernels.get((part, k.name), 0.0) + (e - s) / steps / 1e3
     else:  # CPU: leaf ops stand for kernels
         for op in cpu_ops:
             if op.cpu_children:
@@ -463,7 +467,14 @@ def run_variant(name, form, variant, args, device, dtype) -> dict:
         (win,) = [e for e in events if e.name == WINDOW and e.device_type == DeviceType.CPU]
         start, end = win.time_range.start, win.time_range.end
         events = [e for e in events if start <= e.time_range.start <= end and e.name != WINDOW]
-        row["split_ms"] = time_split(events, end - start, args.profile_steps, device)
+        kernels = {}
+        row["split_ms"] = time_split(events, end - start, args.profile_steps, device, kernels)
+        if args.top_kernels and kernels:
+            print(f"# {name} {form} {variant}: the {args.top_kernels} longest kernels of each part, ms per step")
+            for part in PART_NAMES[:-1]:
+                top = sorted(((ms, n) for (p, n), ms in kernels.items() if p == part), reverse=True)
+                for ms, n in top[:args.top_kernels]:
+                    print(f"#   {part:9s} {ms:7.3f}  {n[:150]}")
         # CUDA-graph replays call no host op: the count is only meaningful without graphs
         row["moe_layers"] = None if variant == "moe_cg" else route_permute_calls(events) // args.profile_steps
     del model, fn, opt, params, batches, losses
@@ -488,6 +499,8 @@ def main(argv=None):
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--moe-option", action="append", default=[], metavar="KEY=VALUE",
                     help="an option for the backend='moe' variants, e.g. moe.inductor=False (value parsed as Python)")
+    ap.add_argument("--top-kernels", type=int, default=0, metavar="N",
+                    help="print the N longest GPU kernels of each part of the split (before the table)")
     ap.add_argument("--fsdp", action="store_true", help="FSDP2 on every decoder layer and the model (see above)")
     ap.add_argument("--json", default=None)
     add_kernel_arg(ap)
