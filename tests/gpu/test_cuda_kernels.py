@@ -320,6 +320,22 @@ def test_layer_gradients_match_reference(routing, dtype, as_list, weight_grads, 
         assert rel(grads[name], rgrads[name]) <= tol, (name, rel(grads[name], rgrads[name]))
 
 
+def captured(step):
+    """(graph, its static outputs): ``step`` run once to warm up (kernels compile, handles are made
+    outside the capture), once on a side stream, then captured there (a host sync inside, or a launch
+    on another stream, raises during capture)."""
+    step()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 def test_layer_is_cuda_graph_safe(gen):
     """Capture route -> permute -> GEMM -> combine in a CUDA graph (a host sync inside would raise
     during capture), replay it on new routing, compare with eager."""
@@ -339,15 +355,7 @@ def test_layer_is_cuda_graph_safe(gen):
         y = moe.grouped_mm(y, w2, offsets) + moe.grouped_mm_list(y, w2_list, offsets, [])
         return moe.unpermute_combine(y, inv, topw, offsets)
 
-    step()  # warm-up: Triton compiles, handles are created outside the capture
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = captured(step)
     ids.copy_(make_ids(t, k, e, "dropped", gen))
     graph.replay()
     torch.cuda.synchronize()
@@ -366,15 +374,7 @@ def test_quack_wgrad_in_cuda_graph(gen):
             _, _, offsets = kcuda.route_permute(ids, e)
             return ops.grouped_mm_wgrad_lowp(x, dy, offsets, e), offsets
 
-        step()  # compiles outside the capture
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_dw, static_offsets = step()
+        graph, (static_dw, static_offsets) = captured(step)
         ids.copy_(make_ids(t, k, e, "empty", gen))
         static_dw.fill_(float("nan"))  # an expert the replay does not write stays NaN
         graph.replay()
