@@ -322,7 +322,7 @@ def test_swiglu_op_matches_silu_mul(dtype):
 
 
 def _quack_load_with(monkeypatch, modules: dict):
-    """kernels._quack's first load with these stand-ins in sys.modules (None: not installed)."""
+    """kernels._quack, reset to its first load, with these stand-in modules in sys.modules."""
     import sys
 
     from moe_compile.kernels import _quack

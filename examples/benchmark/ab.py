@@ -53,6 +53,15 @@ def with_attr(mod, attr: str, value, fn: Callable) -> Callable:
     return run
 
 
+def topk_offsets(t: int, k: int, e: int, g):
+    """Group ends (int32 [E], cumulative row counts) of T tokens routed top-k of random logits to E
+    experts: group sizes vary around T*k/E, as a router's would."""
+    import torch
+
+    ids = torch.randn(t, e, device=g.device, generator=g).topk(k, dim=-1).indices.reshape(-1)
+    return torch.cumsum(torch.bincount(ids, minlength=e), 0).to(torch.int32)
+
+
 def add_kernel_arg(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kernel", action="append", default=[], metavar="NAME=VALUE",
                     help="a kernel choice of moe_compile.kernels.cuda for this run, e.g. WGRAD_BACKEND=cutlass "

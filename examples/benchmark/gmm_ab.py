@@ -29,7 +29,7 @@ SHAPES = {
 
 
 def main():
-    from ab import cell, header, interleave, parse_args
+    from ab import cell, header, interleave, parse_args, topk_offsets
 
     from moe_compile.kernels import _triton_gmm, _triton_tma
 
@@ -46,8 +46,7 @@ def main():
     for name in args.shapes:
         t, top_k, e, k, n, layout = SHAPES[name]
         m = t * top_k
-        ids = torch.randn(t, e, device="cuda", generator=g).topk(top_k, dim=-1).indices.reshape(-1)
-        offs = torch.cumsum(torch.bincount(ids, minlength=e), 0).to(torch.int32)
+        offs = topk_offsets(t, top_k, e, g)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
         if layout == "nk":
             w = (torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k**-0.5).transpose(1, 2)

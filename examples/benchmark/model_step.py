@@ -323,8 +323,6 @@ def route_permute_calls(events) -> int:
 # ------------------------------------------------------------------------------------ one variant
 def start_process_group(device: str) -> int:
     """The default process group for --fsdp: torchrun's, else a one-rank group. Returns the rank."""
-    import os
-
     import torch.distributed as dist
 
     if not dist.is_initialized():
