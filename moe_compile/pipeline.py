@@ -3,7 +3,7 @@
     stage          graph                                     passes
     dynamo         a copy of Dynamo's torch-level graph      normalize, loop_regions, grouped_regions,
                                                              check, lower, swiglu
-    post_grad      each forward / backward ATen graph after  host_syncs, ep_overlap
+    post_grad      each forward / backward ATen graph after  host_syncs, wgrad_early, ep_overlap
                    AOTAutograd (Inductor's post-grad hook,
                    or the aot_eager compilers)
     before_compile the rewritten graph and its real inputs   stack_expert_params
@@ -135,6 +135,12 @@ def _host_syncs(graph: fx.Graph, notes: list) -> None:
                      + ", ".join(f"{op} x{n}" for op, n in found.items()))
 
 
+def _wgrad_early(graph: fx.Graph, notes: list) -> None:
+    from moe_compile.lowering.wgrad_order import hoist_weight_gradients
+
+    hoist_weight_gradients(graph)
+
+
 def _ep_overlap(graph: fx.Graph, notes: list) -> None:
     from moe_compile.lowering.overlap import schedule_collectives
 
@@ -186,6 +192,9 @@ PASSES: tuple[Pass, ...] = (
          "ModuleList expert weights -> one graph input (one autograd leaf) per buffer (lowering/expert_stack.py)"),
     Pass("host_syncs", "post_grad", _host_syncs, True,
          "note host-sync ops left in graphs with moe_compile ops (passes/host_syncs.py)"),
+    Pass("wgrad_early", "post_grad", _wgrad_early, True,
+         "run each expert weight-gradient GEMM as soon as its inputs exist: its inputs are freed before the "
+         "input-gradient GEMMs allocate (lowering/wgrad_order.py)"),
     Pass("ep_overlap", "post_grad", _ep_overlap, True,
          "issue each expert-parallel all-to-all early, wait late: another chunk's GEMMs run under it "
          "(lowering/overlap.py)"),

@@ -47,6 +47,22 @@ def test_flops_match_automodel_published_table():
         assert per_token == pytest.approx(tflops * 1e12 / tokens, rel=TABLE_REL), type(cfg).__name__
 
 
+def test_memory_peak_walks_the_allocator_trace():
+    """moe_layer.py --memory-peak: the blocks alive at the trace's highest point, not at its end;
+    frees of blocks allocated before the trace are ignored."""
+    sys.path.insert(0, os.path.join(ROOT, "examples", "benchmark"))
+    from moe_layer import peak_live
+
+    trace = [dict(action="free_requested", addr=9), dict(action="alloc", addr=1, size=10),
+             dict(action="alloc", addr=2, size=20), dict(action="free_requested", addr=1),
+             dict(action="free_completed", addr=1), dict(action="alloc", addr=3, size=5),
+             dict(action="alloc", addr=4, size=4)]
+    best, live = peak_live(trace)
+    assert best == 30 and sorted(live) == [1, 2]
+    best, live = peak_live(trace + [dict(action="alloc", addr=5, size=2)])
+    assert best == 31 and sorted(live) == [2, 3, 4, 5]
+
+
 def _run(cmd, tmp_path, timeout=600, env=None):
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
                          env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), **(env or {})})

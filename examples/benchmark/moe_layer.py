@@ -5,6 +5,8 @@ should emit). One process, one GPU, bf16 parameters with random init, median of 
     python examples/benchmark/moe_layer.py --shapes qwen3 gptoss mixtral --json out.json
     python examples/benchmark/moe_layer.py --shapes qwen3 --variants hf_inductor loop_moe --slow
     python examples/benchmark/moe_layer.py --micro --shapes qwen3        # per-kernel times vs floors
+    python examples/benchmark/moe_layer.py --shapes qwen3 --variants hf_inductor hf_moe --memory-peak
+                                          # what is alive at one step's memory peak, and where it came from
 
 TFLOP/s use 3 x (T*k*6*H*I + 2*T*H*E) for forward+backward and 1x for the forward ("fwd" is the
 training forward: autograd on, no backward). "vs best" divides by the fastest anchor (variants a-d)
@@ -198,7 +200,60 @@ def _profile(fn, label):
     print(avg.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
 
 
-def run_variant(variant, shape, steps, warmup, profile=False, moe_options=None):
+def _frame_site(frames) -> str:
+    """Where a block was allocated: the innermost frames of the compiled graph's code or moe_compile
+    (else the innermost frame outside torch's own files), with the generated line of Inductor's code."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    generated = cache_dir()
+    keep = [f for f in frames if f["filename"].startswith(generated) or "moe_compile" in f["filename"]
+            or "/kernels/" in f["filename"] or "/lowering/" in f["filename"]]
+    keep = keep or [f for f in frames if "/torch/" not in f["filename"]] or frames
+    site = " < ".join(f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in keep[:3])
+    if keep and keep[0]["filename"].startswith(generated):  # which buffer of the compiled graph
+        import linecache
+
+        site += "  [" + linecache.getline(keep[0]["filename"], keep[0]["line"]).strip()[:120] + "]"
+    return site
+
+
+def peak_live(trace) -> tuple[int, dict]:
+    """(bytes, {address: (size, frames)}) of the blocks allocated in an allocator trace and alive at
+    its highest point; frees of blocks allocated before the trace started are ignored."""
+    live, total, best, at_peak = {}, 0, 0, {}
+    for ev in trace:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = (ev["size"], ev.get("frames", []))
+            total += ev["size"]
+            if total > best:
+                best, at_peak = total, dict(live)
+        elif ev["action"] == "free_requested" and ev["addr"] in live:
+            total -= live.pop(ev["addr"])[0]
+    return best, at_peak
+
+
+def _memory_peak(fn, label, top=12):
+    """Blocks allocated during one step and alive at its peak, largest first, with where they were
+    allocated (torch.cuda.memory._record_memory_history; CUDA-graph variants: not visible)."""
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
+    try:
+        fn()
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    best, at_peak = peak_live(snap["device_traces"][torch.cuda.current_device()])
+    print(f"### memory {label}: {best / 2**20:.1f} MiB allocated in the step and alive at its peak")
+    sites: dict = {}
+    for size, frames in at_peak.values():
+        key = (size, _frame_site(frames))
+        sites[key] = sites.get(key, 0) + 1
+    for (size, site), n in sorted(sites.items(), key=lambda kv: -kv[0][0] * kv[1])[:top]:
+        print(f"  {n} x {size / 2**20:8.2f} MiB  {site}")
+
+
+def run_variant(variant, shape, steps, warmup, profile=False, moe_options=None, memory_peak=False):
     t, h, i, e, k = shape
     torch.manual_seed(0)
     model, fn = build(variant, shape, moe_options)
@@ -246,6 +301,8 @@ def run_variant(variant, shape, steps, warmup, profile=False, moe_options=None):
     res["fwd_ms"] = _events_median(fwd, steps)[0]
     if profile:
         _profile(fwd_bwd, f"{variant} fwd+bwd")
+    if memory_peak:
+        _memory_peak(fwd_bwd, f"{variant} fwd+bwd")
     res["compile_s"] = max(0.0, first - res["fwdbwd_ms"] / 1e3) if not variant.endswith("eager") else 0.0
     del model, fn, x, g
     return res
@@ -267,6 +324,8 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--micro", action="store_true", help="per-kernel micro-benchmark instead of layers")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of each variant's step")
+    ap.add_argument("--memory-peak", action="store_true",
+                    help="print the blocks alive at one step's memory peak and where they were allocated")
     ap.add_argument("--moe-option", action="append", default=[], metavar="KEY=VALUE",
                     help="an option for the backend='moe' variants, e.g. moe.debug=True (value parsed as Python)")
     from ab import add_kernel_arg, apply_kernel_args, versions
@@ -292,7 +351,7 @@ def main():
         for v in variants:
             row = dict(shape=name, variant=v, T=shape[0])
             try:
-                row.update(run_variant(v, shape, args.steps, args.warmup, args.profile, moe_options))
+                row.update(run_variant(v, shape, args.steps, args.warmup, args.profile, moe_options, args.memory_peak))
             except Exception as exc:  # one broken variant must not stop the table
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
             finally:
