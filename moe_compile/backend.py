@@ -249,7 +249,7 @@ class _PostGradPass:
         from moe_compile import __version__
 
         user = getattr(self.user_pass, "uuid", lambda: repr(self.user_pass))() if self.user_pass else None
-        return ("moe_compile.post_grad", __version__, user)
+        return ("moe_compile.post_grad", __version__, getattr(self.hook, "passes", None), user)
 
 
 def _aot_eager(gm, example_inputs, hook):

@@ -37,6 +37,7 @@ class Pass:
     run: Callable       # (state) -> None
     optional: bool
     doc: str
+    inductor_only: bool = False   # post_grad: not in the aot_eager path (moe.inductor=False)
 
 
 @dataclasses.dataclass
@@ -194,7 +195,8 @@ PASSES: tuple[Pass, ...] = (
          "note host-sync ops left in graphs with moe_compile ops (passes/host_syncs.py)"),
     Pass("wgrad_early", "post_grad", _wgrad_early, True,
          "run each expert weight-gradient GEMM as soon as its inputs exist: its inputs are freed before the "
-         "input-gradient GEMMs allocate (lowering/wgrad_order.py)"),
+         "input-gradient GEMMs allocate; under Inductor, whose memory-aware reordering checks the order "
+         "(lowering/wgrad_order.py)", inductor_only=True),
     Pass("ep_overlap", "post_grad", _ep_overlap, True,
          "issue each expert-parallel all-to-all early, wait late: another chunk's GEMMs run under it "
          "(lowering/overlap.py)"),
@@ -335,8 +337,9 @@ def _list_weight_note(gm: fx.GraphModule, nodes=None) -> tuple[str, ...]:
 
 def post_grad_hook(config, notes: list):
     """The post_grad stage as a graph pass (Inductor's ``post_grad_custom_post_pass`` or the
-    aot_eager compilers): runs each enabled post-grad pass on every forward/backward graph."""
-    passes = enabled("post_grad", config)
+    aot_eager compilers): runs each enabled post-grad pass on every forward/backward graph. The
+    hook's ``passes`` names them (part of the Inductor cache key, ``backend._PostGradPass.uuid``)."""
+    passes = [p for p in enabled("post_grad", config) if config.inductor or not p.inductor_only]
     if not passes:
         return None
 
@@ -345,6 +348,7 @@ def post_grad_hook(config, notes: list):
             for p in passes:
                 p.run(graph, notes)
 
+    run.passes = tuple(p.name for p in passes)
     return run
 
 

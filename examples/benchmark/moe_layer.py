@@ -236,14 +236,19 @@ def _memory_peak(fn, label, top=12):
     """Blocks allocated during one step and alive at its peak, largest first, with where they were
     allocated (torch.cuda.memory._record_memory_history; CUDA-graph variants: not visible)."""
     torch.cuda.synchronize()
-    torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
+    entries = 500_000
+    torch.cuda.memory._record_memory_history(max_entries=entries, stacks="python")
     try:
         fn()
         torch.cuda.synchronize()
         snap = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    best, at_peak = peak_live(snap["device_traces"][torch.cuda.current_device()])
+    trace = snap["device_traces"][torch.cuda.current_device()]
+    if len(trace) >= entries:
+        print(f"### memory {label}: the step made more than {entries} allocator events; the trace lost its "
+              "start and the figure below is too low")
+    best, at_peak = peak_live(trace)
     print(f"### memory {label}: {best / 2**20:.1f} MiB allocated in the step and alive at its peak")
     sites: dict = {}
     for size, frames in at_peak.values():
