@@ -63,6 +63,29 @@ def test_memory_peak_walks_the_allocator_trace():
     assert best == 31 and sorted(live) == [2, 3, 4, 5]
 
 
+def test_time_split_skips_gpu_annotations():
+    """model_step's time split on GPU events: a record_function range the profiler draws on the GPU
+    timeline (Optimizer.step#AdamW.step around the optimizer's kernels) is not a kernel; counting it
+    doubled the optimizer column."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    sys.path.insert(0, os.path.join(ROOT, "examples", "benchmark"))
+    from model_step import time_split
+
+    def ev(name, start, end, annotation=False):
+        return NS(name=name, device_type=DeviceType.CUDA, time_range=NS(start=start, end=end), is_async=False,
+                  is_user_annotation=annotation, linked_correlation_id=0, id=-1, cpu_parent=None)
+
+    events = [ev("Optimizer.step#AdamW.step", 0, 1000, annotation=True),
+              ev("multi_tensor_apply_kernel<FusedAdamMathFunctor>", 0, 1000), ev("nvjet_gemm", 1000, 1500)]
+    kernels = {}
+    split = time_split(events, 2000, 1, "cuda", kernels)
+    assert split["optimizer"] == 1.0 and split["gemm"] == 0.5 and split["host gaps"] == 0.5, split
+    assert kernels[("not counted (GPU annotation)", "Optimizer.step#AdamW.step")] == 1.0
+
+
 def _run(cmd, tmp_path, timeout=600, env=None):
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
                          env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), **(env or {})})

@@ -51,7 +51,9 @@ dense GEMMs (gemm), and GPT-OSS's eager attention (bmm + softmax) is gemm + othe
 (top-k, sorts, histograms), permutes, grouped GEMMs, combine, and every kernel launched inside a
 moe_compile op; in the eager loop form the per-expert GEMMs are ordinary aten::linear calls and count
 as gemm; eager embedding backward's index sort counts as MoE (small). optimizer = fused AdamW.
-other = norms, element-wise, loss, copies.
+other = norms, element-wise, loss, copies. record_function ranges the profiler also draws on the GPU
+timeline (user annotations, e.g. ``Optimizer.step#AdamW.step``) are not kernels and are not counted
+(before this rule's fix they were: the optimizer column of earlier results counted fused AdamW twice).
 
 --fsdp: ``fully_shard`` on every decoder layer, then on the model (FSDP2 over all ranks; launched
 without torchrun it is a one-rank group, which still runs FSDP2's all-gather / free / reduce-scatter
@@ -296,6 +298,13 @@ def time_split(events, wall_us: float, steps: int, device: str, kernels: dict | 
         for k in events:
             if k.device_type != DeviceType.CUDA:
                 continue
+            if getattr(k, "is_user_annotation", False):
+                # a record_function range drawn on the GPU timeline (Optimizer.step#AdamW.step spans the
+                # optimizer's kernels): not a kernel; counting it counted the optimizer twice
+                if kernels is not None:
+                    key = ("not counted (GPU annotation)", k.name)
+                    kernels[key] = kernels.get(key, 0.0) + (k.time_range.end - k.time_range.start) / steps / 1e3
+                continue
             s, e = k.time_range.start, k.time_range.end
             intervals.append((s, e))
             part = classify([k.name] + _stack_names(by_corr.get(getattr(k, "linked_correlation_id", 0))))
@@ -469,7 +478,7 @@ def run_variant(name, form, variant, args, device, dtype) -> dict:
         row["split_ms"] = time_split(events, end - start, args.profile_steps, device, kernels)
         if args.top_kernels and kernels:
             print(f"# {name} {form} {variant}: the {args.top_kernels} longest kernels of each part, ms per step")
-            for part in PART_NAMES[:-1]:
+            for part in PART_NAMES[:-1] + ["not counted (GPU annotation)"]:
                 top = sorted(((ms, n) for (p, n), ms in kernels.items() if p == part), reverse=True)
                 for ms, n in top[:args.top_kernels]:
                     print(f"#   {part:9s} {ms:7.3f}  {n[:150]}")
