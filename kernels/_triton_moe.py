@@ -164,7 +164,9 @@ def permute_rows(x: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, top
     xp = torch.empty(nr, h, dtype=x.dtype, device=x.device)
     if xp.numel() == 0:
         return xp
-    bh = min(triton.next_power_of_2(h), 1024 if x.element_size() <= 2 else 512)
+    # 16 rows x 256 columns per program for 16-bit rows: 89 vs 101 us (BR 4 x BH 1024) on Qwen3's gather,
+    # 76 vs 79 GPT-OSS, 37 vs 38 DeepSeek-V3-like (H200, 3.4 of 4.27 TB/s copy); same bytes written
+    bh = min(triton.next_power_of_2(h), 256 if x.element_size() <= 2 else 512)
     br = max(1, 4096 // bh)
     _permute_rows_kernel[(triton.cdiv(nr, br), triton.cdiv(h, bh))](
         x, perm, offsets, xp, nr, h, offsets.numel(), x.stride(0), TOP_K=top_k, BR=br, BH=bh, num_warps=4)
@@ -179,8 +181,10 @@ def unpermute_combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor,
     out = torch.empty(t, h, dtype=y.dtype, device=y.device)
     if out.numel() == 0:
         return out
-    bh = min(triton.next_power_of_2(h), 512)
-    bt = max(1, 2048 // bh)
+    # one token x 1024 columns per program: 80 vs 84 us (BT 4 x BH 512) on Qwen3, 65 vs 69 GPT-OSS, equal
+    # on DeepSeek-V3-like (H200, 3.8 of 4.27 TB/s copy); the same sum in the same order per element
+    bh = min(triton.next_power_of_2(h), 1024)
+    bt = max(1, 1024 // bh)
     _combine_kernel[(triton.cdiv(t, bt), triton.cdiv(h, bh))](
         y, inv, weights, offsets, out, t, h, offsets.numel(), y.stride(0), TOP_K=k, BT=bt, BH=bh, num_warps=4)
     return out
