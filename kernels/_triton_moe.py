@@ -145,16 +145,26 @@ def _wgrad_finish_kernel(src_ptr, dst_ptr, offs_ptr, KN, s_se, BLOCK: tl.constex
 
 
 @triton.jit
-def _zero_empty_groups_kernel(dw_ptr, offs_ptr, KN, s_e, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """In place: dw[e] = 0 for every group e without rows; groups with rows are not touched."""
-    e = tl.program_id(0)
-    end = tl.load(offs_ptr + e)
-    start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
-    if end <= start:
-        zero = tl.zeros((BLOCK,), dtype=dw_ptr.dtype.element_ty)
-        for i0 in range(tl.program_id(1) * BLOCK, KN, SPLIT * BLOCK):
-            i = i0 + tl.arange(0, BLOCK)
-            tl.store(dw_ptr + e.to(tl.int64) * s_e + i, zero, mask=i < KN)
+def _zero_empty_groups_kernel(dw_ptr, offs_ptr, E, KN, s_e, num_progs, E_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """In place: dw[e] = 0 for every group e without rows; groups with rows are not touched.
+
+    Persistent: the blocks of all empty groups are shared by every program, so zeroing one empty
+    expert uses the whole GPU (one program per (expert, slice) left a single empty expert to 8 SMs).
+    offsets [3, 3, 3, 7] (E=4): empty = [0, 1, 1, 0], cum = [0, 1, 2, 2]; the j-th empty group is
+    #(cum <= j): j=0 -> 1, j=1 -> 2."""
+    pid = tl.program_id(0)
+    eidx = tl.arange(0, E_P2)
+    emask = eidx < E
+    ends = tl.load(offs_ptr + eidx, mask=emask, other=0)
+    starts = tl.load(offs_ptr + eidx - 1, mask=emask & (eidx > 0), other=0)
+    empty = (emask & (ends <= starts)).to(tl.int32)
+    cum = tl.cumsum(empty, 0)
+    n_blocks = tl.cdiv(KN, BLOCK)
+    zero = tl.zeros((BLOCK,), dtype=dw_ptr.dtype.element_ty)
+    for w in range(pid, tl.sum(empty, 0) * n_blocks, num_progs):
+        e = tl.sum((cum <= w // n_blocks).to(tl.int32), 0)
+        i = (w % n_blocks) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(dw_ptr + e.to(tl.int64) * s_e + i, zero, mask=i < KN)
 
 
 # ------------------------------------------------------------------------------------ wrappers
@@ -241,7 +251,11 @@ def zero_empty_groups(dw: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     e, k, n = dw.shape
     if dw.numel() == 0:
         return dw
-    _zero_empty_groups_kernel[(e, 8)](dw, offsets, k * n, dw.stride(0), SPLIT=8, BLOCK=2048, num_warps=4)
+    from ._triton_gmm import num_sms
+
+    progs = 4 * num_sms(dw.device)
+    _zero_empty_groups_kernel[(progs,)](dw, offsets, e, k * n, dw.stride(0), progs, E_P2=triton.next_power_of_2(e),
+                                        BLOCK=4096, num_warps=4)
     return dw
 
 
