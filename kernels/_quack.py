@@ -82,11 +82,15 @@ def usable(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
             and available())
 
 
+def cu_seqlens(offsets: torch.Tensor) -> torch.Tensor:
+    """quack's int32 group bounds from group ends: offsets [2, 2, 5] -> [0, 2, 2, 5]."""
+    return torch.cat([offsets.new_zeros(1, dtype=torch.int32), offsets.to(torch.int32)])
+
+
 def grouped_mm_wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, num_experts: int,
                      out_dtype: torch.dtype) -> torch.Tensor:
     """[E, P, Q] in out_dtype: a[rows e]^T @ b[rows e] per group, 0 for empty groups."""
     gemm = _load()
-    cu = torch.cat([offsets.new_zeros(1, dtype=torch.int32), offsets.to(torch.int32)])
     out = torch.empty(num_experts, a.shape[1], b.shape[1], dtype=out_dtype, device=a.device)
-    gemm(a.t(), b, out, config=_STATE["config"], cu_seqlens_k=cu)
+    gemm(a.t(), b, out, config=_STATE["config"], cu_seqlens_k=cu_seqlens(offsets))
     return out

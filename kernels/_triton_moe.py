@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton_gmm import num_sms
+
 
 @triton.jit
 def _permute_rows_kernel(x_ptr, perm_ptr, offs_ptr, xp_ptr, NR, H, E, sxm,
@@ -251,8 +253,6 @@ def zero_empty_groups(dw: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     e, k, n = dw.shape
     if dw.numel() == 0:
         return dw
-    from ._triton_gmm import num_sms
-
     progs = 4 * num_sms(dw.device)
     _zero_empty_groups_kernel[(progs,)](dw, offsets, e, k * n, dw.stride(0), progs, E_P2=triton.next_power_of_2(e),
                                         BLOCK=4096, num_warps=4)

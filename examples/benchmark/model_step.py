@@ -266,6 +266,7 @@ PARTS = (  # (part, pattern): the first part whose pattern matches the kernel or
 )
 _PART_RES = [(part, re.compile(pattern, re.IGNORECASE)) for part, pattern in PARTS]
 PART_NAMES = [p for p, _ in PARTS] + ["other", "host gaps"]
+NOT_COUNTED = "not counted (GPU annotation)"  # --top-kernels' row for what the split skips
 WINDOW = "model_step/profiled_steps"  # record_function around the profiled steps
 
 
@@ -299,17 +300,15 @@ def time_split(events, wall_us: float, steps: int, device: str, kernels: dict | 
         for k in events:
             if k.device_type != DeviceType.CUDA:
                 continue
+            s, e = k.time_range.start, k.time_range.end
             if getattr(k, "is_user_annotation", False):
                 # a record_function range drawn on the GPU timeline (Optimizer.step#AdamW.step spans the
                 # optimizer's kernels): not a kernel; counting it counted the optimizer twice
-                if kernels is not None:
-                    key = ("not counted (GPU annotation)", k.name)
-                    kernels[key] = kernels.get(key, 0.0) + (k.time_range.end - k.time_range.start) / steps / 1e3
-                continue
-            s, e = k.time_range.start, k.time_range.end
-            intervals.append((s, e))
-            part = classify([k.name] + _stack_names(by_corr.get(getattr(k, "linked_correlation_id", 0))))
-            parts[part] += e - s
+                part = NOT_COUNTED
+            else:
+                intervals.append((s, e))
+                part = classify([k.name] + _stack_names(by_corr.get(getattr(k, "linked_correlation_id", 0))))
+                parts[part] += e - s
             if kernels is not None:
                 kernels[(part, k.name)] = kernels.get((part, k.name), 0.0) + (e - s) / steps / 1e3
     else:  # CPU: leaf ops stand for kernels
@@ -479,7 +478,7 @@ def run_variant(name, form, variant, args, device, dtype) -> dict:
         row["split_ms"] = time_split(events, end - start, args.profile_steps, device, kernels)
         if args.top_kernels and kernels:
             print(f"# {name} {form} {variant}: the {args.top_kernels} longest kernels of each part, ms per step")
-            for part in PART_NAMES[:-1] + ["not counted (GPU annotation)"]:
+            for part in PART_NAMES[:-1] + [NOT_COUNTED]:
                 top = sorted(((ms, n) for (p, n), ms in kernels.items() if p == part), reverse=True)
                 for ms, n in top[:args.top_kernels]:
                     print(f"#   {part:9s} {ms:7.3f}  {n[:150]}")

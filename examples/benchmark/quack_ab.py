@@ -73,7 +73,7 @@ def main():
     from quack.gemm_config import GemmConfig
     from quack.gemm_interface import gemm_tuned
 
-    from moe_compile.kernels import _triton_tma, cuda
+    from moe_compile.kernels import _quack, _triton_tma, cuda
 
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
           f"quack {quack.__version__}", flush=True)
@@ -83,7 +83,7 @@ def main():
     for layer in args.shapes:
         for pname, (kind, a, b, offs, flop) in products(*LAYERS[layer], g).items():
             flops.setdefault(layer, {})[pname] = flop
-            cu = torch.cat([offs.new_zeros(1), offs])
+            cu = _quack.cu_seqlens(offs)
             e = offs.numel()
             if kind == "m":
                 ref = torch._grouped_mm(a, b, offs=offs)
