@@ -1,7 +1,8 @@
-"""Helpers shared by the benchmarks: for the interleaved A/B ones (``gmm_ab.py``, ``fusion_ab.py``)
-and ``moe_kernels.py`` one argument parser, one header line, one timing loop, one attribute patch;
-for ``moe_layer.py`` and ``model_step.py`` one device/versions record; for ``ep.py`` and
-``model_step.py`` the interval arithmetic of profiler timelines (``merge``, ``length``, ``uncovered``)."""
+"""Helpers shared by the benchmarks: for the interleaved A/B ones (``gmm_ab.py``, ``fusion_ab.py``,
+``quack_ab.py``, ``glue_ab.py``) and ``moe_kernels.py`` one argument parser, one header line, one timing
+loop, one attribute patch; for ``moe_layer.py`` and ``model_step.py`` one device/versions record; for
+``ep.py`` and ``model_step.py`` the interval arithmetic of profiler timelines (``merge``, ``length``,
+``uncovered``)."""
 from __future__ import annotations
 
 import argparse
