@@ -7,7 +7,7 @@ grid, no host sync, CUDA-graph safe); what differs is how tiles move:
 
     A tile   x[m0 : m0+BM, k0 : k0+BK]         TMA load   (descriptor over x [M, K])
     B tile   w[e][k0 : k0+BK, n0 : n0+BN]      TMA load   (descriptor over w's storage, 2-D or 3-D)
-    C tile   full tile of the group            TMA store  (descriptor over y [M, N])
+    C tile   tile inside its group             two TMA stores of BN/2 columns (descriptor over y)
              last tile of a group              masked stores (rows < group end, cols < N)
              rows past the last group's end    zeros, masked stores (after the tile loop)
 
@@ -16,19 +16,26 @@ they only feed output rows that are never stored. Weight tiles of the 2-D [E*N, 
 past an expert's N columns only feed output columns >= N, which are clipped. The 2-D [E*K, N] view
 is used only when BK divides K, so a k-step never reads the next expert's rows.
 
-When the last tile of a group has at most BM/2 rows (half of the groups on a 512-row-per-expert
-layer), it runs a BM/2-row tile: half the tensor-core work on rows that would be thrown away.
+Each program runs its tiles as one flat loop over (tile, k-step) pairs, the epilogue under
+``if k-step == last``, rather than a loop over tiles around a k-loop: the software pipeliner then
+issues the next tile's first TMA loads while this tile's epilogue converts and stores, which a
+k-loop per tile leaves exposed. (Triton's own ``flatten=True`` does not compile this loop: its
+nested-loop fusion rejects the full-tile / last-tile store branch.) Storing the tile as two halves
+keeps the store buffer at 32 KB, so three 48 KB operand stages still fit in shared memory.
 
-Measured on one H200 (``examples/benchmark/gmm_ab.py``, 3 interleaved rounds, TFLOP/s, this
-kernel vs ``torch._grouped_mm``'s CUTLASS kernel): Qwen3-30B-A3B up 529 vs 502, down 484 vs 427,
-up dgrad 515 vs 486, down dgrad 509 vs 470; GPT-OSS up 601 vs 586, up dgrad 606 vs 564; Mixtral
-up 646 vs 624, down 599 vs 610 (the one shape where CUTLASS is ahead). Weight gradients stay on
-CUTLASS: a TMA version of the 2Dx2D form was 5-15% slower.
+Measured on one H200 against the nested-loop kernel this replaced (a scratch A/B, 5 interleaved
+rounds, median TFLOP/s, outputs ``torch.equal``): Qwen3-30B-A3B up 533 -> 550, down 500 -> 514,
+up dgrad 514 -> 536, down dgrad 523 -> 538; Moonlight-width DeepSeek-V3-like 551-569 -> 572-586;
+DeepSeek-V3 (256 experts, ~128 rows each) up 356 -> 386, down 349 -> 375; Mixtral up 620 -> 626,
+down 612 -> 612. The nested kernel ran a group's last tile at half height when it had at most 64
+rows; the same A/B showed that path cost 0-7% (most on 128-row groups), so it is gone. Current
+figures against ``torch._grouped_mm``: ``examples/benchmark/gmm_ab.py``. Weight gradients are not
+here: a TMA version of the 2Dx2D form was 5-15% slower than CUTLASS (quack's is used when present).
 
 SwiGLU fused into this kernel's epilogue (forward, and the down dgrad's dSwiGLU) was built and
-measured in session 5 and removed: the epilogue is not overlapped with the next tile's main loop,
-so what the fusion saved in bytes came back as exposed epilogue time (forward 1.00-1.05x, backward
-1.15-1.50x the GEMM plus the one-pass swiglu op on an H200; docs/benchmarks.md).
+measured in session 5 and removed: the epilogue was not overlapped with the next tile's main loop
+then, so what the fusion saved in bytes came back as exposed epilogue time (forward 1.00-1.05x,
+backward 1.15-1.50x the GEMM plus the one-pass swiglu op on an H200; docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -59,17 +66,6 @@ def _load_b(b_desc, e, n0, k0, K, N, B_NK: tl.constexpr, B3D: tl.constexpr, BN: 
 
 
 @triton.jit
-def _mainloop(a_desc, b_desc, e, m0, n0, K, WN, B_NK: tl.constexpr, B3D: tl.constexpr, ROWS: tl.constexpr,
-              BN: tl.constexpr, BK: tl.constexpr):
-    """acc = A[m0 : m0+ROWS] @ w[e][:, n0 : n0+BN]."""
-    acc = tl.zeros((ROWS, BN), dtype=tl.float32)
-    for ki in range(tl.cdiv(K, BK)):
-        a = a_desc.load([m0, ki * BK])
-        acc = tl.dot(a, _load_b(b_desc, e, n0, ki * BK, K, WN, B_NK, B3D, BN, BK), acc)
-    return acc
-
-
-@triton.jit
 def _with_bias(acc, bias_ptr, e, sbe, n0, N, HAS_BIAS: tl.constexpr, BN: tl.constexpr):
     if HAS_BIAS:
         cols = n0 + tl.arange(0, BN)
@@ -78,24 +74,20 @@ def _with_bias(acc, bias_ptr, e, sbe, n0, N, HAS_BIAS: tl.constexpr, BN: tl.cons
 
 
 @triton.jit
-def _put(desc, ptr, val, m0, n0, row_end, N, stride, FULL: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr):
-    """Store a [ROWS, BN] tile at (m0, n0): TMA for a full tile, masked (rows < row_end, cols < N)
-    otherwise."""
-    if FULL:
-        desc.store([m0, n0], val.to(ptr.dtype.element_ty))
+def _store_tile(c_desc, c_ptr, acc, m0, n0, row_end, N, stride, BM: tl.constexpr, BN: tl.constexpr):
+    """Store the [BM, BN] tile at (m0, n0): a tile inside its group as two TMA stores of BN/2 columns
+    (a half-tile store buffer leaves shared memory for three operand stages), the group's last tile
+    by masked stores (rows < row_end, cols < N)."""
+    if m0 + BM <= row_end:
+        halves = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
+        left, right = tl.split(halves)
+        c_desc.store([m0, n0], left.to(c_ptr.dtype.element_ty))
+        c_desc.store([m0, n0 + BN // 2], right.to(c_ptr.dtype.element_ty))
     else:
-        rows = m0 + tl.arange(0, ROWS)
+        rows = m0 + tl.arange(0, BM)
         cols = n0 + tl.arange(0, BN)
-        tl.store(ptr + rows.to(tl.int64)[:, None] * stride + cols[None, :], val.to(ptr.dtype.element_ty),
+        tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride + cols[None, :], acc.to(c_ptr.dtype.element_ty),
                  mask=(rows < row_end)[:, None] & (cols < N)[None, :])
-
-
-@triton.jit
-def _epilogue(acc, c_desc, c_ptr, bias_ptr, e, sbe, m0, n0, row_end, N, stride_cm, HAS_BIAS: tl.constexpr,
-              FULL: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr):
-    """c = acc (+ bias)."""
-    acc = _with_bias(acc, bias_ptr, e, sbe, n0, N, HAS_BIAS, BN)
-    _put(c_desc, c_ptr, acc, m0, n0, row_end, N, stride_cm, FULL, ROWS, BN)
 
 
 @triton.jit
@@ -110,36 +102,44 @@ def _zero_rows(ptr, tail0, M, N, stride, pid, num_progs, BM: tl.constexpr, BN: t
 
 
 @triton.jit
-def _tma_gmm_kernel(a_desc, ah_desc, b_desc, c_desc, c_ptr, bias_ptr, offs_ptr, M, N, K, E, WN, stride_cm, sbe,
+def _tma_gmm_kernel(a_desc, b_desc, c_desc, c_ptr, bias_ptr, offs_ptr, M, N, K, E, WN, stride_cm, sbe,
                     num_progs, B_NK: tl.constexpr, B3D: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    HALF_TAIL: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, GROUP_M: tl.constexpr):
-    """N: the output's column count; WN: the weight's."""
+                    E_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    GROUP_M: tl.constexpr):
+    """N: the output's column count; WN: the weight's. This program's tiles pid, pid + P, ... run as
+    one loop over (tile, k-step), not a loop of k-loops, so the software pipeliner issues the next
+    tile's first loads while this tile's epilogue runs (module docstring)."""
     pid = tl.program_id(0)
     eidx, starts, counts, m_tiles, g_tiles, g_end, total = group_tiles(offs_ptr, M, N, E, E_P2, BM, BN)
-    for tile in range(pid, total, num_progs):
-        e, row_start, row_end, pid_m, pid_n = tile_coords(tile, eidx, starts, counts, m_tiles, g_tiles, g_end,
-                                                          N, BN, GROUP_M)
-        m0 = row_start + pid_m * BM
-        n0 = pid_n * BN
-        if HALF_TAIL and row_end - m0 <= BM // 2:
-            acc_h = _mainloop(ah_desc, b_desc, e, m0, n0, K, WN, B_NK, B3D, BM // 2, BN, BK)
-            _epilogue(acc_h, c_desc, c_ptr, bias_ptr, e, sbe, m0, n0, row_end, N, stride_cm, HAS_BIAS, False,
-                      BM // 2, BN)
-        else:
-            acc = _mainloop(a_desc, b_desc, e, m0, n0, K, WN, B_NK, B3D, BM, BN, BK)
-            if m0 + BM <= row_end:
-                _epilogue(acc, c_desc, c_ptr, bias_ptr, e, sbe, m0, n0, row_end, N, stride_cm, HAS_BIAS, True, BM, BN)
-            else:
-                _epilogue(acc, c_desc, c_ptr, bias_ptr, e, sbe, m0, n0, row_end, N, stride_cm, HAS_BIAS, False,
-                          BM, BN)
+    k_steps = tl.cdiv(K, BK)
+    my_tiles = tl.cdiv(tl.maximum(total - pid, 0), num_progs)
+    tile = pid - num_progs
+    ki = -1
+    e = 0
+    m0 = 0
+    n0 = 0
+    row_end = 0
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for _ in range(0, k_steps * my_tiles):
+        ki = tl.where(ki == k_steps - 1, 0, ki + 1)
+        if ki == 0:  # the next tile of this program
+            tile += num_progs
+            e, row_start, row_end, pid_m, pid_n = tile_coords(tile, eidx, starts, counts, m_tiles, g_tiles,
+                                                              g_end, N, BN, GROUP_M)
+            m0 = row_start + pid_m * BM
+            n0 = pid_n * BN
+        a = a_desc.load([m0, ki * BK])
+        acc = tl.dot(a, _load_b(b_desc, e, n0, ki * BK, K, WN, B_NK, B3D, BN, BK), acc)
+        if ki == k_steps - 1:  # the tile's epilogue
+            acc = _with_bias(acc, bias_ptr, e, sbe, n0, N, HAS_BIAS, BN)
+            _store_tile(c_desc, c_ptr, acc, m0, n0, row_end, N, stride_cm, BM, BN)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
     # rows past the last group's end belong to no expert: zeroed here rather than by a second launch
     tail0 = tl.max(starts + counts, 0)
     _zero_rows(c_ptr, tail0, M, N, stride_cm, pid, num_progs, BM, BN)
 
 
 _DTYPES = (torch.bfloat16, torch.float16)
-HALF_TAIL = True  # the micro-benchmark flips it to compare
 
 
 def _aligned(t: torch.Tensor, dims) -> bool:
@@ -149,7 +149,8 @@ def _aligned(t: torch.Tensor, dims) -> bool:
 
 def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     """What the descriptors need: 16-bit types, unit inner strides, 16-byte aligned bases and outer
-    strides, and N a multiple of 8 (the output's row stride is 16 bytes)."""
+    strides, N a multiple of 8 (the output's row stride is 16 bytes), and K > 0 (a tile's epilogue
+    runs after its last k-step)."""
     if x.dtype not in _DTYPES or w.dtype != x.dtype or x.dim() != 2 or w.dim() != 3 or x.stride(1) != 1:
         return False
     if w.stride(2) == 1:
@@ -158,15 +159,15 @@ def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
         w_ok = _aligned(w, (0, 2))
     else:
         return False
-    return w_ok and _aligned(x, (0,)) and w.shape[2] % 8 == 0 and x.shape[1] == w.shape[1]
+    return w_ok and _aligned(x, (0,)) and w.shape[2] % 8 == 0 and x.shape[1] == w.shape[1] and x.shape[1] > 0
 
 
 def _config(n: int) -> dict:
-    # 128x256x64, 8 warps (two consumer warpgroups), 3 stages: 144 KB of operand buffers + 64 KB
-    # for the TMA store, one program per SM. Best of 9 configs tried on the 8 layer GEMMs
-    # (warp_specialize, 4 stages + split store, 256x128, 128x128, BK=128 among them).
+    # 128x256x64, 8 warps (two consumer warpgroups), 3 stages: 144 KB of operand buffers + 32 KB
+    # for the half-tile TMA store, one program per SM; GROUP_M 16 m-tiles share a weight column
+    # block before moving on. Best of the configs tried on the layer GEMMs (module docstring).
     bn = 256 if n >= 256 else (128 if n > 64 else 64)
-    return dict(BM=128, BN=bn, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
+    return dict(BM=128, BN=bn, BK=64, GROUP_M=16, num_warps=8, num_stages=3)
 
 
 def _b_desc(w: torch.Tensor, bn: int, bk: int):
@@ -190,17 +191,16 @@ def _launch(x, w, offsets, n, c, bias=None):
     cfg = _config(n)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     a_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [bm, bk])
-    ah_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [bm // 2, bk])
     b_desc, b_nk, b3d = _b_desc(w, bn, bk)
-    c_desc = TensorDescriptor(c, [m, n], [c.stride(0), 1], [bm, bn])
+    c_desc = TensorDescriptor(c, [m, n], [c.stride(0), 1], [bm, bn // 2])
     if bias is not None:
         bias = bias if bias.stride(-1) == 1 else bias.contiguous()
     upper = (triton.cdiv(m, bm) + e) * triton.cdiv(n, bn)
     progs = max(1, min(upper, num_sms(x.device)))
     return _tma_gmm_kernel[(progs,)](
-        a_desc, ah_desc, b_desc, c_desc, c, bias if bias is not None else c, offsets, m, n, k, e, w.shape[2],
+        a_desc, b_desc, c_desc, c, bias if bias is not None else c, offsets, m, n, k, e, w.shape[2],
         c.stride(0), bias.stride(0) if bias is not None else 0, progs,
-        B_NK=b_nk, B3D=b3d, HAS_BIAS=bias is not None, HALF_TAIL=HALF_TAIL, E_P2=triton.next_power_of_2(e),
+        B_NK=b_nk, B3D=b3d, HAS_BIAS=bias is not None, E_P2=triton.next_power_of_2(e),
         BM=bm, BN=bn, BK=bk, GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 

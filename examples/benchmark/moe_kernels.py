@@ -60,14 +60,11 @@ def run(name: str, shape, steps: int = 10):
 
     from ab import with_attr
 
-    from moe_compile.kernels import _triton_tma
-
     def gmm(xx, ww):
         return kcuda.grouped_mm(xx, ww, offs)
 
     gmm_triton = with_attr(kcuda, "GMM_BACKEND", "triton", gmm)
     gmm_tma = with_attr(kcuda, "GMM_BACKEND", "tma", gmm)  # the TMA kernel whatever the group size
-    gmm_tma_full_tail = with_attr(_triton_tma, "HALF_TAIL", False, gmm)  # without its half-height last tile
 
     cases = [  # (op, fn, flop, bytes)
         ("route_permute", lambda: kcuda.route_permute(ids, e), 0, n * 8 + 2 * n * 8 + e * 4),
@@ -80,14 +77,10 @@ def run(name: str, shape, steps: int = 10):
         ("up   triton gmm", lambda: gmm_triton(xp, w13t), 2 * n * h * 2 * i, (n * h + e * h * 2 * i + n * 2 * i) * B),
         ("down gmm [N,I]x[I,H]", lambda: kcuda.grouped_mm(a, w2t, offs), 2 * n * i * h, (n * i + e * h * i + n * h) * B),
         ("up   tma gmm", lambda: gmm_tma(xp, w13t), 2 * n * h * 2 * i, (n * h + e * h * 2 * i + n * 2 * i) * B),
-        ("up   gmm, full-height last tile", lambda: gmm_tma_full_tail(xp, w13t), 2 * n * h * 2 * i,
-         (n * h + e * h * 2 * i + n * 2 * i) * B),
         ("down triton gmm", lambda: gmm_triton(a, w2t), 2 * n * i * h, (n * i + e * h * i + n * h) * B),
         ("down torch._grouped_mm alone", lambda: torch._grouped_mm(a, w2t, offs=offs), 2 * n * i * h,
          (n * i + e * h * i + n * h) * B),
         ("down tma gmm", lambda: gmm_tma(a, w2t), 2 * n * i * h, (n * i + e * h * i + n * h) * B),
-        ("down gmm, full-height last tile", lambda: gmm_tma_full_tail(a, w2t), 2 * n * i * h,
-         (n * i + e * h * i + n * h) * B),
         ("combine", lambda: kcuda.unpermute_combine(y, inv, topw, offs), 0, (n + t) * h * B),
         ("combine bwd", lambda: kcuda.unpermute_combine_backward(dout, y, inv, topw, offs), 0, (t + 2 * n) * h * B),
         ("down dgrad [N,H]x[H,I]", lambda: kcuda.grouped_mm(dy_h, w2t.transpose(1, 2), offs), 2 * n * i * h,
