@@ -25,17 +25,19 @@ keeps the store buffer at 32 KB, so three 48 KB operand stages still fit in shar
 
 Measured on one H200 against the nested-loop kernel this replaced (a scratch A/B, 5 interleaved
 rounds, median TFLOP/s, outputs ``torch.equal``): Qwen3-30B-A3B up 533 -> 550, down 500 -> 514,
-up dgrad 514 -> 536, down dgrad 523 -> 538; Moonlight-width DeepSeek-V3-like 551-569 -> 572-586;
+up dgrad 514 -> 536, down dgrad 523 -> 538; Moonlight-width DeepSeek-V3-like 533-569 -> 547-586;
 DeepSeek-V3 (256 experts, ~128 rows each) up 356 -> 386, down 349 -> 375; Mixtral up 620 -> 626,
 down 612 -> 612. The nested kernel ran a group's last tile at half height when it had at most 64
-rows; the same A/B showed that path cost 0-7% (most on 128-row groups), so it is gone. Current
+rows; in the same A/B that path cost up to 7% (on 128-row groups) and gained at most 2%, so it is gone. Current
 figures against ``torch._grouped_mm``: ``examples/benchmark/gmm_ab.py``. Weight gradients are not
 here: a TMA version of the 2Dx2D form was 5-15% slower than CUTLASS (quack's is used when present).
 
 SwiGLU fused into this kernel's epilogue (forward, and the down dgrad's dSwiGLU) was built and
 measured in session 5 and removed: the epilogue was not overlapped with the next tile's main loop
 then, so what the fusion saved in bytes came back as exposed epilogue time (forward 1.00-1.05x,
-backward 1.15-1.50x the GEMM plus the one-pass swiglu op on an H200; docs/benchmarks.md).
+backward 1.15-1.50x the GEMM plus the one-pass swiglu op on an H200; docs/benchmarks.md). Re-tried
+on the flat loop (gate and up columns of a tile as one box of the weight viewed [E, 2, I, H]): still
+1.00-1.03x, the extra store and math are not hidden by the next tile's loads (benchmarks section 6).
 """
 from __future__ import annotations
 
