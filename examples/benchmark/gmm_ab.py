@@ -25,6 +25,14 @@ SHAPES = {
     "gptoss_up_dgrad": (8192, 4, 32, 5760, 2880, "kn"),
     "mixtral_up": (4096, 2, 8, 4096, 28672, "nk"),
     "mixtral_down": (4096, 2, 8, 14336, 4096, "nk"),
+    # model_step.py's DeepSeek-V3-like model (Moonlight-16B-A3B widths: 64 experts, ~768 rows each)
+    "moonlight_up": (8192, 6, 64, 2048, 2816, "nk"),
+    "moonlight_down": (8192, 6, 64, 1408, 2048, "nk"),
+    "moonlight_up_dgrad": (8192, 6, 64, 2816, 2048, "kn"),
+    "moonlight_down_dgrad": (8192, 6, 64, 2048, 1408, "kn"),
+    # moe_layer.py's DeepSeek-V3-like layer (256 experts, ~128 rows each)
+    "dsv3_up": (4096, 8, 256, 7168, 4096, "nk"),
+    "dsv3_down": (4096, 8, 256, 2048, 7168, "nk"),
 }
 
 

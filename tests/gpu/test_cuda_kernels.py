@@ -194,6 +194,24 @@ def test_grouped_mm(shape, routing, dtype, backend, gen, monkeypatch):
                 assert rel(y, ref) <= tol, ("list", rel(y, ref), len(b))
 
 
+@pytest.mark.parametrize("backend", ["tma", "cutlass", "triton"])
+def test_grouped_mm_empty_contraction(backend, gen):
+    """K = 0 (a zero-width input): y = bias of each row's expert, dropped rows 0. The TMA kernel
+    writes a tile after its last k-step, so it must not take K = 0 (it would leave y unwritten)."""
+    t, k, e, n = 37, 2, 5, 200
+    _, _, offsets = kcuda.route_permute(make_ids(t, k, e, "dropped", gen), e)
+    m, total = t * k, total_rows(offsets)
+    x = torch.empty(m, 0, dtype=torch.bfloat16, device=DEV)
+    w = torch.empty(e, 0, n, dtype=torch.bfloat16, device=DEV)
+    bias = rand((e, n), torch.bfloat16, gen)
+    with gmm_backend(backend):
+        for b in (None, bias):
+            poison(((m, n), torch.bfloat16))
+            y = kcuda.grouped_mm(x, w, offsets, b)
+            assert torch.equal(y, reference.grouped_mm(x, w, offsets, b)), b is None
+            assert torch.all(y[total:] == 0) and (b is not None or torch.all(y == 0))
+
+
 @pytest.mark.parametrize("backend", ["cutlass", "triton", "quack"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("routing", ROUTINGS)
