@@ -20,7 +20,7 @@ Each program runs its tiles as one flat loop over (tile, k-step) pairs, the epil
 ``if k-step == last``, rather than a loop over tiles around a k-loop: the software pipeliner then
 issues the next tile's first TMA loads while this tile's epilogue converts and stores, which a
 k-loop per tile leaves exposed. (Triton's own ``flatten=True`` does not compile this loop: its
-nested-loop fusion rejects the full-tile / last-tile store branch.) Storing the tile as two halves
+nested-loop fusion fails on the full-tile / last-tile store branch.) Storing the tile as two halves
 keeps the store buffer at 32 KB, so three 48 KB operand stages still fit in shared memory.
 
 Measured on one H200 against the nested-loop kernel this replaced (a scratch A/B, 5 interleaved

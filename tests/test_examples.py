@@ -86,6 +86,42 @@ def test_time_split_skips_gpu_annotations():
     assert kernels[("not counted (GPU annotation)", "Optimizer.step#AdamW.step")] == 1.0
 
 
+def test_gap_causes_charges_idle_time_to_the_next_launch():
+    """model_step --gaps: GPU idle time is charged to the host op that launched the kernel ending it,
+    with its parents and without the CUDA runtime call; launch-latency gaps are left out."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    sys.path.insert(0, os.path.join(ROOT, "examples", "benchmark"))
+    from model_step import gap_causes
+
+    def cpu(name, id_, parent=None):
+        return NS(name=name, device_type=DeviceType.CPU, id=id_, cpu_parent=parent, is_async=False)
+
+    def gpu(name, start, end, corr):
+        return NS(name=name, device_type=DeviceType.CUDA, time_range=NS(start=start, end=end), is_async=False,
+                  is_user_annotation=False, linked_correlation_id=corr, id=-1, cpu_parent=None)
+
+    bwd = cpu("CompiledFunctionBackward", 1)
+    wgrad = cpu("moe_compile::grouped_mm_wgrad", 2, bwd)
+    mm = cpu("aten::mm", 3)
+    events = [bwd, wgrad, mm, cpu("cuLaunchKernelEx", 10, wgrad), cpu("cudaLaunchKernel", 11, mm),
+              cpu("cudaLaunchKernel", 12, mm),
+              gpu("gemm_a", 100, 200, 11),    # 100 us after the window opens: charged to aten::mm
+              gpu("gemm_b", 201, 300, 12),    # 1 us: launch latency, left out
+              gpu("quack_c", 350, 400, 10),   # 50 us: charged to the weight-gradient op and its parent
+              gpu("quack_d", 380, 390, 10)]   # inside the last run: no gap
+    causes = gap_causes(events, window_start=0, steps=2)
+    assert causes == {"aten::mm": (0.05, 0.5),
+                      "moe_compile::grouped_mm_wgrad < CompiledFunctionBackward": (0.025, 0.5)}, causes
+    # torch 2.11 has no linked_correlation_id: the kernel shares its id with its launch call instead
+    for e in events:
+        if e.device_type == DeviceType.CUDA:
+            e.id, e.linked_correlation_id = e.linked_correlation_id, 0
+    assert gap_causes(events, window_start=0, steps=2) == causes
+
+
 def _run(cmd, tmp_path, timeout=600, env=None):
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
                          env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), **(env or {})})

@@ -54,6 +54,9 @@ as gemm; eager embedding backward's index sort counts as MoE (small). optimizer 
 other = norms, element-wise, loss, copies. record_function ranges the profiler also draws on the GPU
 timeline (user annotations, e.g. ``Optimizer.step#AdamW.step``) are not kernels and are not counted
 (before this rule's fix they were: the optimizer column of earlier results counted fused AdamW twice).
+``--gaps N``: where the host gaps come from: each stretch of GPU idle time is charged to the host op
+(and two parents) that launched the kernel ending it, i.e. what the host was busy issuing while the
+GPU waited; the N largest launch sites are printed.
 
 --fsdp: ``fully_shard`` on every decoder layer, then on the model (FSDP2 over all ranks; launched
 without torchrun it is a one-rank group, which still runs FSDP2's all-gather / free / reduce-scatter
@@ -322,6 +325,38 @@ def time_split(events, wall_us: float, steps: int, device: str, kernels: dict | 
     return {k: v / steps / 1e3 for k, v in parts.items()}
 
 
+_RUNTIME = re.compile(r"^(cuda|cu[A-Z])")  # the CUDA runtime / driver call that launched a kernel
+
+
+def gap_causes(events, window_start: float, steps: int, min_gap_us: float = 2.0) -> dict:
+    """{launch site: [ms per step, gaps per step]} of the GPU's idle time: each stretch with no kernel
+    running (from the window's start, or the end of everything before it) is charged to the kernel
+    that ended it, named by the host op that launched that kernel and its two parents (the CUDA
+    runtime call left out), innermost first. What the host was doing while the GPU waited; gaps
+    shorter than ``min_gap_us`` (launch latency) are left out."""
+    from torch.autograd import DeviceType
+
+    cpu_ops = [e for e in events if e.device_type == DeviceType.CPU and not getattr(e, "is_async", False)]
+    # the launch call (cudaLaunchKernel, cuLaunchKernelEx, ...) shares the kernel's correlation id: its
+    # parents are the ops that launched it (torch 2.11); newer torch also links the kernel to the op
+    launches = {e.id: e for e in cpu_ops if _RUNTIME.match(e.name)}
+    by_corr = {e.id: e for e in cpu_ops}
+    runs = sorted((k for k in events if k.device_type == DeviceType.CUDA
+                   and not getattr(k, "is_user_annotation", False)), key=lambda k: k.time_range.start)
+    causes: dict = {}
+    covered = window_start
+    for k in runs:
+        gap = k.time_range.start - covered
+        if gap >= min_gap_us:
+            op = launches.get(k.id) or by_corr.get(getattr(k, "linked_correlation_id", 0))
+            names = [n for n in _stack_names(op) if not _RUNTIME.match(n)]
+            site = " < ".join(names[:3]) or f"(no host op) {k.name[:60]}"
+            ms, n = causes.get(site, (0.0, 0))
+            causes[site] = (ms + gap / steps / 1e3, n + 1 / steps)
+        covered = max(covered, k.time_range.end)
+    return causes
+
+
 def route_permute_calls(events) -> int:
     """Calls of moe_compile::route_permute (one per rewritten MoE layer per forward), not counting
     the op's own nested dispatch events."""
@@ -482,6 +517,12 @@ def run_variant(name, form, variant, args, device, dtype) -> dict:
                 top = sorted(((ms, n) for (p, n), ms in kernels.items() if p == part), reverse=True)
                 for ms, n in top[:args.top_kernels]:
                     print(f"#   {part:9s} {ms:7.3f}  {n[:150]}")
+        if args.gaps and device == "cuda":
+            causes = sorted(gap_causes(events, start, args.profile_steps).items(), key=lambda kv: -kv[1][0])
+            print(f"# {name} {form} {variant}: GPU idle time by the launch site of the kernel that ended it, "
+                  f"ms per step (gaps per step); {len(causes)} sites")
+            for site, (ms, n) in causes[:args.gaps]:
+                print(f"#   {ms:7.3f} ({n:6.1f})  {site[:160]}")
         # CUDA-graph replays call no host op: the count is only meaningful without graphs
         row["moe_layers"] = None if variant == "moe_cg" else route_permute_calls(events) // args.profile_steps
     del model, fn, opt, params, batches, losses
@@ -508,6 +549,8 @@ def main(argv=None):
                     help="an option for the backend='moe' variants, e.g. moe.inductor=False (value parsed as Python)")
     ap.add_argument("--top-kernels", type=int, default=0, metavar="N",
                     help="print the N longest GPU kernels of each part of the split (before the table)")
+    ap.add_argument("--gaps", type=int, default=0, metavar="N",
+                    help="print the N launch sites that leave the GPU idle longest (what the host was doing)")
     ap.add_argument("--fsdp", action="store_true", help="FSDP2 on every decoder layer and the model (see above)")
     ap.add_argument("--json", default=None)
     add_kernel_arg(ap)
