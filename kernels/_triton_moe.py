@@ -170,6 +170,78 @@ def _zero_empty_groups_kernel(dw_ptr, offs_ptr, E, KN, s_e, num_progs, E_P2: tl.
 
 
 # ------------------------------------------------------------------------------------ wrappers
+# ------------------------------------------------------------------------------ route_permute
+# Stable counting sort of n expert ids in two launches (cuda.route_permute's docstring has the
+# contract): 1) each block of RP_BLOCK ids counts its keys (key = id, or E for an id outside [0, E));
+# 2) each block finds where its keys go (all experts' totals before its key, plus the same key's
+# counts in earlier blocks), sorts (key, index) pairs inside the block, which keeps equal keys in
+# index order, and writes perm[dest] = i, inv[i] = dest. Block 0 also writes offsets. Against the torch
+# path (stable radix sort, searchsorted, scatter: ~10 small launches the host issues one by one),
+# Qwen3-30B-A3B 8 layers per block on an H200 (model_step --gaps, two rounds each in one call): GPU
+# idle time 5.1 / 5.5 -> 3.7 / 3.5 ms per step. The kernel names contain "route_permute" so that
+# model_step's split counts them as MoE.
+RP_BLOCK = 1024
+
+
+@triton.jit
+def _rp_keys(ids_ptr, start, n, E, BLOCK: tl.constexpr):
+    idx = start + tl.arange(0, BLOCK)
+    ids = tl.load(ids_ptr + idx, mask=idx < n, other=0)
+    key = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
+    return idx, tl.where(idx < n, key, E + 1)  # E + 1: padding past n, counted nowhere
+
+
+@triton.jit
+def _route_permute_count_kernel(ids_ptr, counts_ptr, n, E, BINS: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    _, key = _rp_keys(ids_ptr, b * BLOCK, n, E, BLOCK)
+    tl.store(counts_ptr + b * BINS + tl.arange(0, BINS), tl.histogram(key, BINS))
+
+
+@triton.jit
+def _route_permute_place_kernel(ids_ptr, counts_ptr, perm_ptr, inv_ptr, offs_ptr, n, E, NB,
+                     BINS: tl.constexpr, NB_P2: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    blocks = tl.arange(0, NB_P2)
+    bins = tl.arange(0, BINS)
+    counts = tl.load(counts_ptr + blocks[:, None] * BINS + bins[None, :], mask=(blocks < NB)[:, None], other=0)
+    totals = tl.sum(counts, 0)                                    # [BINS] rows per key
+    before_key = tl.cumsum(totals, 0) - totals                    # rows of smaller keys
+    earlier = tl.sum(tl.where((blocks < b)[:, None], counts, 0), 0)  # same key, earlier blocks
+    mine = tl.sum(tl.where((blocks == b)[:, None], counts, 0), 0)
+    base = before_key + earlier - (tl.cumsum(mine, 0) - mine)     # minus this block's smaller keys
+    _, key = _rp_keys(ids_ptr, b * BLOCK, n, E, BLOCK)
+    local = tl.arange(0, BLOCK)
+    pairs = tl.sort(key * BLOCK + local)                         # stable: equal keys keep index order
+    skey = pairs // BLOCK
+    dest = tl.gather(base, skey, 0) + local                     # position p in the block's sorted order
+    src = b * BLOCK + pairs % BLOCK
+    ok = skey <= E
+    tl.store(perm_ptr + dest, src.to(tl.int64), mask=ok)
+    tl.store(inv_ptr + src, dest.to(tl.int64), mask=ok)
+    if b == 0:
+        tl.store(offs_ptr + bins, (before_key + totals).to(tl.int32), mask=bins < E)
+
+
+def route_permute(expert_ids: torch.Tensor, num_experts: int):
+    """(perm, inv, offsets) as ``cuda.route_permute``; two launches, no host sync."""
+    flat = expert_ids.reshape(-1)
+    flat = flat if flat.is_contiguous() else flat.contiguous()
+    n = flat.numel()
+    perm = torch.empty(n, dtype=torch.long, device=flat.device)
+    inv = torch.empty(n, dtype=torch.long, device=flat.device)
+    offsets = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    if n == 0 or num_experts == 0:
+        return perm, inv, offsets
+    nb = triton.cdiv(n, RP_BLOCK)
+    bins = triton.next_power_of_2(num_experts + 2)
+    counts = torch.empty(nb, bins, dtype=torch.int32, device=flat.device)
+    _route_permute_count_kernel[(nb,)](flat, counts, n, num_experts, BINS=bins, BLOCK=RP_BLOCK, num_warps=4)
+    _route_permute_place_kernel[(nb,)](flat, counts, perm, inv, offsets, n, num_experts, nb, BINS=bins,
+                            NB_P2=triton.next_power_of_2(nb), BLOCK=RP_BLOCK, num_warps=4)
+    return perm, inv, offsets
+
+
 def permute_rows(x: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, top_k: int) -> torch.Tensor:
     x = x if x.stride(1) == 1 else x.contiguous()
     nr, h = perm.numel(), x.shape[1]

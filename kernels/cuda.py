@@ -6,7 +6,9 @@ plain-torch route_permute is listed and the references run the rest.
 
 What runs where (all sync-free: no .item()/.tolist()/nonzero, static launch shapes):
 
-    route_permute              torch: int32 stable sort + searchsorted + scatter (no atomics)
+    route_permute              Triton stable counting sort in two launches (per-block key counts, then
+                               placement; up to ROUTE_PERMUTE_MAX_COUNTS blocks x keys), else torch:
+                               int32 stable sort + searchsorted + scatter (no atomics)
     permute_rows               Triton gather (dropped rows written as 0)
     grouped_mm  16-bit, sm90,  Triton TMA grouped GEMM (_triton_tma: bias in the epilogue, rows past
                 aligned        offsets[-1] zeroed in the same launch; 0.98-1.13x CUTLASS and 1.1-1.3x
@@ -105,6 +107,11 @@ def _use_cutlass(*ts: torch.Tensor) -> bool:
 
 
 # --------------------------------------------------------------------------------- routing
+# Triton route_permute's placement launch holds every block's key counts in registers: at most this
+# many (65,536 rows over 128 experts: 64 blocks x 256 bins = 16,384); above it, the torch sort runs.
+ROUTE_PERMUTE_MAX_COUNTS = 32768
+
+
 def route_permute(expert_ids: torch.Tensor, num_experts: int):
     """Stable counting-sort permutation, on the device.
 
@@ -112,6 +119,12 @@ def route_permute(expert_ids: torch.Tensor, num_experts: int):
     perm = argsort(key, stable) = [2, 0, 3, 5, 1, 4], offsets[e] = #(key <= e) = [1, 4, 4, 6],
     inv[perm[p]] = p = [1, 4, 0, 2, 5, 3].
     """
+    if triton is not None and expert_ids.dtype in (torch.int32, torch.int64):
+        from . import _triton_moe
+
+        blocks = triton.cdiv(expert_ids.numel(), _triton_moe.RP_BLOCK)
+        if triton.next_power_of_2(max(blocks, 1)) * triton.next_power_of_2(num_experts + 2) <= ROUTE_PERMUTE_MAX_COUNTS:
+            return _triton_moe.route_permute(expert_ids, num_experts)
     flat = expert_ids.reshape(-1)
     n = flat.numel()
     key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts).to(torch.int32)
@@ -291,5 +304,6 @@ _ALL = {
     "swiglu_backward": swiglu_backward,
 }
 
-# op name -> implementation on CUDA tensors (registry.py reads this); route_permute is plain torch
+# op name -> implementation on CUDA tensors (registry.py reads this); without Triton only route_permute,
+# whose torch path needs none
 IMPLS = {name: fn for name, fn in _ALL.items() if triton is not None or name == "route_permute"}

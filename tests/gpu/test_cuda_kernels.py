@@ -145,6 +145,24 @@ def test_route_permute_and_permute_rows(shape, routing, gen):
         assert torch.equal(xp, reference.permute_rows(x, perm, offsets, k))
 
 
+@pytest.mark.parametrize("t,k,e,triton_path", [(8192, 8, 128, True), (4097, 6, 64, True), (333, 2, 4, True),
+                                                 (40000, 8, 128, False)])
+def test_route_permute_sizes(t, k, e, triton_path, gen, monkeypatch):
+    """Many blocks (a layer's 65,536 rows), a partial last block, and a size past the Triton kernel's
+    register budget (the torch sort runs): the same stable permutation as the reference, dropped ids
+    included."""
+    from moe_compile.kernels import _triton_moe
+
+    calls = []
+    real = _triton_moe.route_permute
+    monkeypatch.setattr(_triton_moe, "route_permute", lambda *a: calls.append(1) or real(*a))
+    ids = make_ids(t, k, e, "dropped", gen)
+    got = kcuda.route_permute(ids, e)
+    for g_, r_ in zip(got, reference.route_permute(ids, e)):
+        assert g_.dtype == r_.dtype and torch.equal(g_, r_)
+    assert len(calls) == (1 if triton_path else 0)
+
+
 # ------------------------------------------------------------------------------- grouped GEMM
 @pytest.mark.parametrize("backend", ["tma", "cutlass", "triton"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
