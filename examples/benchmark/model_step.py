@@ -329,7 +329,7 @@ _RUNTIME = re.compile(r"^(cuda|cu[A-Z])")  # the CUDA runtime / driver call that
 
 
 def gap_causes(events, window_start: float, steps: int, min_gap_us: float = 2.0) -> dict:
-    """{launch site: [ms per step, gaps per step]} of the GPU's idle time: each stretch with no kernel
+    """{launch site: (ms per step, gaps per step)} of the GPU's idle time: each stretch with no kernel
     running (from the window's start, or the end of everything before it) is charged to the kernel
     that ended it, named by the host op that launched that kernel and its two parents (the CUDA
     runtime call left out), innermost first. What the host was doing while the GPU waited; gaps
