@@ -169,7 +169,6 @@ def _zero_empty_groups_kernel(dw_ptr, offs_ptr, E, KN, s_e, num_progs, E_P2: tl.
         tl.store(dw_ptr + e.to(tl.int64) * s_e + i, zero, mask=i < KN)
 
 
-# ------------------------------------------------------------------------------------ wrappers
 # ------------------------------------------------------------------------------ route_permute
 # Stable counting sort of n expert ids in two launches (cuda.route_permute's docstring has the
 # contract): 1) each block of RP_BLOCK ids counts its keys (key = id, or E for an id outside [0, E));
@@ -185,22 +184,23 @@ RP_BLOCK = 1024
 
 @triton.jit
 def _rp_keys(ids_ptr, start, n, E, BLOCK: tl.constexpr):
+    """The sort keys of ids[start : start + BLOCK]: the id, E for an id outside [0, E), E + 1 past n."""
     idx = start + tl.arange(0, BLOCK)
     ids = tl.load(ids_ptr + idx, mask=idx < n, other=0)
     key = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
-    return idx, tl.where(idx < n, key, E + 1)  # E + 1: padding past n, counted nowhere
+    return tl.where(idx < n, key, E + 1)  # E + 1: padding past n, counted nowhere
 
 
 @triton.jit
 def _route_permute_count_kernel(ids_ptr, counts_ptr, n, E, BINS: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0)
-    _, key = _rp_keys(ids_ptr, b * BLOCK, n, E, BLOCK)
+    key = _rp_keys(ids_ptr, b * BLOCK, n, E, BLOCK)
     tl.store(counts_ptr + b * BINS + tl.arange(0, BINS), tl.histogram(key, BINS))
 
 
 @triton.jit
 def _route_permute_place_kernel(ids_ptr, counts_ptr, perm_ptr, inv_ptr, offs_ptr, n, E, NB,
-                     BINS: tl.constexpr, NB_P2: tl.constexpr, BLOCK: tl.constexpr):
+                                BINS: tl.constexpr, NB_P2: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0)
     blocks = tl.arange(0, NB_P2)
     bins = tl.arange(0, BINS)
@@ -210,7 +210,7 @@ def _route_permute_place_kernel(ids_ptr, counts_ptr, perm_ptr, inv_ptr, offs_ptr
     earlier = tl.sum(tl.where((blocks < b)[:, None], counts, 0), 0)  # same key, earlier blocks
     mine = tl.sum(tl.where((blocks == b)[:, None], counts, 0), 0)
     base = before_key + earlier - (tl.cumsum(mine, 0) - mine)     # minus this block's smaller keys
-    _, key = _rp_keys(ids_ptr, b * BLOCK, n, E, BLOCK)
+    key = _rp_keys(ids_ptr, b * BLOCK, n, E, BLOCK)
     local = tl.arange(0, BLOCK)
     pairs = tl.sort(key * BLOCK + local)                         # stable: equal keys keep index order
     skey = pairs // BLOCK
@@ -223,6 +223,17 @@ def _route_permute_place_kernel(ids_ptr, counts_ptr, perm_ptr, inv_ptr, offs_ptr
         tl.store(offs_ptr + bins, (before_key + totals).to(tl.int32), mask=bins < E)
 
 
+def _rp_grid(n: int, num_experts: int) -> tuple[int, int]:
+    """(blocks, bins) for n ids: key counts are [blocks, bins], bins a power of two >= E + 2 keys."""
+    return triton.cdiv(n, RP_BLOCK), triton.next_power_of_2(num_experts + 2)
+
+
+def route_permute_counts(n: int, num_experts: int) -> int:
+    """How many key counts the placement launch holds in registers for n ids over E experts."""
+    blocks, bins = _rp_grid(n, num_experts)
+    return triton.next_power_of_2(max(blocks, 1)) * bins
+
+
 def route_permute(expert_ids: torch.Tensor, num_experts: int):
     """(perm, inv, offsets) as ``cuda.route_permute``; two launches, no host sync."""
     flat = expert_ids.reshape(-1)
@@ -233,15 +244,15 @@ def route_permute(expert_ids: torch.Tensor, num_experts: int):
     offsets = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
     if n == 0 or num_experts == 0:
         return perm, inv, offsets
-    nb = triton.cdiv(n, RP_BLOCK)
-    bins = triton.next_power_of_2(num_experts + 2)
+    nb, bins = _rp_grid(n, num_experts)
     counts = torch.empty(nb, bins, dtype=torch.int32, device=flat.device)
     _route_permute_count_kernel[(nb,)](flat, counts, n, num_experts, BINS=bins, BLOCK=RP_BLOCK, num_warps=4)
     _route_permute_place_kernel[(nb,)](flat, counts, perm, inv, offsets, n, num_experts, nb, BINS=bins,
-                            NB_P2=triton.next_power_of_2(nb), BLOCK=RP_BLOCK, num_warps=4)
+                                       NB_P2=triton.next_power_of_2(nb), BLOCK=RP_BLOCK, num_warps=4)
     return perm, inv, offsets
 
 
+# ------------------------------------------------------------------------------------ wrappers
 def permute_rows(x: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, top_k: int) -> torch.Tensor:
     x = x if x.stride(1) == 1 else x.contiguous()
     nr, h = perm.numel(), x.shape[1]

@@ -122,8 +122,7 @@ def route_permute(expert_ids: torch.Tensor, num_experts: int):
     if triton is not None and expert_ids.dtype in (torch.int32, torch.int64):
         from . import _triton_moe
 
-        blocks = triton.cdiv(expert_ids.numel(), _triton_moe.RP_BLOCK)
-        if triton.next_power_of_2(max(blocks, 1)) * triton.next_power_of_2(num_experts + 2) <= ROUTE_PERMUTE_MAX_COUNTS:
+        if _triton_moe.route_permute_counts(expert_ids.numel(), num_experts) <= ROUTE_PERMUTE_MAX_COUNTS:
             return _triton_moe.route_permute(expert_ids, num_experts)
     flat = expert_ids.reshape(-1)
     n = flat.numel()
