@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import tempfile
 import time
 
@@ -28,6 +29,16 @@ def _entry(rank: int, body, world_size: int, init_file: str, args: tuple) -> Non
         body(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
+    # Leave without interpreter finalization. destroy_process_group does not join gloo's worker
+    # threads while anything (DeviceMesh, Dynamo's caches) still holds the group, and a worker drops
+    # its last reference to a finished collective (and so frees the Python tensors it holds) after
+    # waking the caller; when that lands during finalization, taking the GIL ends the thread inside
+    # a noexcept destructor and the rank dies of SIGABRT ("terminate called without an active
+    # exception") after the body passed. A failing body never gets here: it raises to spawn, which
+    # reports its traceback.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(body, world_size: int = 2, *args, timeout_s: float = 240) -> None:
