@@ -239,11 +239,12 @@ def route_permute(expert_ids: torch.Tensor, num_experts: int):
     flat = expert_ids.reshape(-1)
     flat = flat if flat.is_contiguous() else flat.contiguous()
     n = flat.numel()
+    if n == 0 or num_experts == 0:  # no expert: every id is dropped, in index order (as the reference)
+        order = torch.arange(n, dtype=torch.long, device=flat.device)
+        return order, order.clone(), torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
     perm = torch.empty(n, dtype=torch.long, device=flat.device)
     inv = torch.empty(n, dtype=torch.long, device=flat.device)
-    offsets = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
-    if n == 0 or num_experts == 0:
-        return perm, inv, offsets
+    offsets = torch.empty(num_experts, dtype=torch.int32, device=flat.device)  # block 0 writes all E
     nb, bins = _rp_grid(n, num_experts)
     counts = torch.empty(nb, bins, dtype=torch.int32, device=flat.device)
     _route_permute_count_kernel[(nb,)](flat, counts, n, num_experts, BINS=bins, BLOCK=RP_BLOCK, num_warps=4)

@@ -146,17 +146,21 @@ def test_route_permute_and_permute_rows(shape, routing, gen):
 
 
 @pytest.mark.parametrize("t,k,e,triton_path", [(8192, 8, 128, True), (4097, 6, 64, True), (333, 2, 4, True),
+                                                 (3000, 1, 1, True), (8192, 8, 256, True), (8193, 8, 256, False),
                                                  (40000, 8, 128, False)])
 def test_route_permute_sizes(t, k, e, triton_path, gen, monkeypatch):
-    """Many blocks (a layer's 65,536 rows), a partial last block, and a size past the Triton kernel's
-    register budget (the torch sort runs): the same stable permutation as the reference, dropped ids
-    included."""
+    """Many blocks (a layer's 65,536 rows), a partial last block, one expert, the Triton kernel's
+    register budget exactly (256 experts, 65,536 ids: 32,768 counts) and one block past it (the torch
+    sort runs): the same stable permutation as the reference, dropped ids included. The outputs'
+    memory is poisoned first: offsets are written by the kernel's first block only."""
     from moe_compile.kernels import _triton_moe
 
     calls = []
     real = _triton_moe.route_permute
     monkeypatch.setattr(_triton_moe, "route_permute", lambda *a: calls.append(1) or real(*a))
     ids = make_ids(t, k, e, "dropped", gen)
+    assert (_triton_moe.route_permute_counts(t * k, e) <= kcuda.ROUTE_PERMUTE_MAX_COUNTS) == triton_path
+    poison(((t * k,), torch.float64), ((t * k,), torch.float64), ((e,), torch.float32))  # perm, inv, offsets
     got = kcuda.route_permute(ids, e)
     for g_, r_ in zip(got, reference.route_permute(ids, e)):
         assert g_.dtype == r_.dtype and torch.equal(g_, r_)
@@ -213,21 +217,58 @@ def test_grouped_mm(shape, routing, dtype, backend, gen, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ["tma", "cutlass", "triton"])
-def test_grouped_mm_empty_contraction(backend, gen):
+def test_grouped_mm_empty_contraction(backend, gen, monkeypatch):
     """K = 0 (a zero-width input): y = bias of each row's expert, dropped rows 0. The TMA kernel
     writes a tile after its last k-step, so it must not take K = 0 (it would leave y unwritten)."""
     t, k, e, n = 37, 2, 5, 200
     _, _, offsets = kcuda.route_permute(make_ids(t, k, e, "dropped", gen), e)
     m, total = t * k, total_rows(offsets)
-    x = torch.empty(m, 0, dtype=torch.bfloat16, device=DEV)
+    # zero-width, but with 16-byte row strides: every other TMA condition holds, so only the K > 0
+    # check keeps it off the TMA kernel
+    x = torch.empty(m, 8, dtype=torch.bfloat16, device=DEV)[:, :0]
     w = torch.empty(e, 0, n, dtype=torch.bfloat16, device=DEV)
     bias = rand((e, n), torch.bfloat16, gen)
+    from moe_compile.kernels import _triton_tma
+
+    tma_calls = []
+    real = _triton_tma.grouped_mm
+    monkeypatch.setattr(_triton_tma, "grouped_mm", lambda *a: tma_calls.append(1) or real(*a))
     with gmm_backend(backend):
         for b in (None, bias):
             poison(((m, n), torch.bfloat16))
             y = kcuda.grouped_mm(x, w, offsets, b)
             assert torch.equal(y, reference.grouped_mm(x, w, offsets, b)), b is None
             assert torch.all(y[total:] == 0) and (b is not None or torch.all(y == 0))
+    assert not tma_calls
+
+
+@pytest.mark.parametrize("h,n", [(64, 136), (128, 264), (136, 64), (64, 128), (128, 5760)])
+@pytest.mark.parametrize("routing", ["uniform", "hot"])
+def test_tma_tile_edges(h, n, routing, gen, monkeypatch):
+    """The TMA kernel's tile edges, with more tiles than programs (each program runs several tiles
+    through its flat (tile, k-step) loop): 1, 2 and 3 k-steps (the last one partial); each block
+    size of N (64, 128, 256 columns); full tiles whose right half-tile store lies wholly past N
+    (N mod BN in (0, BN/2]: 136, 264 and GPT-OSS's 5760) or partly past it, and both weight layouts."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the TMA grouped GEMM runs on sm90 only")
+    from moe_compile.kernels import _triton_tma
+
+    t, k, e, dtype = 4096, 8, 16, torch.bfloat16
+    _, _, offsets = kcuda.route_permute(make_ids(t, k, e, routing, gen), e)
+    m, total = t * k, total_rows(offsets)
+    x = rand((m, h), dtype, gen)
+    calls = []
+    real = _triton_tma.grouped_mm
+    monkeypatch.setattr(_triton_tma, "grouped_mm", lambda *a: calls.append(1) or real(*a))
+    layouts = (rand((e, h, n), dtype, gen, h ** -0.5), rand((e, n, h), dtype, gen, h ** -0.5).transpose(1, 2))
+    with gmm_backend("tma"):
+        for w in layouts:
+            poison(((m, n), dtype))
+            y = kcuda.grouped_mm(x, w, offsets)
+            assert not y.isnan().any(), "unwritten rows"
+            assert torch.all(y[total:] == 0), "dropped rows must be zero"
+            assert rel(y, reference.grouped_mm(x, w, offsets)) <= BF16_GEMM_REL, w.stride()
+    assert len(calls) == len(layouts)
 
 
 @pytest.mark.parametrize("backend", ["cutlass", "triton", "quack"])
