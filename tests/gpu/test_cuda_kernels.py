@@ -82,6 +82,14 @@ def total_rows(offsets: torch.Tensor) -> int:
     return int(offsets[-1])  # test-side only; the kernels never sync
 
 
+def count_calls(monkeypatch, module, name: str) -> list:
+    """The calls of ``module.name`` for the rest of the test, one entry each (the real one still runs):
+    a test of one kernel fails when another one ran instead."""
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
 @contextlib.contextmanager
 def gmm_backend(name: str):
     old, kcuda.GMM_BACKEND = kcuda.GMM_BACKEND, name
@@ -155,9 +163,7 @@ def test_route_permute_sizes(t, k, e, triton_path, gen, monkeypatch):
     memory is poisoned first: offsets are written by the kernel's first block only."""
     from moe_compile.kernels import _triton_moe
 
-    calls = []
-    real = _triton_moe.route_permute
-    monkeypatch.setattr(_triton_moe, "route_permute", lambda *a: calls.append(1) or real(*a))
+    calls = count_calls(monkeypatch, _triton_moe, "route_permute")
     ids = make_ids(t, k, e, "dropped", gen)
     assert (_triton_moe.route_permute_counts(t * k, e) <= kcuda.ROUTE_PERMUTE_MAX_COUNTS) == triton_path
     poison(((t * k,), torch.float64), ((t * k,), torch.float64), ((e,), torch.float32))  # perm, inv, offsets
@@ -190,8 +196,7 @@ def test_grouped_mm(shape, routing, dtype, backend, gen, monkeypatch):
         if torch.cuda.get_device_capability()[0] != 9:
             pytest.skip("the TMA grouped GEMM runs on sm90 only")
         from moe_compile.kernels import _triton_tma
-        real = _triton_tma.grouped_mm
-        monkeypatch.setattr(_triton_tma, "grouped_mm", lambda *a: tma_calls.append(1) or real(*a))
+        tma_calls = count_calls(monkeypatch, _triton_tma, "grouped_mm")
     with gmm_backend(backend):
         for w in (w_plain, w_trans, w_padded):
             for b in (None, bias):
@@ -230,9 +235,7 @@ def test_grouped_mm_empty_contraction(backend, gen, monkeypatch):
     bias = rand((e, n), torch.bfloat16, gen)
     from moe_compile.kernels import _triton_tma
 
-    tma_calls = []
-    real = _triton_tma.grouped_mm
-    monkeypatch.setattr(_triton_tma, "grouped_mm", lambda *a: tma_calls.append(1) or real(*a))
+    tma_calls = count_calls(monkeypatch, _triton_tma, "grouped_mm")
     with gmm_backend(backend):
         for b in (None, bias):
             poison(((m, n), torch.bfloat16))
@@ -257,9 +260,7 @@ def test_tma_tile_edges(h, n, routing, gen, monkeypatch):
     _, _, offsets = kcuda.route_permute(make_ids(t, k, e, routing, gen), e)
     m, total = t * k, total_rows(offsets)
     x = rand((m, h), dtype, gen)
-    calls = []
-    real = _triton_tma.grouped_mm
-    monkeypatch.setattr(_triton_tma, "grouped_mm", lambda *a: calls.append(1) or real(*a))
+    calls = count_calls(monkeypatch, _triton_tma, "grouped_mm")
     layouts = (rand((e, h, n), dtype, gen, h ** -0.5), rand((e, n, h), dtype, gen, h ** -0.5).transpose(1, 2))
     with gmm_backend("tma"):
         for w in layouts:
