@@ -289,12 +289,19 @@ def _stack_names(op):
     return names
 
 
+def _host_ops(events) -> list:
+    """The profiler's host-side (CPU, synchronous) events: ops, and on a GPU the runtime calls."""
+    from torch.autograd import DeviceType
+
+    return [e for e in events if e.device_type == DeviceType.CPU and not getattr(e, "is_async", False)]
+
+
 def time_split(events, wall_us: float, steps: int, device: str, kernels: dict | None = None) -> dict:
     """{part: ms per step} from profiler events (see the module docstring for the rule). ``kernels``:
     filled with {(part, kernel name): ms per step} (GPU runs)."""
     from torch.autograd import DeviceType
 
-    cpu_ops = [e for e in events if e.device_type == DeviceType.CPU and not getattr(e, "is_async", False)]
+    cpu_ops = _host_ops(events)
     # (events: those inside the profiled window; a kernel's launch stack may reach outside it)
     parts = dict.fromkeys(PART_NAMES, 0.0)
     intervals = []
@@ -336,7 +343,7 @@ def gap_causes(events, window_start: float, steps: int, min_gap_us: float = 2.0)
     shorter than ``min_gap_us`` (launch latency) are left out."""
     from torch.autograd import DeviceType
 
-    cpu_ops = [e for e in events if e.device_type == DeviceType.CPU and not getattr(e, "is_async", False)]
+    cpu_ops = _host_ops(events)
     # the launch call (cudaLaunchKernel, cuLaunchKernelEx, ...) shares the kernel's correlation id: its
     # parents are the ops that launched it (torch 2.11); newer torch also links the kernel to the op
     launches = {e.id: e for e in cpu_ops if _RUNTIME.match(e.name)}
