@@ -13,7 +13,9 @@ is quack's ``varlen_k`` GEMM: A = a.t() [P, M] (M-major, no copy), B = b [M, Q],
 one rounding). Rows past offsets[-1] are in no group. An expert with no rows runs a zero-length
 main loop and its tile is written from the zeroed accumulator (tests/gpu checks a poisoned output).
 
-Config: 128 x 192 tiles, ping-pong, 2 x 1 cluster (quack's sm90 default). Measured against the
+Config: 128 x 192 tiles, ping-pong, 2 x 1 cluster (quack's sm90 default), with quack's dynamic
+(atomic-counter) tile scheduler or its static one (``dynamic``; cuda.WGRAD_SCHEDULER picks, and says
+why dynamic is the default: a tile's work is its expert's row count). Measured against the
 others quack offers on the benchmark layers' weight gradients (examples/benchmark/quack_ab.py,
 docs/benchmarks.md section 2.7). Fixed, not autotuned: the autotuner compiles dozens of configs on
 first use (minutes). Shapes are symbolic in quack's compile, so the kernel compiles once per
@@ -32,7 +34,7 @@ log = logging.getLogger(__name__)
 
 TILE_M, TILE_N, PINGPONG, CLUSTER_M, CLUSTER_N = 128, 192, True, 2, 1
 
-_STATE: dict = {}  # "gemm": quack's gemm_tuned, "config": its GemmConfig, or "error": why not
+_STATE: dict = {}  # "gemm": quack's gemm_tuned, "config": {dynamic: its GemmConfig}, or "error": why not
 
 
 def _load():
@@ -42,8 +44,9 @@ def _load():
             from quack.gemm_interface import gemm_tuned
 
             _STATE["gemm"] = gemm_tuned.fn  # the untuned entry point: config given, no autotuning
-            _STATE["config"] = GemmConfig(tile_m=TILE_M, tile_n=TILE_N, pingpong=PINGPONG, cluster_m=CLUSTER_M,
-                                          cluster_n=CLUSTER_N, is_dynamic_persistent=False, device_capacity=9)
+            _STATE["config"] = {dyn: GemmConfig(tile_m=TILE_M, tile_n=TILE_N, pingpong=PINGPONG, cluster_m=CLUSTER_M,
+                                                cluster_n=CLUSTER_N, is_dynamic_persistent=dyn, device_capacity=9)
+                                for dyn in (False, True)}
         except ModuleNotFoundError as exc:
             if exc.name != "quack":  # quack is there but a dependency is missing or mismatched
                 _broken(exc)
@@ -88,9 +91,10 @@ def cu_seqlens(offsets: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_mm_wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, num_experts: int,
-                     out_dtype: torch.dtype) -> torch.Tensor:
-    """[E, P, Q] in out_dtype: a[rows e]^T @ b[rows e] per group, 0 for empty groups."""
+                     out_dtype: torch.dtype, dynamic: bool = False) -> torch.Tensor:
+    """[E, P, Q] in out_dtype: a[rows e]^T @ b[rows e] per group, 0 for empty groups. ``dynamic``:
+    quack's atomic-counter tile scheduler (its counter is one int32 zeroed per call, on the stream)."""
     gemm = _load()
     out = torch.empty(num_experts, a.shape[1], b.shape[1], dtype=out_dtype, device=a.device)
-    gemm(a.t(), b, out, config=_STATE["config"], cu_seqlens_k=cu_seqlens(offsets))
+    gemm(a.t(), b, out, config=_STATE["config"][dynamic], cu_seqlens_k=cu_seqlens(offsets))
     return out

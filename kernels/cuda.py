@@ -66,6 +66,14 @@ AUTO_TRITON_MAX_ROWS_PER_GROUP = 128
 # benchmarks). GMM_BACKEND="triton" overrides.
 WGRAD_BACKEND = "auto"
 WGRAD_BACKENDS = ("auto", "cutlass", "quack")
+# Tile scheduler of quack's weight gradient. "dynamic": each SM takes the next tile from an atomic
+# counter when it is done; "static": tile i runs on SM i mod #SMs. A weight-gradient tile's work is
+# its expert's row count, so under uneven routing static leaves SMs idle: on an H200 in model_step
+# (fresh routers, ~1/3 of Qwen3-30B-A3B's experts empty) dynamic took quack's kernels from 8.86 / 8.57
+# to 8.21 / 8.01 ms per step (Qwen3, 8 layers) and 4.82 / 4.77 -> 4.74 / 4.63 (DeepSeek-V3-like);
+# on perfectly even routing it is ~3% slower (docs/benchmarks.md section 2.7).
+WGRAD_SCHEDULER = "dynamic"
+WGRAD_SCHEDULERS = ("dynamic", "static")
 
 _CUTLASS_DEVICE: dict[int | None, bool] = {}
 
@@ -237,11 +245,15 @@ def _wgrad(x, dy, offsets, num_experts, out_dtype):
     if WGRAD_BACKEND != "cutlass" and GMM_BACKEND != "triton" and _tma_device(x):
         if WGRAD_BACKEND not in WGRAD_BACKENDS:
             raise ValueError(f"moe_compile.kernels.cuda.WGRAD_BACKEND is {WGRAD_BACKEND!r}; use one of {WGRAD_BACKENDS}")
+        if WGRAD_SCHEDULER not in WGRAD_SCHEDULERS:
+            raise ValueError(f"moe_compile.kernels.cuda.WGRAD_SCHEDULER is {WGRAD_SCHEDULER!r}; "
+                             f"use one of {WGRAD_SCHEDULERS}")
         if WGRAD_BACKEND == "quack" and not _quack.available():
             raise RuntimeError(f"moe_compile.kernels.cuda.WGRAD_BACKEND is 'quack' but {_quack.why_not()}; "
                                "pip install 'moe_compile[quack]', or set it to 'auto'")
         if _quack.usable(x, dy, out_dtype):
-            return _quack.grouped_mm_wgrad(x, dy, offsets, num_experts, out_dtype)
+            return _quack.grouped_mm_wgrad(x, dy, offsets, num_experts, out_dtype,
+                                           dynamic=WGRAD_SCHEDULER == "dynamic")
     k, n = x.shape[1], dy.shape[1]
     if _use_cutlass(x, dy) and k % 8 == 0 and n % 8 == 0 and x.shape[0] > 0:
         dw = torch._grouped_mm(x.t(), dy, offs=offsets)  # [E, K, N] bf16, fp32 accumulation

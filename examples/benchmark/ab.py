@@ -106,6 +106,7 @@ def versions(device: str = "cuda") -> dict:
             if _quack.available():
                 import quack
                 info["quack"] = quack.__version__
+                info["quack scheduler"] = cuda.WGRAD_SCHEDULER
             else:
                 info["quack"] = "missing"
     else:

@@ -101,23 +101,32 @@ def gmm_backend(name: str):
 
 @contextlib.contextmanager
 def wgrad_backend(name: str):
-    """The weight-gradient kernel ("quack" also counts its calls: a test of quack's path fails when
-    the kernel was not the one that ran)."""
+    """The weight-gradient kernel: "cutlass", "triton", "quack" (quack's default tile scheduler) or
+    "quack:static" / "quack:dynamic". quack's calls are counted with the scheduler each one ran: a test
+    of quack's path fails when the kernel (or scheduler) was not the one that ran."""
     from moe_compile.kernels import _quack
 
+    name, _, scheduler = name.partition(":")
     if name == "quack" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("quack's weight gradient is used on sm90 only")
     if name == "quack" and not _quack.available():
         pytest.skip(f"quack-kernels not usable here: {_quack.why_not()}")
     calls = []
     real = _quack.grouped_mm_wgrad
-    old, kcuda.WGRAD_BACKEND = kcuda.WGRAD_BACKEND, "quack" if name == "quack" else "cutlass"
-    _quack.grouped_mm_wgrad = lambda *a: (calls.append(1), real(*a))[1]
+
+    def counted(*args, dynamic=False):
+        calls.append("dynamic" if dynamic else "static")
+        return real(*args, dynamic=dynamic)
+
+    old = kcuda.WGRAD_BACKEND, kcuda.WGRAD_SCHEDULER
+    kcuda.WGRAD_BACKEND = "quack" if name == "quack" else "cutlass"
+    kcuda.WGRAD_SCHEDULER = scheduler or kcuda.WGRAD_SCHEDULER
+    _quack.grouped_mm_wgrad = counted
     try:
         with gmm_backend("triton" if name == "triton" else "auto"):
             yield calls
     finally:
-        kcuda.WGRAD_BACKEND = old
+        kcuda.WGRAD_BACKEND, kcuda.WGRAD_SCHEDULER = old
         _quack.grouped_mm_wgrad = real
 
 
@@ -272,13 +281,13 @@ def test_tma_tile_edges(h, n, routing, gen, monkeypatch):
     assert len(calls) == len(layouts)
 
 
-@pytest.mark.parametrize("backend", ["cutlass", "triton", "quack"])
+@pytest.mark.parametrize("backend", ["cutlass", "triton", "quack:dynamic", "quack:static"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_grouped_mm_wgrad_and_bias_grad(shape, routing, dtype, backend, gen):
     t, k, e, h, n = shape
-    if backend == "quack" and dtype != torch.bfloat16:
+    if backend.startswith("quack") and dtype != torch.bfloat16:
         pytest.skip("quack's kernel is used for 16-bit operands only")
     ids = make_ids(t, k, e, routing, gen)
     _, _, offsets = kcuda.route_permute(ids, e)
@@ -291,7 +300,11 @@ def test_grouped_mm_wgrad_and_bias_grad(shape, routing, dtype, backend, gen):
         dw = kcuda.grouped_mm_wgrad(x, dy, offsets, e)
         poison(((e, h, n), dtype), ((e, h, n), dtype))
         dw_lp = ops.grouped_mm_wgrad_lowp(x, dy, offsets, e)
-    assert len(calls) == (2 if backend == "quack" else 0), "the weight-gradient kernel under test did not run"
+        again = ops.grouped_mm_wgrad_lowp(x, dy, offsets, e)
+    # the same tiles whichever SM runs them (no split over K): a dynamic schedule is still deterministic
+    assert torch.equal(again, dw_lp), "two calls on the same inputs must agree bit for bit"
+    want = [backend.partition(":")[2]] * 3 if backend.startswith("quack") else []
+    assert calls == want, f"the weight-gradient kernel under test did not run as asked: {calls}"
     assert dw.shape == (e, h, n) and dw.dtype == torch.float32 and dw_lp.dtype == dtype
     for out, tol in ((dw, FP32_GEMM_REL if dtype == torch.float32 else BF16_GEMM_REL),
                      (dw_lp, BF16_GEMM_REL if dtype == torch.bfloat16 else FP32_GEMM_REL)):
@@ -440,28 +453,31 @@ def test_layer_is_cuda_graph_safe(gen):
     assert rel(static_out, step()) == 0.0
 
 
-def test_quack_wgrad_in_cuda_graph(gen):
+@pytest.mark.parametrize("scheduler", ["dynamic", "static"])
+def test_quack_wgrad_in_cuda_graph(scheduler, gen):
     """quack's weight gradient launches on the current stream (capture on a side stream would fail
-    otherwise), needs no host sync, and a replay on new routing (empty experts included) matches."""
+    otherwise), needs no host sync, and a replay on new routing (empty experts included) matches;
+    the dynamic scheduler's tile counter is zeroed inside the graph, so a replay starts from tile 0."""
     t, k, e, h, n = 256, 4, 16, 136, 392
     dtype = torch.bfloat16
     ids = make_ids(t, k, e, "uniform", gen)
     x, dy = rand((t * k, h), dtype, gen), rand((t * k, n), dtype, gen)
-    with wgrad_backend("quack") as calls:
+    with wgrad_backend(f"quack:{scheduler}") as calls:
         def step():
             _, _, offsets = kcuda.route_permute(ids, e)
             return ops.grouped_mm_wgrad_lowp(x, dy, offsets, e), offsets
 
         graph, (static_dw, static_offsets) = captured(step)
         ids.copy_(make_ids(t, k, e, "empty", gen))
-        static_dw.fill_(float("nan"))  # an expert the replay does not write stays NaN
-        graph.replay()
-        torch.cuda.synchronize()
-    assert len(calls) == 3
-    counts = torch.diff(static_offsets, prepend=static_offsets.new_zeros(1))
-    assert (counts == 0).any(), "the replayed routing must leave experts empty"
-    assert torch.all(static_dw[counts == 0] == 0)
-    assert rel(static_dw, reference.grouped_mm_wgrad(x, dy, static_offsets, e)) <= BF16_GEMM_REL
+        for _ in range(2):  # a second replay: a tile counter left at its end would write nothing
+            static_dw.fill_(float("nan"))  # an expert the replay does not write stays NaN
+            graph.replay()
+            torch.cuda.synchronize()
+            counts = torch.diff(static_offsets, prepend=static_offsets.new_zeros(1))
+            assert (counts == 0).any(), "the replayed routing must leave experts empty"
+            assert torch.all(static_dw[counts == 0] == 0)
+            assert rel(static_dw, reference.grouped_mm_wgrad(x, dy, static_offsets, e)) <= BF16_GEMM_REL
+    assert calls == [scheduler] * 3
 
 
 def test_opcheck_cuda(gen):
