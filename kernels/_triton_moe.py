@@ -424,3 +424,60 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
         bm, bn, grid = _swiglu_grid(m, n)
         _swiglu_bwd_kernel[grid](h, da, dh, m, n, h.stride(0), da.stride(0), dh.stride(0), BM=bm, BN=bn, num_warps=4)
     return dh
+
+
+# --------------------------------------------------------------------------------- router top-k
+_INT64_MIN = tl.constexpr(-(2 ** 63))
+
+
+@triton.jit
+def _router_topk_kernel(x_ptr, val_ptr, idx_ptr, R, E, sx, K: tl.constexpr, E_P2: tl.constexpr,
+                        BR: tl.constexpr):
+    """Rows [BR] x columns [E_P2] of scores; each entry becomes one int64 key that orders like the
+    value, ties to the lower column: (order-preserving int32 of the fp32 value) << 32 | (E_P2-1-col).
+    NaN keys above +inf (one canonical NaN), -0 equal to +0 (both as in torch.topk). K rounds of
+    "take the row maximum, then retire it" write the top K in descending order."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, E_P2)
+    rmask = rows < R
+    mask = rmask[:, None] & (cols < E)[None, :]
+    rbase = rows.to(tl.int64) * sx
+    x = tl.load(x_ptr + rbase[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+    bits = tl.where(x != x, 0x7FC00000, bits)  # every NaN as the canonical one
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order == float order
+    comp = (key.to(tl.int64) << 32) | (E_P2 - 1 - cols).to(tl.int64)[None, :]
+    comp = tl.where(mask, comp, _INT64_MIN)
+    for j in range(K):
+        best = tl.max(comp, axis=1)
+        col = (E_P2 - 1) - (best & 0xFFFFFFFF).to(tl.int32)
+        v = tl.load(x_ptr + rbase + col, mask=rmask)
+        tl.store(val_ptr + rows.to(tl.int64) * K + j, v, mask=rmask)
+        tl.store(idx_ptr + rows.to(tl.int64) * K + j, col.to(tl.int64), mask=rmask)
+        comp = tl.where(comp == best[:, None], _INT64_MIN, comp)
+
+
+ROUTER_TOPK_MAX_E = 1024   # columns one program holds as int64 keys (register budget)
+ROUTER_TOPK_MAX_K = 64     # K rounds of a row max each: past this a sort is cheaper
+
+
+def router_topk_supported(scores: torch.Tensor, k: int) -> bool:
+    return scores.shape[-1] <= ROUTER_TOPK_MAX_E and k <= ROUTER_TOPK_MAX_K and scores.dtype in (
+        torch.float32, torch.bfloat16, torch.float16)
+
+
+def router_topk(scores: torch.Tensor, k: int):
+    """(values, indices) as torch.topk(scores, k, dim=-1); needs ``router_topk_supported``."""
+    e = scores.shape[-1]
+    x = scores.reshape(-1, e)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    r = x.shape[0]
+    values = torch.empty(r, k, dtype=scores.dtype, device=scores.device)
+    indices = torch.empty(r, k, dtype=torch.long, device=scores.device)
+    if r:
+        e_p2 = triton.next_power_of_2(e)
+        br = max(1, min(64, 2048 // e_p2))
+        _router_topk_kernel[(triton.cdiv(r, br),)](x, values, indices, r, e, x.stride(0), K=k, E_P2=e_p2, BR=br,
+                                                  num_warps=4)
+    shape = (*scores.shape[:-1], k)
+    return values.view(shape), indices.view(shape)

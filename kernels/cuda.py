@@ -30,6 +30,8 @@ What runs where (all sync-free: no .item()/.tolist()/nonzero, static launch shap
     grouped_bias_grad          Triton segmented column sum (fp32, fixed order)
     unpermute_combine(+bwd)    Triton gather-reduce over top-k in fp32, routing weights fused
     swiglu(+bwd)               Triton, fp32 math; the backward reads h and da once, writes dh once
+    router_topk                Triton: one int64 key per score (value order, ties to the lower index),
+                               K rounds of a row max (E <= 1024, k <= 64); else torch.topk
 
 ``torch._grouped_mm`` is avoided for fp32/fp16: its fallback copies ``offs`` to the host (a sync).
 
@@ -301,8 +303,17 @@ def swiglu_backward(h, da):
     return _triton_moe.swiglu_backward(h, da)
 
 
+def router_topk(scores, k):
+    from . import _triton_moe
+
+    if _triton_moe.router_topk_supported(scores, k):
+        return _triton_moe.router_topk(scores, k)
+    return torch.topk(scores, k, dim=-1)
+
+
 _ALL = {
     "route_permute": route_permute,
+    "router_topk": router_topk,
     "permute_rows": permute_rows,
     "grouped_mm": grouped_mm,
     "grouped_mm_list": grouped_mm_list,

@@ -143,3 +143,9 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
     g, u, d = h[:, :n].to(ct), h[:, n:].to(ct), da.to(ct)
     s = torch.sigmoid(g)
     return torch.cat([d * u * (s + g * s * (1 - s)), d * g * s], dim=1).to(h.dtype)
+
+
+def router_topk(scores: torch.Tensor, k: int):
+    """(values, indices) of torch.topk(scores, k, dim=-1): on CPU exactly what eager computes."""
+    values, indices = torch.topk(scores, k, dim=-1)
+    return values, indices

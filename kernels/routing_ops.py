@@ -3,6 +3,8 @@
     route_permute(expert_ids[T,K], E)            -> perm[N] i64, inv[N] i64, offsets[E] i32
     permute_rows(x[T,H], perm, inv, offsets, K)  -> xp[N,H]          (gather; bwd = combine)
     unpermute_combine(y[N,H], inv, weights[T,K], offsets) -> out[T,H] (weighted gather-reduce)
+    router_topk(scores[..., E], k)               -> values[..., k], indices[..., k] i64  (torch.topk
+                                                    on the last dim; bwd: scatter into zeros)
 
 Static output shapes, no host sync; rows past offsets[-1] ("dropped": expert ids outside [0, E))
 are zero in every output. Implementations: ``registry.implementation``.
@@ -96,3 +98,35 @@ def unpermute_combine_backward(dout: torch.Tensor, y: torch.Tensor, inv: torch.T
 @unpermute_combine_backward.register_fake
 def _(dout, y, inv, weights, offsets):
     return torch.empty_like(y), torch.empty_like(weights)
+
+
+# --------------------------------------------------------------------------- router_topk
+@torch.library.custom_op("moe_compile::router_topk", mutates_args=())
+def router_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(scores, k, dim=-1)``: the k largest entries of each row, largest first (NaN
+    counts as the largest, as in torch.topk). Where entries tie at the k-th place the lower indices
+    are taken (torch.topk's CUDA kernel does the same); the order of tied entries among the k may
+    differ from torch.topk's, which does not specify it."""
+    check(scores.dim() >= 1 and scores.is_floating_point(), "router_topk",
+          f"scores must be a floating tensor with a last dim, got {scores.dtype} {tuple(scores.shape)}")
+    check(1 <= k <= scores.shape[-1], "router_topk", f"k={k} must be in [1, {scores.shape[-1]}] (the last dim)")
+    return implementation("router_topk", scores)(scores, k)
+
+
+@router_topk.register_fake
+def _(scores, k):
+    shape = (*scores.shape[:-1], k)
+    return scores.new_empty(shape), scores.new_empty(shape, dtype=torch.long)
+
+
+def _router_topk_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+    ctx.shape = inputs[0].shape
+
+
+def _router_topk_bwd(ctx, dvalues, dindices):
+    (indices,) = ctx.saved_tensors
+    return dvalues.new_zeros(ctx.shape).scatter(-1, indices, dvalues), None
+
+
+router_topk.register_autograd(_router_topk_bwd, setup_context=_router_topk_setup)

@@ -2,7 +2,7 @@
 
     stage          graph                                     passes
     dynamo         a copy of Dynamo's torch-level graph      normalize, loop_regions, grouped_regions,
-                                                             check, lower, swiglu
+                                                             check, lower, swiglu, router_topk
     post_grad      each forward / backward ATen graph after  host_syncs, wgrad_early, ep_overlap
                    AOTAutograd (Inductor's post-grad hook,
                    or the aot_eager compilers)
@@ -126,6 +126,18 @@ def _swiglu(s: DynamoState) -> None:
         fuse_swiglu(s.gm, find_swiglu(s.gm))
 
 
+def _router_topk(s: DynamoState) -> None:
+    if s.accepted:
+        from moe_compile.lowering.router_topk import use_router_topk
+        from moe_compile.passes.router_topk import find_router_topks
+
+        matches = find_router_topks(s.gm)
+        for m, node in zip(matches, use_router_topk(s.gm, matches)):
+            for r in s.accepted:  # listed with the region it routes (explain's ops)
+                if m.seed in s.region_nodes.get(id(r), ()):
+                    s.region_nodes[id(r)].add(node)
+
+
 # ------------------------------------------------------------------------------- later stages
 def _host_syncs(graph: fx.Graph, notes: list) -> None:
     from moe_compile.passes.host_syncs import find_host_syncs
@@ -189,6 +201,8 @@ PASSES: tuple[Pass, ...] = (
     Pass("lower", "dynamo", _lower, False, "rewrite accepted regions into moe_compile ops (lowering/region.py)"),
     Pass("swiglu", "dynamo", _swiglu, True,
          "silu(h[:, :N]) * h[:, N:] on rewritten GEMM outputs -> moe_compile.swiglu (lowering/swiglu.py)"),
+    Pass("router_topk", "dynamo", _router_topk, True,
+         "torch.topk in the routers of rewritten regions -> moe_compile.router_topk (lowering/router_topk.py)"),
     Pass("stack_expert_params", "before_compile", _stack_expert_params, True,
          "ModuleList expert weights -> one graph input (one autograd leaf) per buffer (lowering/expert_stack.py)"),
     Pass("host_syncs", "post_grad", _host_syncs, True,
@@ -276,10 +290,10 @@ def run_dynamo_stage(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.Gra
     graphs = [("dynamo graph", s.gm.print_readable(print_output=False))] if verbose else []
     try:
         for p in passes:
-            if p.name in ("lower", "swiglu") and not s.accepted:
+            if p.name in ("lower", "swiglu", "router_topk") and not s.accepted:
                 continue
             p.run(s)
-            if verbose and p.name in ("lower", "swiglu"):
+            if verbose and p.name in ("lower", "swiglu", "router_topk"):
                 graphs.append((f"after {p.name}", s.gm.print_readable(print_output=False)))
     except Exception as exc:
         from moe_compile.lowering.graph_edit import InvalidSetup

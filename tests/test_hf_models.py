@@ -85,6 +85,7 @@ def test_hf_grouped_mm_matches_eager(name):
     assert all(r.status == "rewritten" for r in records), records
     # SwiGLU experts (all but GPT-OSS's clamped variant) get the fused activation op
     assert all(("swiglu" in r.ops) == (name != "gpt_oss") for r in records), records
+    assert all("router_topk" in r.ops for r in records), records  # every one routes with torch.topk
 
 
 @pytest.mark.parametrize("name", ["gpt_oss"])

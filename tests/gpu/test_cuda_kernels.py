@@ -182,6 +182,72 @@ def test_route_permute_sizes(t, k, e, triton_path, gen, monkeypatch):
     assert len(calls) == (1 if triton_path else 0)
 
 
+# ------------------------------------------------------------------------------- router top-k
+def _topk_rule(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices router_topk's kernel promises: value descending (NaN first, -0 equal to +0), ties
+    to the lower index (a stable descending sort of the row)."""
+    xf = x.float().reshape(-1, x.shape[-1])
+    xf = torch.where(xf == 0, torch.zeros_like(xf), xf)
+    return torch.sort(xf, dim=-1, descending=True, stable=True).indices[:, :k].reshape(*x.shape[:-1], k)
+
+
+@pytest.mark.parametrize("shape,k", [((8192, 128), 8), ((4096, 1, 64), 2), ((4096, 8, 32), 2), ((300, 64), 6),
+                                     ((37, 1024), 64), ((5, 1), 1), ((0, 16), 2), ((33, 3), 3), ((19, 160), 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ties", [False, True])
+def test_router_topk_matches_torch_topk(shape, k, dtype, ties, gen, monkeypatch):
+    """Same values and the same chosen set as torch.topk on CUDA, ties at the k-th place included
+    (both take the lower indices), in the promised order; outputs poisoned first."""
+    from moe_compile.kernels import _triton_moe
+
+    x = rand(shape, dtype, gen)
+    if ties:  # few distinct scores: equal values inside the top k and at its boundary
+        x = (x * 2).round() / 2
+    calls = count_calls(monkeypatch, _triton_moe, "router_topk")
+    poison(((max(x.numel() // x.shape[-1], 1), k), dtype))
+    v, i = ops.router_topk(x, k)
+    assert calls == [1], "the Triton kernel did not run"
+    rv, ri = torch.topk(x, k, dim=-1)
+    assert v.shape == rv.shape and i.dtype == torch.long
+    assert torch.equal(v, rv), "values differ from torch.topk"
+    assert torch.equal(i.sort(-1).values, ri.sort(-1).values), "a different set of entries than torch.topk"
+    assert torch.equal(i, _topk_rule(x, k))
+    assert torch.equal(torch.gather(x, -1, i), v)
+
+
+def test_router_topk_special_values(gen, monkeypatch):
+    """NaN ranks above +inf (as in torch.topk), -inf below every number, -0 ties with +0 (lower index
+    first); rows read through a stride (a transposed view)."""
+    from moe_compile.kernels import _triton_moe
+
+    x = rand((64, 48), torch.float32, gen)
+    x[::3, 5] = float("nan")
+    x[::2, 7] = float("inf")
+    x[:, 9] = float("-inf")
+    x[:, 11], x[:, 12] = -0.0, 0.0
+    x[1::2, :20] = -0.0
+    xt = x.t().contiguous().t()  # same values, column-major rows
+    calls = count_calls(monkeypatch, _triton_moe, "router_topk")
+    for inp in (x, xt):
+        v, i = ops.router_topk(inp, 24)
+        assert torch.equal(i, _topk_rule(x, 24))
+        assert torch.equal(v.nan_to_num(7.0), torch.topk(x, 24).values.nan_to_num(7.0))
+    assert calls == [1, 1]
+
+
+def test_router_topk_past_the_kernel_uses_torch(gen, monkeypatch):
+    """Rows wider than ROUTER_TOPK_MAX_E (or k past ROUTER_TOPK_MAX_K) go to torch.topk, same results."""
+    from moe_compile.kernels import _triton_moe
+
+    calls = count_calls(monkeypatch, _triton_moe, "router_topk")
+    for shape, k in (((7, _triton_moe.ROUTER_TOPK_MAX_E + 1), 4), ((7, 256), _triton_moe.ROUTER_TOPK_MAX_K + 1)):
+        x = rand(shape, torch.float32, gen)
+        v, i = ops.router_topk(x, k)
+        rv, ri = torch.topk(x, k)
+        assert torch.equal(v, rv) and torch.equal(i, ri)
+    assert calls == []
+
+
 # ------------------------------------------------------------------------------- grouped GEMM
 @pytest.mark.parametrize("backend", ["tma", "cutlass", "triton"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
