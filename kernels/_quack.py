@@ -14,8 +14,9 @@ one rounding). Rows past offsets[-1] are in no group. An expert with no rows run
 main loop and its tile is written from the zeroed accumulator (tests/gpu checks a poisoned output).
 
 Config: 128 x 192 tiles, ping-pong, 2 x 1 cluster (quack's sm90 default), with quack's dynamic
-(atomic-counter) tile scheduler or its static one (``dynamic``; cuda.WGRAD_SCHEDULER picks, and says
-why dynamic is the default: a tile's work is its expert's row count). Measured against the
+(atomic-counter) tile scheduler or its static one (``dynamic``; cuda.WGRAD_SCHEDULER picks: by
+default static only where ``static_is_balanced``, since a tile's work is its expert's row count).
+Measured against the
 others quack offers on the benchmark layers' weight gradients (examples/benchmark/quack_ab.py,
 docs/benchmarks.md section 2.7). Fixed, not autotuned: the autotuner compiles dozens of configs on
 first use (minutes). Shapes are symbolic in quack's compile, so the kernel compiles once per
@@ -83,6 +84,19 @@ def usable(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
             and out_dtype in (a.dtype, torch.float32) and a.shape[0] > 0
             and all(t.is_contiguous() and t.shape[1] % 8 == 0 and t.data_ptr() % 16 == 0 for t in (a, b))
             and available())
+
+
+def tiles_per_expert(p: int, q: int) -> int:
+    """Output tiles of one expert's [P, Q] weight gradient."""
+    return -(-p // TILE_M) * -(-q // TILE_N)
+
+
+def static_is_balanced(p: int, q: int, num_sms: int) -> bool:
+    """True when quack's static schedule (tile i on SM i mod #SMs) gives every SM the same tiles of
+    every expert, so the same work whatever the routing: each expert's tile count is a multiple of
+    the SM count (Qwen3-30B-A3B's up projection on 132 SMs: [1536, 2048] -> 12 x 11 = 132 tiles).
+    Otherwise a tile's work, its expert's row count, varies and the dynamic scheduler balances it."""
+    return tiles_per_expert(p, q) % num_sms == 0
 
 
 def cu_seqlens(offsets: torch.Tensor) -> torch.Tensor:

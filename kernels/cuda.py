@@ -69,13 +69,15 @@ AUTO_TRITON_MAX_ROWS_PER_GROUP = 128
 WGRAD_BACKEND = "auto"
 WGRAD_BACKENDS = ("auto", "cutlass", "quack")
 # Tile scheduler of quack's weight gradient. "dynamic": each SM takes the next tile from an atomic
-# counter when it is done; "static": tile i runs on SM i mod #SMs. A weight-gradient tile's work is
-# its expert's row count, so under uneven routing static leaves SMs idle: on an H200 in model_step
-# (fresh routers, ~1/3 of Qwen3-30B-A3B's experts empty) dynamic took quack's kernels from 8.86 / 8.57
-# to 8.21 / 8.01 ms per step (Qwen3, 8 layers) and 4.82 / 4.77 -> 4.74 / 4.63 (DeepSeek-V3-like);
-# on perfectly even routing it is ~3% slower (docs/benchmarks.md section 2.7).
-WGRAD_SCHEDULER = "dynamic"
-WGRAD_SCHEDULERS = ("dynamic", "static")
+# counter when it is done; "static": tile i runs on SM i mod #SMs; "auto": static where that is
+# balanced for any routing (each expert's tile count a multiple of the SM count:
+# _quack.static_is_balanced), else dynamic. A tile's work is its expert's row count, so under uneven
+# routing an unbalanced static schedule leaves SMs idle. H200, Qwen3-30B-A3B weight gradients with
+# ~1/3 of the experts empty (examples/benchmark/quack_ab.py --spread 1.5): down (64 tiles per
+# expert) 438 static -> 535 TFLOP/s dynamic; up (132 tiles, balanced) 542 static, 515 dynamic; on
+# even routing dynamic is 4-6% slower (docs/benchmarks.md section 2.7).
+WGRAD_SCHEDULER = "auto"
+WGRAD_SCHEDULERS = ("auto", "dynamic", "static")
 
 _CUTLASS_DEVICE: dict[int | None, bool] = {}
 
@@ -87,6 +89,16 @@ def _cutlass_device(t: torch.Tensor) -> bool:
         ok = hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(t.device)[0] in (9, 10)
         _CUTLASS_DEVICE[t.device.index] = ok
     return ok
+
+
+_SMS: dict[int | None, int] = {}
+
+
+def _sms(t: torch.Tensor) -> int:
+    n = _SMS.get(t.device.index)
+    if n is None:
+        n = _SMS[t.device.index] = torch.cuda.get_device_properties(t.device).multi_processor_count
+    return n
 
 
 _TMA_DEVICE: dict[int | None, bool] = {}
@@ -254,8 +266,9 @@ def _wgrad(x, dy, offsets, num_experts, out_dtype):
             raise RuntimeError(f"moe_compile.kernels.cuda.WGRAD_BACKEND is 'quack' but {_quack.why_not()}; "
                                "pip install 'moe_compile[quack]', or set it to 'auto'")
         if _quack.usable(x, dy, out_dtype):
-            return _quack.grouped_mm_wgrad(x, dy, offsets, num_experts, out_dtype,
-                                           dynamic=WGRAD_SCHEDULER == "dynamic")
+            dynamic = WGRAD_SCHEDULER == "dynamic" or (WGRAD_SCHEDULER == "auto" and not _quack.static_is_balanced(
+                x.shape[1], dy.shape[1], _sms(x)))
+            return _quack.grouped_mm_wgrad(x, dy, offsets, num_experts, out_dtype, dynamic=dynamic)
     k, n = x.shape[1], dy.shape[1]
     if _use_cutlass(x, dy) and k % 8 == 0 and n % 8 == 0 and x.shape[0] > 0:
         dw = torch._grouped_mm(x.t(), dy, offs=offsets)  # [E, K, N] bf16, fp32 accumulation

@@ -367,3 +367,16 @@ def test_quack_broken_install_warns_once(monkeypatch, error):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not q.available() and str(error) in q.why_not()  # tried once per process
+
+
+def test_quack_static_schedule_only_where_balanced():
+    """kernels/_quack.py: the static tile schedule is kept only where every expert's tile count is a
+    multiple of the SM count (each SM then gets the same tiles of every expert, whatever the
+    routing); elsewhere the weight gradient takes quack's dynamic scheduler."""
+    from moe_compile.kernels import _quack
+
+    assert _quack.tiles_per_expert(1536, 2048) == 12 * 11        # Qwen3-30B-A3B up, 128 x 192 tiles
+    assert _quack.static_is_balanced(1536, 2048, 132)            # H100 / H200: one tile per SM per expert
+    assert not _quack.static_is_balanced(2048, 768, 132)         # Qwen3 down: 64 tiles per expert
+    assert not _quack.static_is_balanced(1536, 2048, 114)        # another SM count
+    assert _quack.static_is_balanced(256, 384, 4) and not _quack.static_is_balanced(129, 192, 4)  # 4 vs 2 tiles

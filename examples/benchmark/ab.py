@@ -54,12 +54,17 @@ def with_attr(mod, attr: str, value, fn: Callable) -> Callable:
     return run
 
 
-def topk_offsets(t: int, k: int, e: int, g):
+def topk_offsets(t: int, k: int, e: int, g, spread: float = 0.0):
     """Group ends (int32 [E], cumulative row counts) of T tokens routed top-k of random logits to E
-    experts: group sizes vary around T*k/E, as a router's would."""
+    experts: group sizes vary around T*k/E, as a router's would. ``spread``: the std of a per-expert
+    bias added to the logits (uneven routing: for T=8192, k=8, E=128, 1.5 leaves ~1/3 of the experts
+    empty, as the fresh routers of model_step.py do; 0: max / mean rows ~1.1)."""
     import torch
 
-    ids = torch.randn(t, e, device=g.device, generator=g).topk(k, dim=-1).indices.reshape(-1)
+    logits = torch.randn(t, e, device=g.device, generator=g)
+    if spread:
+        logits = logits + torch.randn(e, device=g.device, generator=g) * spread
+    ids = logits.topk(k, dim=-1).indices.reshape(-1)
     return torch.cumsum(torch.bincount(ids, minlength=e), 0).to(torch.int32)
 
 

@@ -3,6 +3,8 @@ on the six grouped GEMMs of one MoE layer's training step (issue 14 item 3; kern
 
     python examples/benchmark/quack_ab.py                      # needs the quack extra installed
     python examples/benchmark/quack_ab.py --shapes qwen3 --rounds 3 --configs pp128x192
+    python examples/benchmark/quack_ab.py --shapes qwen3 --products up_wgrad down_wgrad --spread 1.5 \
+        --configs pp128x192 pp128x192dyn      # uneven routing: static vs dynamic tile scheduler
 
 Per layer shape: the forward products (up: K=H, N=2I; down: K=I, N=H, weights in nn.Linear's
 [E, N, K] layout), the data-gradient products (the same weights read as [E, K, N]) and the weight
@@ -29,21 +31,22 @@ LAYERS = {
     "gptoss": (8192, 4, 32, 2880, 2880),
     "mixtral": (4096, 2, 8, 4096, 14336),
 }
-# quack GemmConfig fields (tile_m, tile_n, pingpong, cluster_m, cluster_n)
+# quack GemmConfig fields (tile_m, tile_n, pingpong, cluster_m, cluster_n, is_dynamic_persistent)
 CONFIGS = {
-    "pp128x192": (128, 192, True, 2, 1),
-    "pp128x128": (128, 128, True, 1, 2),
-    "co256x128": (256, 128, False, 2, 1),
-    "co256x192": (256, 192, False, 2, 1),
+    "pp128x192": (128, 192, True, 2, 1, False),
+    "pp128x192dyn": (128, 192, True, 2, 1, True),   # what kernels/_quack.py runs by default
+    "pp128x128": (128, 128, True, 1, 2, False),
+    "co256x128": (256, 128, False, 2, 1, False),
+    "co256x192": (256, 192, False, 2, 1, False),
 }
 
 
-def products(t, k, e, h, i, g):
+def products(t, k, e, h, i, g, spread=0.0):
     """{name: (kind, a, b, offsets, flop)} for one layer; kind "m" = varlen rows, "k" = wgrad."""
     from ab import topk_offsets
 
     m = t * k
-    offs = topk_offsets(t, k, e, g)
+    offs = topk_offsets(t, k, e, g, spread)
 
     def rnd(*shape):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * shape[-1] ** -0.5
@@ -66,6 +69,10 @@ def main():
     ap.add_argument("--shapes", nargs="+", default=list(LAYERS), choices=list(LAYERS))
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--spread", type=float, default=0.0,
+                    help="std of a per-expert logit bias: uneven routing (ab.topk_offsets)")
+    ap.add_argument("--products", nargs="+", default=None,
+                    choices=["up", "down", "up_dgrad", "down_dgrad", "up_wgrad", "down_wgrad"])
     args = ap.parse_args()
     import quack
     import triton
@@ -81,7 +88,9 @@ def main():
     g.manual_seed(0)
     table, compile_s, flops = {}, {}, {}
     for layer in args.shapes:
-        for pname, (kind, a, b, offs, flop) in products(*LAYERS[layer], g).items():
+        for pname, (kind, a, b, offs, flop) in products(*LAYERS[layer], g, args.spread).items():
+            if args.products and pname not in args.products:
+                continue
             flops.setdefault(layer, {})[pname] = flop
             cu = _quack.cu_seqlens(offs)
             e = offs.numel()
@@ -101,9 +110,9 @@ def main():
                 qkw = dict(cu_seqlens_k=cu)
                 qa, qb = a.t(), b
             for cname in args.configs:
-                tm, tn, pp, cm, cn = CONFIGS[cname]
+                tm, tn, pp, cm, cn, dyn = CONFIGS[cname]
                 cfg = GemmConfig(tile_m=tm, tile_n=tn, pingpong=pp, cluster_m=cm, cluster_n=cn,
-                                 is_dynamic_persistent=False, device_capacity=9)
+                                 is_dynamic_persistent=dyn, device_capacity=9)
 
                 def q(qa=qa, qb=qb, out=out, cfg=cfg, qkw=qkw):
                     gemm_tuned.fn(qa, qb, out, config=cfg, **qkw)
