@@ -434,17 +434,17 @@ _INT64_MIN = tl.constexpr(-(2 ** 63))
 def _router_topk_kernel(x_ptr, val_ptr, idx_ptr, R, E, sx, K: tl.constexpr, E_P2: tl.constexpr,
                         BR: tl.constexpr):
     """Rows [BR] x columns [E_P2] of scores; each entry becomes one int64 key that orders like the
-    value, ties to the lower column: (order-preserving int32 of the fp32 value) << 32 | (E_P2-1-col).
-    NaN keys above +inf (one canonical NaN), -0 equal to +0 (both as in torch.topk). K rounds of
-    "take the row maximum, then retire it" write the top K in descending order."""
+    value, ties to the lower column: (order-preserving int32 of the fp32 bits) << 32 | (E_P2-1-col).
+    The int32 is the bit order torch.topk's CUDA radix select ranks by: every NaN above +inf (one
+    canonical NaN), -0 just below +0. K rounds of "take the row maximum, then retire it" write the
+    top K in descending order."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, E_P2)
     rmask = rows < R
     mask = rmask[:, None] & (cols < E)[None, :]
     rbase = rows.to(tl.int64) * sx
     x = tl.load(x_ptr + rbase[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
-    bits = tl.where(x != x, 0x7FC00000, bits)  # every NaN as the canonical one
+    bits = tl.where(x != x, 0x7FC00000, x.to(tl.int32, bitcast=True))  # every NaN as the canonical one
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order == float order
     comp = (key.to(tl.int64) << 32) | (E_P2 - 1 - cols).to(tl.int64)[None, :]
     comp = tl.where(mask, comp, _INT64_MIN)

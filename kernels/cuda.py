@@ -30,7 +30,7 @@ What runs where (all sync-free: no .item()/.tolist()/nonzero, static launch shap
     grouped_bias_grad          Triton segmented column sum (fp32, fixed order)
     unpermute_combine(+bwd)    Triton gather-reduce over top-k in fp32, routing weights fused
     swiglu(+bwd)               Triton, fp32 math; the backward reads h and da once, writes dh once
-    router_topk                Triton: one int64 key per score (value order, ties to the lower index),
+    router_topk                Triton: one int64 key per score (torch.topk's order, ties to the lower index),
                                K rounds of a row max (E <= 1024, k <= 64); else torch.topk
 
 ``torch._grouped_mm`` is avoided for fp32/fp16: its fallback copies ``offs`` to the host (a sync).

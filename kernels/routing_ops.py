@@ -103,10 +103,10 @@ def _(dout, y, inv, weights, offsets):
 # --------------------------------------------------------------------------- router_topk
 @torch.library.custom_op("moe_compile::router_topk", mutates_args=())
 def router_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.topk(scores, k, dim=-1)``: the k largest entries of each row, largest first (NaN
-    counts as the largest, as in torch.topk). Where entries tie at the k-th place the lower indices
-    are taken (torch.topk's CUDA kernel does the same); the order of tied entries among the k may
-    differ from torch.topk's, which does not specify it."""
+    """``torch.topk(scores, k, dim=-1)`` (sorted): the k largest entries of each row, largest first,
+    ranked as torch.topk's CUDA kernel ranks them (NaN above everything, -0 just below +0). Where
+    entries tie at the k-th place the lower indices are taken (as that kernel does); the order of
+    equal entries among the k may differ from torch.topk's, which does not specify it."""
     check(scores.dim() >= 1 and scores.is_floating_point(), "router_topk",
           f"scores must be a floating tensor with a last dim, got {scores.dtype} {tuple(scores.shape)}")
     check(1 <= k <= scores.shape[-1], "router_topk", f"k={k} must be in [1, {scores.shape[-1]}] (the last dim)")

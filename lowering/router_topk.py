@@ -2,8 +2,8 @@
 
 Before: ``vals, ids = topk(scores, k, dim=-1)`` read as ``[0]`` / ``[1]`` / ``.values`` / ``.indices``.
 After:  ``r = moe_compile.router_topk(scores, k)``; ``r[0]`` / ``r[1]`` (a ``.values`` / ``.indices``
-        user becomes the matching ``getitem``). The result is sorted even where the call asked for
-        ``sorted=False`` (which leaves the order unspecified). ``meta["example_value"]`` of new nodes
+        user becomes the matching ``getitem``); only sorted calls are matched, so the order is the
+        one asked for. ``meta["example_value"]`` of new nodes
         is computed under the graph's fake mode; the graph is linted and recompiled.
 """
 from __future__ import annotations

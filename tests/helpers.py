@@ -240,6 +240,17 @@ class Router(nn.Module):
             w = scores.gather(1, ids)
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
             return (w * self.scale).to(x.dtype), ids
+        if self.kind == "group_inplace":        # group limit, sorted top-ks, mask written in place
+            t = x.shape[0]
+            scores = torch.sigmoid(logits.float())
+            per = self.e // self.n_group
+            gs = scores.view(t, self.n_group, per).topk(min(2, per), dim=-1)[0].sum(-1)
+            gidx = torch.topk(gs, self.topk_group, dim=-1)[1]
+            gmask = torch.zeros_like(gs)
+            gmask.scatter_(1, gidx, 1.0)            # a statement of its own: ids depend on it only in place
+            emask = gmask.unsqueeze(-1).expand(t, self.n_group, per).reshape(t, -1)
+            w, ids = torch.topk(scores.masked_fill(emask == 0, 0.0), self.k, dim=-1)
+            return (w / (w.sum(-1, keepdim=True) + 1e-20)).to(x.dtype), ids
         raise ValueError(self.kind)
 
 

@@ -41,16 +41,19 @@ def _topk_nodes(gm):
     return [n for n in gm.graph.nodes if canon(n) == "topk"]
 
 
-@pytest.mark.parametrize("router", ["softmax_topk", "topk_softmax", "sigmoid_group"])
-def test_region_routers_use_the_op(router):
-    """Every topk of a rewritten router becomes router_topk (three for the DeepSeek-V3-style group
-    limit: its [T, groups, E/groups] group scores, ``sorted=False``, ``.values`` / ``.indices``), and
-    explain lists the op with the region."""
+@pytest.mark.parametrize("router,replaced,kept", [("softmax_topk", 1, 0), ("topk_softmax", 1, 0),
+                                                  ("group_inplace", 3, 0), ("sigmoid_group", 1, 2)])
+def test_region_routers_use_the_op(router, replaced, kept):
+    """Every sorted topk of a rewritten router becomes router_topk: three for a DeepSeek-V3-style
+    group limit written with sorted calls ([T, groups, E/groups] group scores, the group mask set by
+    an in-place ``scatter_`` the walk must follow). ``sorted=False`` calls (``sigmoid_group``: two)
+    stay torch.topk: their order is torch's own. explain lists the op with the region."""
     spec = ("loop", "index_add", 2, router, "swiglu", None)
     new, records = rewrite(spec)
     assert [r.status for r in records] == ["rewritten"]
-    assert not _topk_nodes(new), [n.format_node() for n in _topk_nodes(new)]
-    assert ops_in(new).count("router_topk") == (3 if router == "sigmoid_group" else 1)
+    assert ops_in(new).count("router_topk") == replaced
+    left = _topk_nodes(new)
+    assert len(left) == kept and all(n.kwargs.get("sorted") is False for n in left), [n.format_node() for n in left]
     assert "router_topk" in records[0].ops
 
 
@@ -89,12 +92,42 @@ def test_compiled_matches_eager_with_the_op(router):
     helpers.check_compiled(model, [helpers.make_input((2, 5, 16))], expect_rewritten=1)
 
 
-def test_hf_deepseek_v3_router_has_all_three_topks_replaced():
-    """transformers' DeepSeek-V3 router: top-2 per group (values), top groups (indices, into a mask
-    written by an in-place ``scatter_``, which the walk follows), top-k experts (``sorted=False``)."""
+def test_hf_deepseek_v3_router():
+    """transformers' DeepSeek-V3 router: its top-2 per group (sorted) becomes the op; its top groups
+    and top-k experts (``sorted=False``) stay torch.topk."""
     pytest.importorskip("transformers")
     import test_hf_models as hf
 
     new, records = rewrite(("fn", hf.Logits(hf.build("deepseek_v3", layers=2)), (hf._ids(),)))
     assert [r.status for r in records] == ["rewritten"] * 2
-    assert ops_in(new).count("router_topk") == 6 and not _topk_nodes(new)
+    assert ops_in(new).count("router_topk") == 2 and len(_topk_nodes(new)) == 4
+
+
+def _gemm_free_router(self, x):
+    logits = (x.unsqueeze(1) * self.proj.weight).sum(-1) + self.proj.bias
+    w, ids = torch.topk(torch.softmax(logits, -1), self.k, dim=-1)
+    return w, ids
+
+
+class _TopkBeforeMoE(torch.nn.Module):
+    """The user's own topk feeds the tokens of an MoE layer whose router has no GEMM to stop at."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe = helpers.make_model(spelling="index_add", k=2, e=4)
+        self.moe.router.forward = _gemm_free_router.__get__(self.moe.router)
+
+    def forward(self, x):
+        v, _ = x.topk(4, dim=-1)
+        return self.moe(x + v[..., :1])
+
+
+def test_walk_stops_at_the_region_tokens():
+    """The walk back from the expert ids ends at the tokens the region gathers: the user's topk
+    that made them is not a router and stays torch.topk."""
+    spec = ("fn", _TopkBeforeMoE(), (helpers.make_input((2, 5, 16), requires_grad=False),))
+    new, records = rewrite(spec)
+    assert [r.status for r in records] == ["rewritten"]
+    assert ops_in(new).count("router_topk") == 1
+    left = _topk_nodes(new)
+    assert len(left) == 1 and left[0].args[1] == 4, [n.format_node() for n in left]

@@ -34,7 +34,7 @@ LAYERS = {
 # quack GemmConfig fields (tile_m, tile_n, pingpong, cluster_m, cluster_n, is_dynamic_persistent)
 CONFIGS = {
     "pp128x192": (128, 192, True, 2, 1, False),
-    "pp128x192dyn": (128, 192, True, 2, 1, True),   # what kernels/_quack.py runs by default
+    "pp128x192dyn": (128, 192, True, 2, 1, True),   # what kernels/_quack.py runs where static is unbalanced
     "pp128x128": (128, 128, True, 1, 2, False),
     "co256x128": (256, 128, False, 2, 1, False),
     "co256x192": (256, 192, False, 2, 1, False),
