@@ -91,16 +91,6 @@ def _cutlass_device(t: torch.Tensor) -> bool:
     return ok
 
 
-_SMS: dict[int | None, int] = {}
-
-
-def _sms(t: torch.Tensor) -> int:
-    n = _SMS.get(t.device.index)
-    if n is None:
-        n = _SMS[t.device.index] = torch.cuda.get_device_properties(t.device).multi_processor_count
-    return n
-
-
 _TMA_DEVICE: dict[int | None, bool] = {}
 
 
@@ -267,7 +257,7 @@ def _wgrad(x, dy, offsets, num_experts, out_dtype):
                                "pip install 'moe_compile[quack]', or set it to 'auto'")
         if _quack.usable(x, dy, out_dtype):
             dynamic = WGRAD_SCHEDULER == "dynamic" or (WGRAD_SCHEDULER == "auto" and not _quack.static_is_balanced(
-                x.shape[1], dy.shape[1], _sms(x)))
+                x.shape[1], dy.shape[1], _triton_gmm.num_sms(x.device)))
             return _quack.grouped_mm_wgrad(x, dy, offsets, num_experts, out_dtype, dynamic=dynamic)
     k, n = x.shape[1], dy.shape[1]
     if _use_cutlass(x, dy) and k % 8 == 0 and n % 8 == 0 and x.shape[0] > 0:

@@ -11,7 +11,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from moe_compile.passes.normalize import canon, val
+from moe_compile.passes.normalize import canon, is_inplace_method, val
 
 _ASSERT_TARGETS = {"_assert_scalar", "sym_constrain_range_for_size", "sym_constrain_range", "_assert_async",
                    "_check_is_size", "_check"}
@@ -76,7 +76,7 @@ def is_impure(node: fx.Node) -> bool:
     if node.op in ("placeholder", "output"):
         return True
     if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.endswith("__")
+        return is_inplace_method(node)
     if node.op != "call_function":
         return False
     if node.target in (operator.setitem,) or canon(node) in _ASSERT_TARGETS or node.is_impure():

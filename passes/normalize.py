@@ -82,6 +82,11 @@ def _canon(node: fx.Node) -> str | None:
     return _ALIASES.get(name, name)
 
 
+def is_inplace_method(node: fx.Node) -> bool:
+    """``t.scatter_(...)``, ``t.add_(...)``: a method call that writes its own ``self`` (not ``__dunder__``)."""
+    return node.op == "call_method" and node.target.endswith("_") and not node.target.endswith("__")
+
+
 def arg(node: fx.Node, i: int, name: str, default: Any = None) -> Any:
     """Positional-or-keyword argument of a call node (positions counted with self for methods)."""
     if len(node.args) > i:

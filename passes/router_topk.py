@@ -29,7 +29,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from .normalize import arg, canon, val
+from .normalize import arg, canon, is_inplace_method, val
 
 # ops that end the walk back from the expert ids: the router's own GEMM, and anything before it
 _STOP = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "einsum", "baddbmm"})
@@ -46,8 +46,7 @@ class TopkMatch:
 
 def _mutated_by(n: fx.Node) -> list[fx.Node]:
     """In-place method calls on n (``mask.scatter_(1, idx, 1)``): what they read flows into n."""
-    return [u for u in n.users if u.op == "call_method" and u.target.endswith("_") and not u.target.endswith("__")
-            and u.args and u.args[0] is n]
+    return [u for u in n.users if is_inplace_method(u) and u.args and u.args[0] is n]
 
 
 def _routers_of(ids: fx.Node, stops: set):
