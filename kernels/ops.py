@@ -9,6 +9,8 @@ Every op has static output shapes (no data-dependent sizes, no host sync in the 
                     grouped_bias_grad
     activation_ops  swiglu, swiglu_backward
     ep              ep_experts, ep_plan, ep_dispatch, ep_combine (expert parallelism)
+    runtime_ops     torch.ops.moe_compile_rt.<op>: what compiled (differentiated) graphs call, the
+                    same functions without the custom op's Python autograd and backend layers
 
 A compiled backward loaded from Inductor's / AOTAutograd's cache in a new process is not re-traced,
 so the generated code finds every op it calls only if all of them are registered: the lowering
@@ -22,6 +24,7 @@ from .gemm_ops import (grouped_bias_grad, grouped_mm, grouped_mm_list, grouped_m
                        grouped_mm_weight_grad, grouped_mm_wgrad, grouped_mm_wgrad_lowp)
 from .layout import even_step, pair_view, stack_expert_weights, strided_stack
 from .routing_ops import permute_rows, route_permute, router_topk, unpermute_combine, unpermute_combine_backward
+from . import runtime_ops  # noqa: E402,F401  (the .rt overloads compiled graphs call; registered here for cached code)
 
 __all__ = ["ep_combine", "ep_dispatch", "ep_experts", "ep_plan", "even_step", "grouped_bias_grad", "grouped_mm",
            "grouped_mm_list", "grouped_mm_list_cat", "grouped_mm_list_cat_dx", "grouped_mm_weight_grad",

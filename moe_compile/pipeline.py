@@ -3,7 +3,8 @@
     stage          graph                                     passes
     dynamo         a copy of Dynamo's torch-level graph      normalize, loop_regions, grouped_regions,
                                                              check, lower, swiglu, router_topk
-    post_grad      each forward / backward ATen graph after  host_syncs, wgrad_early, ep_overlap
+    post_grad      each forward / backward ATen graph after  host_syncs, wgrad_early, ep_overlap,
+                                                             runtime_ops
                    AOTAutograd (Inductor's post-grad hook,
                    or the aot_eager compilers)
     before_compile the rewritten graph and its real inputs   stack_expert_params
@@ -160,6 +161,12 @@ def _ep_overlap(graph: fx.Graph, notes: list) -> None:
     schedule_collectives(graph)
 
 
+def _runtime_ops(graph: fx.Graph, notes: list) -> None:
+    from moe_compile.lowering.runtime_ops import use_runtime_ops
+
+    use_runtime_ops(graph)
+
+
 @dataclasses.dataclass
 class BeforeCompileState:
     """The before_compile stage's work: the rewritten graph (edited in place), the inputs it will be
@@ -214,6 +221,9 @@ PASSES: tuple[Pass, ...] = (
     Pass("ep_overlap", "post_grad", _ep_overlap, True,
          "issue each expert-parallel all-to-all early, wait late: another chunk's GEMMs run under it "
          "(lowering/overlap.py)"),
+    Pass("runtime_ops", "post_grad", _runtime_ops, True,
+         "each moe_compile op call -> its moe_compile_rt twin: the same kernel without the custom op's "
+         "Python autograd and backend layers, which a differentiated graph does not need (lowering/runtime_ops.py)"),
     Pass("rehome_weights", "after_compile", _rehome, True,
          "move ModuleList expert weights into one buffer per linear (lowering/rehome.py)"),
 )

@@ -69,7 +69,8 @@ def _canon(node: fx.Node) -> str | None:
         if t in _OPERATORS:
             return _OPERATORS[t]
         if isinstance(t, torch._ops.OpOverload) and t.namespace not in ("aten", "prim"):
-            return f"{t.namespace}::{t._opname}"
+            # moe_compile_rt: the twins compiled graphs call (kernels/runtime_ops.py), the same ops
+            return f"{'moe_compile' if t.namespace == 'moe_compile_rt' else t.namespace}::{t._opname}"
         if isinstance(t, torch._ops.OpOverloadPacket) and t._qualified_op_name.split("::")[0] not in ("aten",):
             return t._qualified_op_name
         name = _fn_name(t)

@@ -7,6 +7,8 @@ should emit). One process, one GPU, bf16 parameters with random init, median of 
     python examples/benchmark/moe_layer.py --micro --shapes qwen3        # per-kernel times vs floors
     python examples/benchmark/moe_layer.py --shapes qwen3 --variants hf_inductor hf_moe --memory-peak
                                           # what is alive at one step's memory peak, and where it came from
+    python examples/benchmark/moe_layer.py --shapes qwen3 --variants hf_inductor hf_moe --host-profile prof/
+                                          # where the host's time to issue a step goes (cProfile, .pstats files)
 
 TFLOP/s use 3 x (T*k*6*H*I + 2*T*H*E) for forward+backward and 1x for the forward ("fwd" is the
 training forward: autograd on, no backward). "vs best" divides by the fastest anchor (variants a-d)
@@ -200,6 +202,33 @@ def _profile(fn, label):
     print(avg.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
 
 
+def _host_profile(fn, label, steps, out_dir, top=30):
+    """cProfile of the host issuing ``steps`` steps (no sync inside): the functions with the most own
+    time, per step; the whole profile goes to ``out_dir/<label>.pstats`` (``python -m pstats``)."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, label.replace(" ", "_").replace("+", "") + ".pstats")
+    prof.dump_stats(path)
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    total = st.total_tt / steps * 1e3
+    st.sort_stats("tottime").print_stats(top)
+    print(f"### host profile {label}: {total:.2f} ms per step under cProfile ({steps} steps, {path})")
+    lines = buf.getvalue().splitlines()
+    start = next((n for n, line in enumerate(lines) if "ncalls" in line), 0)
+    print("\n".join(line for line in lines[start:] if line.strip()))
+
+
 def _frame_site(frames) -> str:
     """Where a block was allocated: the innermost frames of the compiled graph's code or moe_compile
     (else the innermost frame outside torch's own files), with the generated line of Inductor's code."""
@@ -258,7 +287,7 @@ def _memory_peak(fn, label, top=12):
         print(f"  {n} x {size / 2**20:8.2f} MiB  {site}")
 
 
-def run_variant(variant, shape, steps, warmup, profile=False, moe_options=None, memory_peak=False):
+def run_variant(variant, shape, steps, warmup, profile=False, moe_options=None, memory_peak=False, host_profile=None):
     t, h, i, e, k = shape
     torch.manual_seed(0)
     model, fn = build(variant, shape, moe_options)
@@ -308,6 +337,8 @@ def run_variant(variant, shape, steps, warmup, profile=False, moe_options=None, 
         _profile(fwd_bwd, f"{variant} fwd+bwd")
     if memory_peak:
         _memory_peak(fwd_bwd, f"{variant} fwd+bwd")
+    if host_profile:
+        _host_profile(fwd_bwd, f"{variant} fwd+bwd", steps, host_profile)
     res["compile_s"] = max(0.0, first - res["fwdbwd_ms"] / 1e3) if not variant.endswith("eager") else 0.0
     del model, fn, x, g
     return res
@@ -331,6 +362,9 @@ def main():
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of each variant's step")
     ap.add_argument("--memory-peak", action="store_true",
                     help="print the blocks alive at one step's memory peak and where they were allocated")
+    ap.add_argument("--host-profile", default=None, metavar="DIR",
+                    help="cProfile the host issuing --steps steps of each variant; print the top functions, "
+                         "write DIR/<variant>.pstats")
     ap.add_argument("--moe-option", action="append", default=[], metavar="KEY=VALUE",
                     help="an option for the backend='moe' variants, e.g. moe.debug=True (value parsed as Python)")
     from ab import add_kernel_arg, apply_kernel_args, versions
@@ -356,7 +390,8 @@ def main():
         for v in variants:
             row = dict(shape=name, variant=v, T=shape[0])
             try:
-                row.update(run_variant(v, shape, args.steps, args.warmup, args.profile, moe_options, args.memory_peak))
+                row.update(run_variant(v, shape, args.steps, args.warmup, args.profile, moe_options, args.memory_peak,
+                                       args.host_profile and os.path.join(args.host_profile, name)))
             except Exception as exc:  # one broken variant must not stop the table
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
             finally:
