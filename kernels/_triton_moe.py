@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import lean
+
 from ._triton_gmm import num_sms
 
 
@@ -247,8 +249,8 @@ def route_permute(expert_ids: torch.Tensor, num_experts: int):
     offsets = torch.empty(num_experts, dtype=torch.int32, device=flat.device)  # block 0 writes all E
     nb, bins = _rp_grid(n, num_experts)
     counts = torch.empty(nb, bins, dtype=torch.int32, device=flat.device)
-    _route_permute_count_kernel[(nb,)](flat, counts, n, num_experts, BINS=bins, BLOCK=RP_BLOCK, num_warps=4)
-    _route_permute_place_kernel[(nb,)](flat, counts, perm, inv, offsets, n, num_experts, nb, BINS=bins,
+    _route_permute_count_launch[(nb,)](flat, counts, n, num_experts, BINS=bins, BLOCK=RP_BLOCK, num_warps=4)
+    _route_permute_place_launch[(nb,)](flat, counts, perm, inv, offsets, n, num_experts, nb, BINS=bins,
                                        NB_P2=triton.next_power_of_2(nb), BLOCK=RP_BLOCK, num_warps=4)
     return perm, inv, offsets
 
@@ -264,7 +266,7 @@ def permute_rows(x: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, top
     # 76 vs 79 GPT-OSS, 37 vs 38 DeepSeek-V3-like (H200, 3.4 of 4.27 TB/s copy); same bytes written
     bh = min(triton.next_power_of_2(h), 256 if x.element_size() <= 2 else 512)
     br = max(1, 4096 // bh)
-    _permute_rows_kernel[(triton.cdiv(nr, br), triton.cdiv(h, bh))](
+    _permute_rows_launch[(triton.cdiv(nr, br), triton.cdiv(h, bh))](
         x, perm, offsets, xp, nr, h, offsets.numel(), x.stride(0), TOP_K=top_k, BR=br, BH=bh, num_warps=4)
     return xp
 
@@ -281,7 +283,7 @@ def unpermute_combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor,
     # on DeepSeek-V3-like (H200, 3.8 of 4.27 TB/s copy); the same sum in the same order per element
     bh = min(triton.next_power_of_2(h), 1024)
     bt = max(1, 1024 // bh)
-    _combine_kernel[(triton.cdiv(t, bt), triton.cdiv(h, bh))](
+    _combine_launch[(triton.cdiv(t, bt), triton.cdiv(h, bh))](
         y, inv, weights, offsets, out, t, h, offsets.numel(), y.stride(0), TOP_K=k, BT=bt, BH=bh, num_warps=4)
     return out
 
@@ -298,7 +300,7 @@ def unpermute_combine_backward(dout, y, inv, weights, offsets):
         return dy, dw
     bh = min(triton.next_power_of_2(h), 256)
     bq = 16
-    _combine_bwd_kernel[(triton.cdiv(nq, bq),)](
+    _combine_bwd_launch[(triton.cdiv(nq, bq),)](
         dout, y, inv, weights, offsets, dy, dw, nq, h, offsets.numel(), dout.stride(0), y.stride(0),
         TOP_K=k, BQ=bq, BH=bh, num_warps=4)
     return dy, dw
@@ -311,7 +313,7 @@ def grouped_bias_grad(dy: torch.Tensor, offsets: torch.Tensor, num_experts: int)
     if db.numel() == 0:
         return db
     bn = min(triton.next_power_of_2(n), 256)
-    _bias_grad_kernel[(num_experts, triton.cdiv(n, bn))](dy, offsets, db, m, n, dy.stride(0), BM=32, BN=bn,
+    _bias_grad_launch[(num_experts, triton.cdiv(n, bn))](dy, offsets, db, m, n, dy.stride(0), BM=32, BN=bn,
                                                          num_warps=4)
     return db
 
@@ -326,7 +328,7 @@ def rows_fixup(y: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None
         bias = bias.contiguous()
     br = 32
     bn = min(triton.next_power_of_2(n), 256)
-    _rows_fixup_kernel[(triton.cdiv(m, br),)](
+    _rows_fixup_launch[(triton.cdiv(m, br),)](
         y, offsets, bias if bias is not None else y, m, n, e, y.stride(0), bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None, E_P2=triton.next_power_of_2(e), BR=br, BN=bn, num_warps=4)
     return y
@@ -338,7 +340,7 @@ def zero_empty_groups(dw: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     if dw.numel() == 0:
         return dw
     progs = 4 * num_sms(dw.device)
-    _zero_empty_groups_kernel[(progs,)](dw, offsets, e, k * n, dw.stride(0), progs, E_P2=triton.next_power_of_2(e),
+    _zero_empty_groups_launch[(progs,)](dw, offsets, e, k * n, dw.stride(0), progs, E_P2=triton.next_power_of_2(e),
                                         BLOCK=4096, num_warps=4)
     return dw
 
@@ -350,7 +352,7 @@ def wgrad_finish(src: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtyp
     if dst.numel() == 0:
         return dst
     block = 4096
-    _wgrad_finish_kernel[(e, triton.cdiv(k * n, block))](src, dst, offsets, k * n, src.stride(0), BLOCK=block,
+    _wgrad_finish_launch[(e, triton.cdiv(k * n, block))](src, dst, offsets, k * n, src.stride(0), BLOCK=block,
                                                         num_warps=8)
     return dst
 
@@ -411,7 +413,7 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     a = torch.empty(m, n, dtype=h.dtype, device=h.device)
     if a.numel():
         bm, bn, grid = _swiglu_grid(m, n)
-        _swiglu_kernel[grid](h, a, m, n, h.stride(0), a.stride(0), BM=bm, BN=bn, num_warps=4)
+        _swiglu_launch[grid](h, a, m, n, h.stride(0), a.stride(0), BM=bm, BN=bn, num_warps=4)
     return a
 
 
@@ -422,7 +424,7 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
     dh = torch.empty(m, 2 * n, dtype=h.dtype, device=h.device)
     if dh.numel():
         bm, bn, grid = _swiglu_grid(m, n)
-        _swiglu_bwd_kernel[grid](h, da, dh, m, n, h.stride(0), da.stride(0), dh.stride(0), BM=bm, BN=bn, num_warps=4)
+        _swiglu_bwd_launch[grid](h, da, dh, m, n, h.stride(0), da.stride(0), dh.stride(0), BM=bm, BN=bn, num_warps=4)
     return dh
 
 
@@ -477,7 +479,22 @@ def router_topk(scores: torch.Tensor, k: int):
     if r:
         e_p2 = triton.next_power_of_2(e)
         br = max(1, min(64, 2048 // e_p2))
-        _router_topk_kernel[(triton.cdiv(r, br),)](x, values, indices, r, e, x.stride(0), K=k, E_P2=e_p2, BR=br,
+        _router_topk_launch[(triton.cdiv(r, br),)](x, values, indices, r, e, x.stride(0), K=k, E_P2=e_p2, BR=br,
                                                   num_warps=4)
     shape = (*scores.shape[:-1], k)
     return values.view(shape), indices.view(shape)
+
+
+# the same kernels launched with less host work per call (kernels/_launch.py)
+_permute_rows_launch = lean(_permute_rows_kernel)
+_combine_launch = lean(_combine_kernel)
+_combine_bwd_launch = lean(_combine_bwd_kernel)
+_route_permute_count_launch = lean(_route_permute_count_kernel)
+_route_permute_place_launch = lean(_route_permute_place_kernel)
+_swiglu_launch = lean(_swiglu_kernel)
+_swiglu_bwd_launch = lean(_swiglu_bwd_kernel)
+_router_topk_launch = lean(_router_topk_kernel)
+_zero_empty_groups_launch = lean(_zero_empty_groups_kernel)
+_wgrad_finish_launch = lean(_wgrad_finish_kernel)
+_rows_fixup_launch = lean(_rows_fixup_kernel)
+_bias_grad_launch = lean(_bias_grad_kernel)

@@ -44,7 +44,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ._launch import lean
 
 from ._triton_gmm import group_tiles, num_sms, tile_coords
 
@@ -199,7 +202,7 @@ def _launch(x, w, offsets, n, c, bias=None):
         bias = bias if bias.stride(-1) == 1 else bias.contiguous()
     upper = (triton.cdiv(m, bm) + e) * triton.cdiv(n, bn)
     progs = max(1, min(upper, num_sms(x.device)))
-    return _tma_gmm_kernel[(progs,)](
+    return _tma_gmm_launch[(progs,)](
         a_desc, b_desc, c_desc, c, bias if bias is not None else c, offsets, m, n, k, e, w.shape[2],
         c.stride(0), bias.stride(0) if bias is not None else 0, progs,
         B_NK=b_nk, B3D=b3d, HAS_BIAS=bias is not None, E_P2=triton.next_power_of_2(e),
@@ -217,3 +220,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
     if m and n:
         _launch(x, w, offsets, n, y, bias)
     return y
+
+
+# the same kernels launched with less host work per call (kernels/_launch.py)
+_tma_gmm_launch = lean(_tma_gmm_kernel)

@@ -79,6 +79,10 @@ WGRAD_BACKENDS = ("auto", "cutlass", "quack")
 WGRAD_SCHEDULER = "auto"
 WGRAD_SCHEDULERS = ("auto", "dynamic", "static")
 
+# Our Triton kernels launch through kernels/_launch.py (a cached compiled kernel launched directly:
+# the same kernel, less host work per call); False: through kernel[grid](...) (A/B runs).
+LEAN_LAUNCH = True
+
 _CUTLASS_DEVICE: dict[int | None, bool] = {}
 
 

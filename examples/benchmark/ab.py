@@ -107,6 +107,7 @@ def versions(device: str = "cuda") -> dict:
         from moe_compile.kernels import _quack, cuda
 
         info["wgrad"] = cuda.WGRAD_BACKEND
+        info["lean launch"] = cuda.LEAN_LAUNCH
         if p.major == 9:  # where kernels/cuda.py would run quack's weight gradient
             if _quack.available():
                 import quack

@@ -9,6 +9,8 @@ should emit). One process, one GPU, bf16 parameters with random init, median of 
                                           # what is alive at one step's memory peak, and where it came from
     python examples/benchmark/moe_layer.py --shapes qwen3 --variants hf_inductor hf_moe --host-profile prof/
                                           # where the host's time to issue a step goes (cProfile, .pstats files)
+    python examples/benchmark/moe_layer.py --shapes qwen3 --variants hf_moe loop_moe --ab-kernel LEAN_LAUNCH=False
+                                          # a runtime kernel choice A/B, interleaved in one process
 
 TFLOP/s use 3 x (T*k*6*H*I + 2*T*H*E) for forward+backward and 1x for the forward ("fwd" is the
 training forward: autograd on, no backward). "vs best" divides by the fastest anchor (variants a-d)
@@ -287,7 +289,36 @@ def _memory_peak(fn, label, top=12):
         print(f"  {n} x {size / 2**20:8.2f} MiB  {site}")
 
 
-def run_variant(variant, shape, steps, warmup, profile=False, moe_options=None, memory_peak=False, host_profile=None):
+def _ab_kernel(fn, steps, pair, rounds=6):
+    """Interleaved A/B of a kernels/cuda.py choice read at run time (e.g. LEAN_LAUNCH): ``rounds``
+    rounds of ``steps`` steps with the current value (A) and with ``pair``'s (B), same compiled code.
+    Returns {a_ms, a_host_ms, b_ms, b_host_ms}: medians over the rounds of each round's medians."""
+    import ast
+    import statistics
+
+    from moe_compile.kernels import cuda
+
+    name, value = pair.split("=", 1)
+    a_value = getattr(cuda, name)
+    b_value = value if isinstance(a_value, str) else type(a_value)(ast.literal_eval(value))
+    got = {"a": [], "b": []}
+    try:
+        for _ in range(rounds):
+            for side, v in (("a", a_value), ("b", b_value)):
+                setattr(cuda, name, v)
+                fn()  # one step to settle (e.g. a new compiled-kernel key)
+                got[side].append(_events_median(fn, steps))
+    finally:
+        setattr(cuda, name, a_value)
+    out = {}
+    for side, pairs in got.items():
+        out[f"{side}_ms"] = statistics.median(p[0] for p in pairs)
+        out[f"{side}_host_ms"] = statistics.median(p[1] for p in pairs)
+    return out
+
+
+def run_variant(variant, shape, steps, warmup, profile=False, moe_options=None, memory_peak=False, host_profile=None,
+                ab_kernel=None):
     t, h, i, e, k = shape
     torch.manual_seed(0)
     model, fn = build(variant, shape, moe_options)
@@ -339,6 +370,11 @@ def run_variant(variant, shape, steps, warmup, profile=False, moe_options=None, 
         _memory_peak(fwd_bwd, f"{variant} fwd+bwd")
     if host_profile:
         _host_profile(fwd_bwd, f"{variant} fwd+bwd", steps, host_profile)
+    if ab_kernel and not variant.endswith(("eager", "_inductor")):
+        res["ab"] = _ab_kernel(fwd_bwd, steps, ab_kernel)
+        a = res["ab"]
+        print(f"### A/B {variant} {ab_kernel}: fwd+bwd ms {a['a_ms']:.2f} -> {a['b_ms']:.2f}, host ms "
+              f"{a['a_host_ms']:.2f} -> {a['b_host_ms']:.2f} (as is -> with {ab_kernel})", flush=True)
     res["compile_s"] = max(0.0, first - res["fwdbwd_ms"] / 1e3) if not variant.endswith("eager") else 0.0
     del model, fn, x, g
     return res
@@ -365,6 +401,9 @@ def main():
     ap.add_argument("--host-profile", default=None, metavar="DIR",
                     help="cProfile the host issuing --steps steps of each variant; print the top functions, "
                          "write DIR/<variant>.pstats")
+    ap.add_argument("--ab-kernel", default=None, metavar="NAME=VALUE",
+                    help="also time each moe variant with this kernels/cuda.py choice, interleaved with the "
+                         "current one in one process (choices read at run time, e.g. LEAN_LAUNCH=False)")
     ap.add_argument("--moe-option", action="append", default=[], metavar="KEY=VALUE",
                     help="an option for the backend='moe' variants, e.g. moe.debug=True (value parsed as Python)")
     from ab import add_kernel_arg, apply_kernel_args, versions
@@ -391,7 +430,8 @@ def main():
             row = dict(shape=name, variant=v, T=shape[0])
             try:
                 row.update(run_variant(v, shape, args.steps, args.warmup, args.profile, moe_options, args.memory_peak,
-                                       args.host_profile and os.path.join(args.host_profile, name)))
+                                       args.host_profile and os.path.join(args.host_profile, name),
+                                       args.ab_kernel))
             except Exception as exc:  # one broken variant must not stop the table
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
             finally:

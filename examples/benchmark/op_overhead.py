@@ -2,6 +2,7 @@
 
     python examples/benchmark/op_overhead.py                  # CUDA, Qwen3-30B-A3B layer widths
     python examples/benchmark/op_overhead.py --device cpu     # tiny widths, reference kernels
+    python examples/benchmark/op_overhead.py --kernel LEAN_LAUNCH=False   # Triton's own launch path
 
 Per op, median µs of host time per call (the GPU is synchronised after every call, outside the timed
 part, so a full launch queue never stalls the host; the four ways are called in turn):
@@ -11,7 +12,9 @@ part, so a full launch queue never stalls the host; the four ways are called in 
   ``lowering/runtime_ops.py`` (the same function registered straight with the dispatcher);
 - ``function``: the op's Python function called directly (argument checks, kernel choice, launch);
 - ``kernel``: the device implementation alone (``registry.implementation``), i.e. allocation and
-  launch(es).
+  launch(es);
+- ``kernel, Triton launch``: the same with ``kernels/cuda.LEAN_LAUNCH=False`` (each Triton kernel
+  launched through ``kernel[grid](...)`` instead of ``kernels/_launch.py``).
 The table is printed last, with the device and versions.
 """
 from __future__ import annotations
@@ -43,6 +46,16 @@ def timed_interleaved(fns: dict, n: int, sync) -> dict:
             ts[k].append(time.perf_counter() - t0)
             sync()
     return {k: statistics.median(v) * 1e6 for k, v in ts.items()}
+
+
+def _without_lean_launch(impl, args):
+    from moe_compile.kernels import cuda
+
+    cuda.LEAN_LAUNCH = False
+    try:
+        impl(*args)
+    finally:
+        cuda.LEAN_LAUNCH = True
 
 
 def cases(device: str, shape):
@@ -83,9 +96,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--calls", type=int, default=200)
-    args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from ab import versions
+    from ab import add_kernel_arg, apply_kernel_args, versions
+
+    add_kernel_arg(ap)
+    args = ap.parse_args()
+    apply_kernel_args(args.kernel)
 
     info = versions(args.device)
     print("# " + " ".join(f"{k}={v}" for k, v in info.items()), flush=True)
@@ -103,18 +119,20 @@ def main():
                 default=lambda: packet.default(*op_args),
                 rt=lambda: getattr(getattr(torch.ops, NAMESPACE), name).default(*op_args),
                 function=lambda: OPS[name]._init_fn(*op_args),
-                kernel=lambda: impl(*impl_args)), args.calls, sync))
+                kernel=lambda: impl(*impl_args),
+                kernel_triton=lambda: _without_lean_launch(impl, impl_args)), args.calls, sync))
             rows.append(row)
             print(row, flush=True)
     print(f"\n## host µs per call, {info.get('device', args.device)}, torch {torch.__version__}, T H I E k = {shape}")
-    print("| op | default (custom op) | rt | function | kernel | default - rt |")
-    print("|---|---|---|---|---|---|")
+    cols = ("default", "rt", "function", "kernel", "kernel_triton")
+    print("| op | default (custom op) | rt | function | kernel | kernel, Triton launch | default - rt "
+          "| Triton launch - kernel |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['op']} | {r['default']:.1f} | {r['rt']:.1f} | {r['function']:.1f} | {r['kernel']:.1f} "
-              f"| {r['default'] - r['rt']:.1f} |")
-    print(f"| sum | {sum(r['default'] for r in rows):.0f} | {sum(r['rt'] for r in rows):.0f} "
-          f"| {sum(r['function'] for r in rows):.0f} | {sum(r['kernel'] for r in rows):.0f} "
-          f"| {sum(r['default'] - r['rt'] for r in rows):.0f} |")
+        print(f"| {r['op']} | " + " | ".join(f"{r[c]:.1f}" for c in cols)
+              + f" | {r['default'] - r['rt']:.1f} | {r['kernel_triton'] - r['kernel']:.1f} |")
+    print("| sum | " + " | ".join(f"{sum(r[c] for r in rows):.0f}" for c in cols)
+          + f" | {sum(r['default'] - r['rt'] for r in rows):.0f} | {sum(r['kernel_triton'] - r['kernel'] for r in rows):.0f} |")
 
 
 if __name__ == "__main__":
