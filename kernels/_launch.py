@@ -22,8 +22,10 @@ says why, once).
 from __future__ import annotations
 
 import logging
+import sys
 
 log = logging.getLogger(__name__)
+_CHOICES = "moe_compile.kernels.cuda"   # LEAN_LAUNCH: the one place kernel choices are made
 
 
 def _no_hooks(knobs) -> bool:
@@ -50,20 +52,17 @@ class LeanKernel:
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
     def _launch(self, grid, args, kwargs):
-        if self.broken or (self.choices is not None and not self.choices.LEAN_LAUNCH):
+        choices = self.choices or sys.modules.get(_CHOICES)   # kernels/cuda.py, which imports us (no cycle)
+        if self.broken or (choices is not None and not choices.LEAN_LAUNCH):
             return self.fn[grid](*args, **kwargs)
         try:
             if self.knobs is None:   # what JITFunction.run reads the device and stream with
                 from triton import knobs
                 from triton.runtime import driver
 
-                from . import cuda
-
                 self.knobs, self.device, self.stream = knobs, driver.active.get_current_device, \
                     driver.active.get_current_stream
-                self.choices = cuda
-                if not cuda.LEAN_LAUNCH:
-                    return self.fn[grid](*args, **kwargs)
+            self.choices = choices
             if not _no_hooks(self.knobs):
                 return self.fn[grid](*args, **kwargs)
             device = self.device()

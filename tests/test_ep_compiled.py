@@ -376,6 +376,7 @@ def body_schedule(rank, ep):
     while another chunk's expert GEMMs run (forward: grouped_mm; backward: its dgrad / wgrad)."""
     import moe_compile
     from moe_compile.lowering import overlap
+    from moe_compile.passes.normalize import canon
     from torch.distributed.device_mesh import init_device_mesh
 
     graphs = []
@@ -398,8 +399,8 @@ def body_schedule(rank, ep):
     def op(n):
         return getattr(n.target, "_opname", "") if n.op == "call_function" else ""
 
-    def gemm(n):
-        return getattr(n.target, "namespace", "") == "moe_compile" and op(n).startswith("grouped_mm")
+    def gemm(n):  # the op or its compiled-graph twin (kernels/runtime_ops.py): canon names both moe_compile::
+        return (canon(n) or "").startswith("moe_compile::grouped_mm")
 
     assert len(graphs) == 2, f"expected a forward and a backward graph, got {len(graphs)}"
     for name, graph in zip(("forward", "backward"), graphs):
