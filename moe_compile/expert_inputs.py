@@ -18,6 +18,7 @@ per set of addresses (e.g. once per block under ``compile_blocks``).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import operator
@@ -32,6 +33,7 @@ _DATA_PTR = torch.Tensor.data_ptr
 _GRAD = operator.attrgetter("grad")
 _TENSOR_HOOKS = operator.attrgetter("_backward_hooks")
 _ACC_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
+_NONES = itertools.repeat(None)   # an endless None operand for map(operator.is_not, ...): a C-level scan
 
 
 class _HandOver:
@@ -50,7 +52,7 @@ class _HandOver:
         views = [v for part in parts for v in part.unbind(0)]   # segment-major, as params
         params = self.params
         grads = list(map(_GRAD, params))
-        if not any(x is not None for x in grads):   # the usual case: grads were set to None
+        if not any(map(operator.is_not, grads, _NONES)):   # the usual case: grads were set to None
             for p, v in zip(params, views):
                 p.grad = v
             return
