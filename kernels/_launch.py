@@ -1,7 +1,10 @@
 """Launch a Triton kernel with less host work per call than ``kernel[grid](...)``.
 
-    _gather = lean(_permute_rows_kernel)
-    _gather[(blocks, cols)](x, perm, ..., BR=16, num_warps=4)     # same call as kernel[grid](...)
+    @lean
+    @triton.jit
+    def _permute_rows_kernel(...): ...
+
+    _permute_rows_kernel[(blocks, cols)](x, perm, ..., BR=16, num_warps=4)   # the call is unchanged
 
 ``JITFunction.run`` does, on every call: read Triton's knobs, bind and specialise the arguments,
 build the cache key (formatting the compile options as a string), check the kernel's globals, build

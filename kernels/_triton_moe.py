@@ -15,11 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import lean
+from ._launch import lean  # @lean kernels: a cached compiled kernel launched directly (less host work per call)
 
 from ._triton_gmm import num_sms
 
 
+@lean
 @triton.jit
 def _permute_rows_kernel(x_ptr, perm_ptr, offs_ptr, xp_ptr, NR, H, E, sxm,
                          TOP_K: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr):
@@ -36,6 +37,7 @@ def _permute_rows_kernel(x_ptr, perm_ptr, offs_ptr, xp_ptr, NR, H, E, sxm,
     tl.store(xp_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], v, mask=rmask[:, None] & cmask[None, :])
 
 
+@lean
 @triton.jit
 def _combine_kernel(y_ptr, inv_ptr, w_ptr, offs_ptr, out_ptr, T, H, E, sym,
                     TOP_K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
@@ -57,6 +59,7 @@ def _combine_kernel(y_ptr, inv_ptr, w_ptr, offs_ptr, out_ptr, T, H, E, sym,
              mask=tmask[:, None] & cmask[None, :])
 
 
+@lean
 @triton.jit
 def _combine_bwd_kernel(dout_ptr, y_ptr, inv_ptr, w_ptr, offs_ptr, dy_ptr, dw_ptr, NQ, H, E, sdm, sym,
                         TOP_K: tl.constexpr, BQ: tl.constexpr, BH: tl.constexpr):
@@ -85,6 +88,7 @@ def _combine_bwd_kernel(dout_ptr, y_ptr, inv_ptr, w_ptr, offs_ptr, dy_ptr, dw_pt
     tl.store(dw_ptr + q, dacc.to(dw_ptr.dtype.element_ty), mask=qmask)
 
 
+@lean
 @triton.jit
 def _bias_grad_kernel(dy_ptr, offs_ptr, db_ptr, M, N, sym, BM: tl.constexpr, BN: tl.constexpr):
     """db[e, cols] = sum over rows of group e of dy[rows, cols] (fp32, rows in order)."""
@@ -102,6 +106,7 @@ def _bias_grad_kernel(dy_ptr, offs_ptr, db_ptr, M, N, sym, BM: tl.constexpr, BN:
     tl.store(db_ptr + e.to(tl.int64) * N + cols, acc, mask=cmask)
 
 
+@lean
 @triton.jit
 def _rows_fixup_kernel(y_ptr, offs_ptr, b_ptr, M, N, E, sym, sbe,
                        HAS_BIAS: tl.constexpr, E_P2: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
@@ -135,6 +140,7 @@ def _rows_fixup_kernel(y_ptr, offs_ptr, b_ptr, M, N, E, sym, sbe,
                 tl.store(ptrs, zero, mask=(rmask & ~valid)[:, None] & (cols < N)[None, :])
 
 
+@lean
 @triton.jit
 def _wgrad_finish_kernel(src_ptr, dst_ptr, offs_ptr, KN, s_se, BLOCK: tl.constexpr):
     """dst[e] = float(src[e]) if group e has rows else 0 (the CUTLASS 2Dx2D output for an empty
@@ -148,6 +154,7 @@ def _wgrad_finish_kernel(src_ptr, dst_ptr, offs_ptr, KN, s_se, BLOCK: tl.constex
     tl.store(dst_ptr + e.to(tl.int64) * KN + i, v.to(dst_ptr.dtype.element_ty), mask=m)
 
 
+@lean
 @triton.jit
 def _zero_empty_groups_kernel(dw_ptr, offs_ptr, E, KN, s_e, num_progs, E_P2: tl.constexpr, BLOCK: tl.constexpr):
     """In place: dw[e] = 0 for every group e without rows; groups with rows are not touched.
@@ -193,6 +200,7 @@ def _rp_keys(ids_ptr, start, n, E, BLOCK: tl.constexpr):
     return tl.where(idx < n, key, E + 1)  # E + 1: padding past n, counted nowhere
 
 
+@lean
 @triton.jit
 def _route_permute_count_kernel(ids_ptr, counts_ptr, n, E, BINS: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0)
@@ -200,6 +208,7 @@ def _route_permute_count_kernel(ids_ptr, counts_ptr, n, E, BINS: tl.constexpr, B
     tl.store(counts_ptr + b * BINS + tl.arange(0, BINS), tl.histogram(key, BINS))
 
 
+@lean
 @triton.jit
 def _route_permute_place_kernel(ids_ptr, counts_ptr, perm_ptr, inv_ptr, offs_ptr, n, E, NB,
                                 BINS: tl.constexpr, NB_P2: tl.constexpr, BLOCK: tl.constexpr):
@@ -249,8 +258,8 @@ def route_permute(expert_ids: torch.Tensor, num_experts: int):
     offsets = torch.empty(num_experts, dtype=torch.int32, device=flat.device)  # block 0 writes all E
     nb, bins = _rp_grid(n, num_experts)
     counts = torch.empty(nb, bins, dtype=torch.int32, device=flat.device)
-    _route_permute_count_launch[(nb,)](flat, counts, n, num_experts, BINS=bins, BLOCK=RP_BLOCK, num_warps=4)
-    _route_permute_place_launch[(nb,)](flat, counts, perm, inv, offsets, n, num_experts, nb, BINS=bins,
+    _route_permute_count_kernel[(nb,)](flat, counts, n, num_experts, BINS=bins, BLOCK=RP_BLOCK, num_warps=4)
+    _route_permute_place_kernel[(nb,)](flat, counts, perm, inv, offsets, n, num_experts, nb, BINS=bins,
                                        NB_P2=triton.next_power_of_2(nb), BLOCK=RP_BLOCK, num_warps=4)
     return perm, inv, offsets
 
@@ -266,7 +275,7 @@ def permute_rows(x: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, top
     # 76 vs 79 GPT-OSS, 37 vs 38 DeepSeek-V3-like (H200, 3.4 of 4.27 TB/s copy); same bytes written
     bh = min(triton.next_power_of_2(h), 256 if x.element_size() <= 2 else 512)
     br = max(1, 4096 // bh)
-    _permute_rows_launch[(triton.cdiv(nr, br), triton.cdiv(h, bh))](
+    _permute_rows_kernel[(triton.cdiv(nr, br), triton.cdiv(h, bh))](
         x, perm, offsets, xp, nr, h, offsets.numel(), x.stride(0), TOP_K=top_k, BR=br, BH=bh, num_warps=4)
     return xp
 
@@ -283,7 +292,7 @@ def unpermute_combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor,
     # on DeepSeek-V3-like (H200, 3.8 of 4.27 TB/s copy); the same sum in the same order per element
     bh = min(triton.next_power_of_2(h), 1024)
     bt = max(1, 1024 // bh)
-    _combine_launch[(triton.cdiv(t, bt), triton.cdiv(h, bh))](
+    _combine_kernel[(triton.cdiv(t, bt), triton.cdiv(h, bh))](
         y, inv, weights, offsets, out, t, h, offsets.numel(), y.stride(0), TOP_K=k, BT=bt, BH=bh, num_warps=4)
     return out
 
@@ -300,7 +309,7 @@ def unpermute_combine_backward(dout, y, inv, weights, offsets):
         return dy, dw
     bh = min(triton.next_power_of_2(h), 256)
     bq = 16
-    _combine_bwd_launch[(triton.cdiv(nq, bq),)](
+    _combine_bwd_kernel[(triton.cdiv(nq, bq),)](
         dout, y, inv, weights, offsets, dy, dw, nq, h, offsets.numel(), dout.stride(0), y.stride(0),
         TOP_K=k, BQ=bq, BH=bh, num_warps=4)
     return dy, dw
@@ -313,7 +322,7 @@ def grouped_bias_grad(dy: torch.Tensor, offsets: torch.Tensor, num_experts: int)
     if db.numel() == 0:
         return db
     bn = min(triton.next_power_of_2(n), 256)
-    _bias_grad_launch[(num_experts, triton.cdiv(n, bn))](dy, offsets, db, m, n, dy.stride(0), BM=32, BN=bn,
+    _bias_grad_kernel[(num_experts, triton.cdiv(n, bn))](dy, offsets, db, m, n, dy.stride(0), BM=32, BN=bn,
                                                          num_warps=4)
     return db
 
@@ -328,7 +337,7 @@ def rows_fixup(y: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None
         bias = bias.contiguous()
     br = 32
     bn = min(triton.next_power_of_2(n), 256)
-    _rows_fixup_launch[(triton.cdiv(m, br),)](
+    _rows_fixup_kernel[(triton.cdiv(m, br),)](
         y, offsets, bias if bias is not None else y, m, n, e, y.stride(0), bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None, E_P2=triton.next_power_of_2(e), BR=br, BN=bn, num_warps=4)
     return y
@@ -340,7 +349,7 @@ def zero_empty_groups(dw: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     if dw.numel() == 0:
         return dw
     progs = 4 * num_sms(dw.device)
-    _zero_empty_groups_launch[(progs,)](dw, offsets, e, k * n, dw.stride(0), progs, E_P2=triton.next_power_of_2(e),
+    _zero_empty_groups_kernel[(progs,)](dw, offsets, e, k * n, dw.stride(0), progs, E_P2=triton.next_power_of_2(e),
                                         BLOCK=4096, num_warps=4)
     return dw
 
@@ -352,7 +361,7 @@ def wgrad_finish(src: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtyp
     if dst.numel() == 0:
         return dst
     block = 4096
-    _wgrad_finish_launch[(e, triton.cdiv(k * n, block))](src, dst, offsets, k * n, src.stride(0), BLOCK=block,
+    _wgrad_finish_kernel[(e, triton.cdiv(k * n, block))](src, dst, offsets, k * n, src.stride(0), BLOCK=block,
                                                         num_warps=8)
     return dst
 
@@ -371,6 +380,7 @@ def swiglu_grads(g, u, d):
     return d * u * (s + g * s * (1.0 - s)), d * g * s
 
 
+@lean
 @triton.jit
 def _swiglu_kernel(h_ptr, a_ptr, M, N, sh, sa, BM: tl.constexpr, BN: tl.constexpr):
     """a[r, c] = silu(h[r, c]) * h[r, N + c], fp32 math, one rounding."""
@@ -384,6 +394,7 @@ def _swiglu_kernel(h_ptr, a_ptr, M, N, sh, sa, BM: tl.constexpr, BN: tl.constexp
     tl.store(a_ptr + rows.to(tl.int64)[:, None] * sa + cols[None, :], a.to(a_ptr.dtype.element_ty), mask=mask)
 
 
+@lean
 @triton.jit
 def _swiglu_bwd_kernel(h_ptr, da_ptr, dh_ptr, M, N, sh, sda, sdh, BM: tl.constexpr, BN: tl.constexpr):
     """dh[r, c] = da * u * silu'(g), dh[r, N + c] = da * silu(g): h and da read once, dh written once."""
@@ -413,7 +424,7 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     a = torch.empty(m, n, dtype=h.dtype, device=h.device)
     if a.numel():
         bm, bn, grid = _swiglu_grid(m, n)
-        _swiglu_launch[grid](h, a, m, n, h.stride(0), a.stride(0), BM=bm, BN=bn, num_warps=4)
+        _swiglu_kernel[grid](h, a, m, n, h.stride(0), a.stride(0), BM=bm, BN=bn, num_warps=4)
     return a
 
 
@@ -424,7 +435,7 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
     dh = torch.empty(m, 2 * n, dtype=h.dtype, device=h.device)
     if dh.numel():
         bm, bn, grid = _swiglu_grid(m, n)
-        _swiglu_bwd_launch[grid](h, da, dh, m, n, h.stride(0), da.stride(0), dh.stride(0), BM=bm, BN=bn, num_warps=4)
+        _swiglu_bwd_kernel[grid](h, da, dh, m, n, h.stride(0), da.stride(0), dh.stride(0), BM=bm, BN=bn, num_warps=4)
     return dh
 
 
@@ -432,6 +443,7 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
 _INT64_MIN = tl.constexpr(-(2 ** 63))
 
 
+@lean
 @triton.jit
 def _router_topk_kernel(x_ptr, val_ptr, idx_ptr, R, E, sx, K: tl.constexpr, E_P2: tl.constexpr,
                         BR: tl.constexpr):
@@ -479,22 +491,7 @@ def router_topk(scores: torch.Tensor, k: int):
     if r:
         e_p2 = triton.next_power_of_2(e)
         br = max(1, min(64, 2048 // e_p2))
-        _router_topk_launch[(triton.cdiv(r, br),)](x, values, indices, r, e, x.stride(0), K=k, E_P2=e_p2, BR=br,
+        _router_topk_kernel[(triton.cdiv(r, br),)](x, values, indices, r, e, x.stride(0), K=k, E_P2=e_p2, BR=br,
                                                   num_warps=4)
     shape = (*scores.shape[:-1], k)
     return values.view(shape), indices.view(shape)
-
-
-# the same kernels launched with less host work per call (kernels/_launch.py)
-_permute_rows_launch = lean(_permute_rows_kernel)
-_combine_launch = lean(_combine_kernel)
-_combine_bwd_launch = lean(_combine_bwd_kernel)
-_route_permute_count_launch = lean(_route_permute_count_kernel)
-_route_permute_place_launch = lean(_route_permute_place_kernel)
-_swiglu_launch = lean(_swiglu_kernel)
-_swiglu_bwd_launch = lean(_swiglu_bwd_kernel)
-_router_topk_launch = lean(_router_topk_kernel)
-_zero_empty_groups_launch = lean(_zero_empty_groups_kernel)
-_wgrad_finish_launch = lean(_wgrad_finish_kernel)
-_rows_fixup_launch = lean(_rows_fixup_kernel)
-_bias_grad_launch = lean(_bias_grad_kernel)

@@ -47,7 +47,7 @@ import triton.language as tl
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._launch import lean
+from ._launch import lean  # @lean kernels: a cached compiled kernel launched directly (less host work per call)
 
 from ._triton_gmm import group_tiles, num_sms, tile_coords
 
@@ -106,6 +106,7 @@ def _zero_rows(ptr, tail0, M, N, stride, pid, num_progs, BM: tl.constexpr, BN: t
                  tl.zeros((BM, BN), dtype=ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
 
 
+@lean
 @triton.jit
 def _tma_gmm_kernel(a_desc, b_desc, c_desc, c_ptr, bias_ptr, offs_ptr, M, N, K, E, WN, stride_cm, sbe,
                     num_progs, B_NK: tl.constexpr, B3D: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -202,7 +203,7 @@ def _launch(x, w, offsets, n, c, bias=None):
         bias = bias if bias.stride(-1) == 1 else bias.contiguous()
     upper = (triton.cdiv(m, bm) + e) * triton.cdiv(n, bn)
     progs = max(1, min(upper, num_sms(x.device)))
-    return _tma_gmm_launch[(progs,)](
+    return _tma_gmm_kernel[(progs,)](
         a_desc, b_desc, c_desc, c, bias if bias is not None else c, offsets, m, n, k, e, w.shape[2],
         c.stride(0), bias.stride(0) if bias is not None else 0, progs,
         B_NK=b_nk, B3D=b3d, HAS_BIAS=bias is not None, E_P2=triton.next_power_of_2(e),
@@ -220,7 +221,3 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
     if m and n:
         _launch(x, w, offsets, n, y, bias)
     return y
-
-
-# the same kernels launched with less host work per call (kernels/_launch.py)
-_tma_gmm_launch = lean(_tma_gmm_kernel)
