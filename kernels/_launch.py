@@ -16,11 +16,11 @@ training step.
 Here: Triton's own binder specialises the arguments (the exact specialisation ``run`` computes, so
 the compiled kernel chosen is the one ``run`` would choose), the key is that specialisation plus
 the keyword arguments and the device, and a cached ``CompiledKernel`` is launched directly. The
-first call of each key, and every call while a launch hook is installed (e.g. Triton's profiler),
-goes through ``kernel[grid](...)`` itself. Not repeated per call: the check that the kernel's
-globals kept the values it was compiled with (ours reads module constants only). If this Triton's
-internals differ from what is used here, every call goes through ``kernel[grid](...)`` (a debug log
-says why, once).
+first call of each key, and every call while a launch hook (e.g. Triton's profiler) or the debug or
+instrumentation knob is set, goes through ``kernel[grid](...)`` itself. Not repeated per call: the check that the kernel's
+globals kept the values it was compiled with (ours reads module constants only). On a Triton other
+than ``TESTED_TRITON``, or if its internals differ from what is used here, every call goes through
+``kernel[grid](...)`` (a warning says why, once).
 """
 from __future__ import annotations
 
@@ -31,13 +31,20 @@ log = logging.getLogger(__name__)
 _CHOICES = "moe_compile.kernels.cuda"   # LEAN_LAUNCH: the one place kernel choices are made
 
 
-def _no_hooks(knobs) -> bool:
-    """No launch hook installed: Triton 3.6 keeps them in always-present ``HookChain`` objects."""
+# Triton versions whose JITFunction.run this mirrors (device_caches' binder, CompiledKernel.run's
+# arguments); any other version launches through kernel[grid](...)
+TESTED_TRITON = ("3.6.",)
+_WARNED = [False]
+
+
+def _plain_launch(knobs) -> bool:
+    """Nothing that changes how run() launches: no launch hook (Triton 3.6 keeps them in
+    always-present ``HookChain`` objects), no debug or instrumentation knob (part of run()'s key)."""
     rt = knobs.runtime
     for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
         if hook is not None and getattr(hook, "calls", True):
             return False
-    return True
+    return not rt.debug and not knobs.compilation.instrumentation_mode and not getattr(rt, "interpret", False)
 
 
 class LeanKernel:
@@ -51,6 +58,13 @@ class LeanKernel:
         self.broken = False
         self.knobs = self.device = self.stream = self.choices = None
 
+    def _off(self, exc: Exception) -> None:
+        self.broken = True
+        if not _WARNED[0]:
+            _WARNED[0] = True
+            log.warning("moe_compile: Triton kernels launch through kernel[grid](...) (correct, more host time per "
+                        "launch): %s: %s", type(exc).__name__, exc)
+
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
@@ -60,23 +74,27 @@ class LeanKernel:
             return self.fn[grid](*args, **kwargs)
         try:
             if self.knobs is None:   # what JITFunction.run reads the device and stream with
+                import triton
                 from triton import knobs
                 from triton.runtime import driver
 
+                if not triton.__version__.startswith(TESTED_TRITON):
+                    raise ImportError(f"triton {triton.__version__} is not one of {TESTED_TRITON}")
                 self.knobs, self.device, self.stream = knobs, driver.active.get_current_device, \
                     driver.active.get_current_stream
             self.choices = choices
-            if not _no_hooks(self.knobs):
+            if not _plain_launch(self.knobs):
                 return self.fn[grid](*args, **kwargs)
             device = self.device()
             binder = self.fn.device_caches[device][4]
+        except (ImportError, AttributeError, KeyError, IndexError, TypeError, ValueError) as exc:
+            self._off(exc)   # another Triton: its own launch path from now on
+            return self.fn[grid](*args, **kwargs)
+        try:
             bound, specialization, _ = binder(*args, **kwargs)
             key = (device, tuple(specialization), tuple(kwargs.items()))
             kernel = self.kernels.get(key)
-        except Exception as exc:  # another Triton: its own launch path, always
-            self.broken = True
-            log.debug("moe_compile: lean launch off for %s (%s: %s)", getattr(self.fn, "__name__", self.fn),
-                      type(exc).__name__, exc)
+        except Exception:  # e.g. a bad argument: run() raises the error the caller should see
             return self.fn[grid](*args, **kwargs)
         if kernel is None:
             kernel = self.fn[grid](*args, **kwargs)   # compiles (once) and launches
@@ -92,4 +110,5 @@ class LeanKernel:
 
 
 def lean(fn) -> LeanKernel:
+    """Decorator (above ``@triton.jit``): the kernel launches through ``LeanKernel``."""
     return LeanKernel(fn)

@@ -24,7 +24,7 @@ from .gemm_ops import (grouped_bias_grad, grouped_mm, grouped_mm_list, grouped_m
                        grouped_mm_weight_grad, grouped_mm_wgrad, grouped_mm_wgrad_lowp)
 from .layout import even_step, pair_view, stack_expert_weights, strided_stack
 from .routing_ops import permute_rows, route_permute, router_topk, unpermute_combine, unpermute_combine_backward
-from . import runtime_ops  # noqa: E402,F401  (the .rt overloads compiled graphs call; registered here for cached code)
+from . import runtime_ops  # noqa: E402,F401  (the moe_compile_rt twins compiled graphs call; registered at import)
 
 __all__ = ["ep_combine", "ep_dispatch", "ep_experts", "ep_plan", "even_step", "grouped_bias_grad", "grouped_mm",
            "grouped_mm_list", "grouped_mm_list_cat", "grouped_mm_list_cat_dx", "grouped_mm_weight_grad",

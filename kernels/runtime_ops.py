@@ -9,15 +9,20 @@ take a single-overload packet ``torch.ops.moe_compile.<op>``.
 Why: a compiled graph calls each op after AOTAutograd has differentiated it, with grad mode off,
 yet a ``custom_op`` call still runs two Python layers before the op's function: the autograd
 kernel (which finds nothing to record and redispatches) and the backend wrapper (an output-aliasing
-check and a Dynamo-disable wrapper). On an H100 machine's host CPU that was 20-45 µs per call,
-against ~4 µs through a plain ``Library.impl`` kernel (``examples/benchmark/op_overhead.py``), at
-14 calls per MoE layer per training step. ``lowering/runtime_ops.py`` puts the twins into the
+check and a Dynamo-disable wrapper). On an H100 machine's host CPU the custom op cost 28-69 µs per
+call more than the twin, which costs 8-23 µs more than the function itself
+(``examples/benchmark/op_overhead.py``), at 14 calls per MoE layer per training step. The
+aliasing check is not repeated here: the twins are opchecked for it (tests/test_runtime_ops.py), and
+every implementation returns fresh tensors. ``lowering/runtime_ops.py`` puts the twins into the
 post-grad graphs.
 
-Contract: a twin is for graphs that are already differentiated. A backward through one is PyTorch's
-autograd fallback, which warns that no autograd kernel is registered (not silent). The passes name
-both ``moe_compile::<op>`` (``passes/normalize.canon``); the profiler shows ``moe_compile_rt::<op>``
-for calls from compiled code (``profiler_names``).
+Contract: a twin is for graphs that are already differentiated (AOTAutograd's forward and backward
+after its post-grad passes; compiled autograd retraces the custom ops, not the twins). A backward
+through one is PyTorch's autograd fallback: it warns that no autograd kernel is registered, and the
+gradient is then whatever the implementation's own recorded ops give (the CPU references record
+theirs; the Triton kernels record nothing: None). The passes name both ``moe_compile::<op>``
+(``passes/normalize.canon``); the profiler shows ``moe_compile_rt::<op>`` for calls from compiled
+code (``profiler_names``).
 
 Registered when ``kernels/ops.py`` is imported (compiled code loaded from a cache finds them). If
 this torch's ``custom_op`` object lacks what is needed here, no twin is defined and the graphs keep

@@ -5,7 +5,7 @@ ATen graph after AOTAutograd. Those graphs need no autograd formula any more, so
 moe_compile compute op switches from the ``torch.library.custom_op`` to a plain dispatcher kernel
 of the same function, ``torch.ops.moe_compile_rt.<op>`` (``kernels/runtime_ops.py``): the same
 schema, fake, kernels and results, without the custom op's Python autograd and backend layers on
-every call (20-65 µs per call on an H100 machine's host, 14 calls per MoE layer per training step).
+every call (28-69 µs per call on an H100 machine's host, 14 calls per MoE layer per training step).
 
 Before::
 

@@ -65,10 +65,10 @@ def _crossable(node: fx.Node) -> bool:
         return True
     if not isinstance(target, torch._ops.OpOverload):
         return False  # higher-order ops, Python callables: unknown effects
-    if target.namespace not in ("aten", "prims", "moe_compile"):
+    if target.namespace not in ("aten", "prims", "moe_compile", "moe_compile_rt"):
         return False  # collectives and waits (_c10d_functional), stream ops, other libraries' ops
     name = target._overloadpacket.__name__
-    if name in _PINNED or (target.namespace == "moe_compile" and name.startswith("ep_")):
+    if name in _PINNED or (target.namespace in ("moe_compile", "moe_compile_rt") and name.startswith("ep_")):
         return False
     if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
         return False

@@ -234,8 +234,10 @@ def inductor_defaults(records) -> dict:
 
 
 class _PostGradPass:
-    """The post_grad stage as Inductor's ``post_grad_custom_post_pass`` (a CustomGraphPass: its
-    uuid keeps Inductor's FX graph cache correct), after the user's own pass if they set one."""
+    """The post_grad stage as Inductor's ``post_grad_custom_post_pass``, after the user's own pass if
+    they set one. Its ``uuid`` names the passes; not being an Inductor ``CustomGraphPass`` subclass,
+    it makes Inductor bypass its FX graph cache for these graphs ("Unsupported post grad custom
+    pass", torch 2.13), so the post_grad passes run on every compile."""
 
     def __init__(self, hook, user_pass=None):
         self.hook, self.user_pass = hook, user_pass
@@ -261,6 +263,7 @@ def _aot_eager(gm, example_inputs, hook):
     def compiler(fx_g, inputs):
         if hook is not None:
             hook(fx_g.graph)
+            fx_g.recompile()  # the passes edit the graph; the module's code must follow (not left to lazy codegen)
         return boxed_nop(fx_g, inputs)
 
     return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=min_cut_rematerialization_partition,

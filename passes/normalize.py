@@ -72,7 +72,7 @@ def _canon(node: fx.Node) -> str | None:
             # moe_compile_rt: the twins compiled graphs call (kernels/runtime_ops.py), the same ops
             return f"{'moe_compile' if t.namespace == 'moe_compile_rt' else t.namespace}::{t._opname}"
         if isinstance(t, torch._ops.OpOverloadPacket) and t._qualified_op_name.split("::")[0] not in ("aten",):
-            return t._qualified_op_name
+            return t._qualified_op_name.replace("moe_compile_rt::", "moe_compile::", 1)
         name = _fn_name(t)
     elif node.op == "call_method":
         name = node.target

@@ -52,6 +52,26 @@ def test_twin_computes_what_the_op_computes():
         assert all(torch.equal(a, b) for a, b in zip(RT.route_permute(ids, 2), MOE.route_permute(ids, 2)))
 
 
+def test_twins_pass_opcheck_schema_and_fake():
+    """The aliasing and fake checks the custom op's wrapper would make, made here once: outputs
+    alias no input, and the fake implementation matches the real one."""
+    x, perm, inv, offs = _routing_args()
+    x = x.detach()
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(12, 8, generator=g)
+    w = torch.randn(3, 4, 5, generator=g)
+    weights = torch.rand(6, 2, generator=g)
+    xp = RT.permute_rows(x, perm, inv, offs, 2)
+    y = torch.randn(12, 4, generator=g)
+    for op, args in ((RT.permute_rows, (x, perm, inv, offs, 2)), (RT.route_permute, (torch.tensor([[0, 2], [1, 1]]), 3)),
+                     (RT.swiglu, (h,)), (RT.swiglu_backward, (h, torch.randn(12, 4, generator=g))),
+                     (RT.grouped_mm, (xp, w, offs, None)), (RT.unpermute_combine, (y, inv, weights, offs)),
+                     (RT.unpermute_combine_backward, (torch.randn(6, 4, generator=g), y, inv, weights, offs)),
+                     (RT.grouped_mm_wgrad_lowp, (xp, torch.randn(12, 5, generator=g), offs, 3)),
+                     (RT.router_topk, (torch.randn(6, 3, generator=g), 2))):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
 def test_twin_warns_when_differentiated():
     """Only for differentiated graphs: a backward through one is PyTorch's autograd fallback, which
     warns (not silent)."""

@@ -5,7 +5,7 @@
     python examples/benchmark/op_overhead.py --kernel LEAN_LAUNCH=False   # Triton's own launch path
 
 Per op, median µs of host time per call (the GPU is synchronised after every call, outside the timed
-part, so a full launch queue never stalls the host; the four ways are called in turn):
+part, so a full launch queue never stalls the host; the five ways are called in turn):
 - ``default``: ``torch.ops.moe_compile.<op>.default``, the ``torch.library.custom_op`` overload user
   code and Dynamo's graphs call (Python autograd kernel, backend wrapper, then the op's function);
 - ``rt``: the twin ``torch.ops.moe_compile_rt.<op>`` compiled graphs call after
