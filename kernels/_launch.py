@@ -16,9 +16,10 @@ training step.
 Here: Triton's own binder specialises the arguments (the exact specialisation ``run`` computes, so
 the compiled kernel chosen is the one ``run`` would choose), the key is that specialisation plus
 the keyword arguments and the device, and a cached ``CompiledKernel`` is launched directly. The
-first call of each key, and every call while a launch hook (e.g. Triton's profiler) or the debug or
-instrumentation knob is set, goes through ``kernel[grid](...)`` itself. Not repeated per call: the check that the kernel's
-globals kept the values it was compiled with (ours reads module constants only). On a Triton other
+first call of each key, and every call while a launch hook (e.g. Triton's profiler) or the debug,
+instrumentation or interpreter knob is set, goes through ``kernel[grid](...)`` itself. Not repeated
+per call: the check that the kernel's globals kept the values it was compiled with (ours reads
+module constants only). On a Triton other
 than ``TESTED_TRITON``, or if its internals differ from what is used here, every call goes through
 ``kernel[grid](...)`` (a warning says why, once).
 """

@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 from ._launch import lean  # @lean kernels: a cached compiled kernel launched directly (less host work per call)
-
 from ._triton_gmm import num_sms
 
 

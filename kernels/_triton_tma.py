@@ -44,11 +44,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._launch import lean  # @lean kernels: a cached compiled kernel launched directly (less host work per call)
-
 from ._triton_gmm import group_tiles, num_sms, tile_coords
 
 

@@ -79,7 +79,8 @@ def _register_all() -> dict:
     for name, op in OPS.items():
         try:
             if _register(name, op):
-                done[getattr(torch.ops.moe_compile, name).default] = getattr(getattr(torch.ops, NAMESPACE), name).default
+                twin = getattr(getattr(torch.ops, NAMESPACE), name).default
+                done[getattr(torch.ops.moe_compile, name).default] = twin
         except Exception as exc:  # an older/newer torch: the graphs keep the custom ops
             log.debug("moe_compile: no %s twin for %s (%s: %s)", NAMESPACE, name, type(exc).__name__, exc)
     return done
@@ -92,3 +93,10 @@ def profiler_names(op: str) -> tuple[str, str]:
     """The names a call of ``op`` has in a torch.profiler trace: from user code or a Dynamo graph,
     and from compiled code."""
     return f"moe_compile::{op}", f"{NAMESPACE}::{op}"
+
+
+def count_calls(events, op: str) -> int:
+    """Calls of ``op`` among a torch.profiler trace's events, under either name, each counted once
+    (not the op's own nested dispatch events)."""
+    names = profiler_names(op)
+    return sum(1 for e in events if e.name in names and (e.cpu_parent is None or e.cpu_parent.name not in names))

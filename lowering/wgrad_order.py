@@ -44,7 +44,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from moe_compile.passes.normalize import canon
+from moe_compile.passes.normalize import canon, op_namespace
 
 WEIGHT_GRADIENTS = ("moe_compile::grouped_mm_wgrad", "moe_compile::grouped_mm_wgrad_lowp")
 
@@ -65,10 +65,11 @@ def _crossable(node: fx.Node) -> bool:
         return True
     if not isinstance(target, torch._ops.OpOverload):
         return False  # higher-order ops, Python callables: unknown effects
-    if target.namespace not in ("aten", "prims", "moe_compile", "moe_compile_rt"):
+    namespace = op_namespace(target)
+    if namespace not in ("aten", "prims", "moe_compile"):
         return False  # collectives and waits (_c10d_functional), stream ops, other libraries' ops
     name = target._overloadpacket.__name__
-    if name in _PINNED or (target.namespace in ("moe_compile", "moe_compile_rt") and name.startswith("ep_")):
+    if name in _PINNED or (namespace == "moe_compile" and name.startswith("ep_")):
         return False
     if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
         return False

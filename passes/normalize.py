@@ -69,10 +69,9 @@ def _canon(node: fx.Node) -> str | None:
         if t in _OPERATORS:
             return _OPERATORS[t]
         if isinstance(t, torch._ops.OpOverload) and t.namespace not in ("aten", "prim"):
-            # moe_compile_rt: the twins compiled graphs call (kernels/runtime_ops.py), the same ops
-            return f"{'moe_compile' if t.namespace == 'moe_compile_rt' else t.namespace}::{t._opname}"
+            return f"{op_namespace(t)}::{t._opname}"
         if isinstance(t, torch._ops.OpOverloadPacket) and t._qualified_op_name.split("::")[0] not in ("aten",):
-            return t._qualified_op_name.replace("moe_compile_rt::", "moe_compile::", 1)
+            return t._qualified_op_name.replace(f"{_TWINS}::", "moe_compile::", 1)
         name = _fn_name(t)
     elif node.op == "call_method":
         name = node.target
@@ -81,6 +80,14 @@ def _canon(node: fx.Node) -> str | None:
     else:
         return None
     return _ALIASES.get(name, name)
+
+
+_TWINS = "moe_compile_rt"   # kernels/runtime_ops.NAMESPACE: the twins compiled graphs call, the same ops
+
+
+def op_namespace(op: torch._ops.OpOverload) -> str:
+    """An op's namespace, with the moe_compile_rt twins counted as moe_compile."""
+    return "moe_compile" if op.namespace == _TWINS else op.namespace
 
 
 def is_inplace_method(node: fx.Node) -> bool:

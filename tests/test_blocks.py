@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters as dynamo_counters
 
 import moe_compile
-from moe_compile.kernels.runtime_ops import profiler_names
+from moe_compile.kernels.runtime_ops import count_calls
 from helpers import FP32_REL, HF_FP32_REL, assert_close_rel
 
 OPTS = {"moe.inductor": False}
@@ -27,8 +27,7 @@ def _route_permute_calls(fn) -> int:
     """MoE layers running rewritten code in one call of ``fn``: calls of moe_compile::route_permute."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
-    names = profiler_names("route_permute")
-    return sum(1 for e in prof.events() if e.name in names and (e.cpu_parent is None or e.cpu_parent.name not in names))
+    return count_calls(prof.events(), "route_permute")
 
 
 # ----------------------------------------------------------------------------- plain-loop model

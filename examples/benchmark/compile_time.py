@@ -62,11 +62,9 @@ def measure(layers: int, mode: str, form: str, options: dict, steps: int) -> dic
         times.append(time.perf_counter() - t0)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn(input_ids=ids, labels=ids)
-    from moe_compile.kernels.runtime_ops import profiler_names
+    from moe_compile.kernels.runtime_ops import count_calls
 
-    names = profiler_names("route_permute")
-    moe_layers = sum(1 for e in prof.events() if e.name in names
-                     and (e.cpu_parent is None or e.cpu_parent.name not in names))
+    moe_layers = count_calls(prof.events(), "route_permute")
     step_s = statistics.median(times)
     return dict(layers=layers, mode=mode, form=form, compile_s=first - step_s, step_ms=step_s * 1e3,
                 graphs=counters["stats"]["unique_graphs"], moe_layers=moe_layers,

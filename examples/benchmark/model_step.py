@@ -367,10 +367,9 @@ def gap_causes(events, window_start: float, steps: int, min_gap_us: float = 2.0)
 def route_permute_calls(events) -> int:
     """Calls of moe_compile::route_permute (one per rewritten MoE layer per forward), not counting
     the op's own nested dispatch events."""
-    from moe_compile.kernels.runtime_ops import profiler_names
+    from moe_compile.kernels.runtime_ops import count_calls
 
-    names = profiler_names("route_permute")  # from eager / Dynamo graphs, and from compiled code
-    return sum(1 for e in events if e.name in names and (e.cpu_parent is None or e.cpu_parent.name not in names))
+    return count_calls(events, "route_permute")
 
 
 # ------------------------------------------------------------------------------------ one variant
