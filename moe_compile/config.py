@@ -43,7 +43,11 @@ class MoEConfig:
     disable: names of optional passes to skip (``moe_compile.pipeline.OPTIONAL_PASSES``).
     mode: the Inductor mode, for when torch.compile's own ``mode=`` cannot be combined with options.
     ep_overlap_chunks: an expert-parallel MoE layer's tokens are split into this many chunks, so each
-        chunk's all-to-all runs under another chunk's expert GEMMs (1: one chain, no overlap).
+        chunk's all-to-all is scheduled under another chunk's expert GEMMs (1: one chain, no overlap).
+        Default 1: on 2 x H200 the all-to-all kernels did not run concurrently with the GEMMs, and
+        chunks cost more than they hid (Qwen3 layer 13.0 ms at 2 chunks vs 11.2 at 1; DeepSeek-V3
+        widths 46.4 vs 29.8, where each chunk's expert-weight gradient is weight-sized and summed;
+        docs/benchmarks.md, expert parallelism).
     """
 
     debug: bool = False
@@ -54,7 +58,7 @@ class MoEConfig:
     stack_expert_params: bool = True
     disable: tuple[str, ...] = ()
     mode: str = "default"
-    ep_overlap_chunks: int = 2
+    ep_overlap_chunks: int = 1
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -319,6 +319,50 @@ def test_padded_layout_is_sync_free():
     assert lay.src.shape == (20,) and lay.unpack_src.shape == (5,)
 
 
+def _random_plan(gen, ep, e_local, n, case):
+    """A plan one rank could see: it sends at most n rows in all, and receives at most n from each peer."""
+    def split(total, parts):
+        cuts = torch.randint(0, total + 1, (parts - 1,), generator=gen).sort().values
+        return torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([total])]))
+
+    if case == "empty":
+        return torch.zeros(2, ep, e_local, dtype=torch.int64)
+    sent = n if case == "all_sent" else int(torch.randint(0, n + 1, (), generator=gen))
+    send = split(sent, ep * e_local).view(ep, e_local)
+    if case == "one_hot":  # everything to one expert of one peer
+        send = torch.zeros(ep, e_local, dtype=torch.int64)
+        send[ep - 1, 0] = sent
+    recv = torch.stack([split(int(torch.randint(0, n + 1, (), generator=gen)), e_local) for _ in range(ep)])
+    return torch.stack([send, recv])
+
+
+@pytest.mark.parametrize("case", ["random", "all_sent", "one_hot", "empty"])
+def test_traced_gathers_take_the_inverse_gather_as_gradient(case):
+    """Each of the four gathers of the traceable transport (kernels/ep_traceable) has the gradient
+    ATen's index_select would give (an index_add), computed as the inverse gather instead: the same
+    values exactly, on plans with dropped rows, padding, empty peers and one hot expert."""
+    from moe_compile.kernels import ep_traceable
+
+    gen = torch.Generator().manual_seed(0)
+    for ep, e_local, n in ((2, 3, 7), (4, 2, 5), (2, 1, 1)):
+        lay = padded_layout(_random_plan(gen, ep, e_local, n, case), n)
+        pairs = {  # (rows of t, ok, idx, inv_ok, inv_idx) of send_rows, receive_rows, send_back, receive_back
+            "send_rows": (n, lay.pack_ok, lay.pack_src, lay.unpack_ok, lay.unpack_src),
+            "receive_rows": (ep * n, lay.out_ok, lay.src, lay.recv_ok, lay.dest),
+            "send_back": (ep * n, lay.recv_ok, lay.dest, lay.out_ok, lay.src),
+            "receive_back": (ep * n, lay.unpack_ok, lay.unpack_src, lay.pack_ok, lay.pack_src),
+        }
+        for name, (rows, ok, idx, inv_ok, inv_idx) in pairs.items():
+            t = torch.randn(rows, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+            g = torch.randn(ok.shape[0], 3, dtype=torch.float64, generator=gen)
+            out = ep_traceable._Gather.apply(t, ok, idx, inv_ok, inv_idx)
+            want_out = torch.where(ok.unsqueeze(-1), t.index_select(0, idx), 0.0)
+            (got,) = torch.autograd.grad(out, t, g)
+            (want,) = torch.autograd.grad(want_out, t, g)
+            assert torch.equal(out, want_out), (case, ep, name)
+            assert torch.equal(got, want), (case, ep, name, (got - want).abs().max())
+
+
 def test_ep_experts_eager_raises_and_has_the_global_shape():
     with pytest.raises(RuntimeError, match=r'ep_experts: .*parallelize_experts.*backend="moe".*explain'):
         OPS.ep_experts(torch.zeros(2, 3, 4), 4, "any group")

@@ -373,7 +373,8 @@ def _between(graph, is_start, is_end, is_work) -> bool:
 
 def body_schedule(rank, ep):
     """After the ep_overlap pass, each direction of the training step has an all-to-all in flight
-    while another chunk's expert GEMMs run (forward: grouped_mm; backward: its dgrad / wgrad)."""
+    while another chunk's expert GEMMs run (forward: grouped_mm; backward: its dgrad / wgrad), and
+    the backward moves rows with gathers only (no index_add: an atomic scatter on the GPU)."""
     import moe_compile
     from moe_compile.lowering import overlap
     from moe_compile.passes.normalize import canon
@@ -403,6 +404,9 @@ def body_schedule(rank, ep):
         return (canon(n) or "").startswith("moe_compile::grouped_mm")
 
     assert len(graphs) == 2, f"expected a forward and a backward graph, got {len(graphs)}"
+    scatters = [str(n.target) for n in graphs[1].nodes if n.op == "call_function"
+                and any(s in str(n.target) for s in ("index_add", "index_put", "index_select_backward", "scatter_add"))]
+    assert not scatters, f"the movement's backward scatters rows ({scatters}): its gathers' gradients are gathers"
     for name, graph in zip(("forward", "backward"), graphs):
         assert _between(graph, lambda n: op(n) == "all_to_all_single", lambda n: op(n) == "wait_tensor", gemm), \
             f"{name}: no expert GEMM runs while an all-to-all is in flight"

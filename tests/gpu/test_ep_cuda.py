@@ -72,6 +72,10 @@ def _body(rank, world, init_file, cudagraphs):
             want = dict(ref.experts.named_parameters())[name.removeprefix("_ep_local_")].grad
             assert _rel(torch.cat(shards).float(), want.float()) <= EP_BF16_GRAD_REL, name
     finally:
+        # drop the compiled graphs (and the CUDA graphs that captured NCCL work) before the group:
+        # with them alive destroy_process_group hung on 2 x H200
+        torch.cuda.synchronize()
+        torch._dynamo.reset()
         dist.destroy_process_group()
 
 
