@@ -74,18 +74,20 @@ class LeanKernel:
         if self.broken or (choices is not None and not choices.LEAN_LAUNCH):
             return self.fn[grid](*args, **kwargs)
         try:
-            if self.knobs is None:   # what JITFunction.run reads the device and stream with
+            if self.knobs is None:
                 import triton
                 from triton import knobs
-                from triton.runtime import driver
 
                 if not triton.__version__.startswith(TESTED_TRITON):
                     raise ImportError(f"triton {triton.__version__} is not one of {TESTED_TRITON}")
-                self.knobs, self.device, self.stream = knobs, driver.active.get_current_device, \
-                    driver.active.get_current_stream
+                self.knobs = knobs
             self.choices = choices
-            if not _plain_launch(self.knobs):
+            if not _plain_launch(self.knobs):   # before the driver: the interpreter may run without one
                 return self.fn[grid](*args, **kwargs)
+            if self.device is None:   # what JITFunction.run reads the device and stream with
+                from triton.runtime import driver
+
+                self.device, self.stream = driver.active.get_current_device, driver.active.get_current_stream
             device = self.device()
             binder = self.fn.device_caches[device][4]
         except (ImportError, AttributeError, KeyError, IndexError, TypeError, ValueError) as exc:

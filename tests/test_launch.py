@@ -150,3 +150,20 @@ def test_lean_launch_off_and_unknown_triton_take_the_full_path(fake_triton, monk
     k[(1,)](32, 5)
     k[(1,)](32, 5)
     assert len(fn.slow) == 4 and k.broken
+
+
+def test_interpreter_takes_the_full_path_without_a_gpu_driver(fake_triton, monkeypatch):
+    """TRITON_INTERPRET=1 on a machine with no GPU driver: Triton's driver lookup raises there, so the
+    first call must take kernel[grid](...) (the interpreter) before asking the driver for a device."""
+    class NoDriver:
+        @property
+        def active(self):
+            raise RuntimeError("0 active drivers ([]). There should only be one.")
+
+    monkeypatch.setattr(sys.modules["triton.runtime"], "driver", NoDriver())
+    fake_triton.interpret = True
+    fn = FakeJIT()
+    k = _launch.lean(fn)
+    k[(1,)](32, 5)
+    k[(1,)](32, 5)
+    assert len(fn.slow) == 2 and not k.broken
