@@ -16,7 +16,9 @@ first use, so a chunk's all-to-all runs under another chunk's expert GEMMs.
 
 Each gather's gradient is the inverse gather (``_Gather``): every layout map is one-to-one on its
 valid rows, so the gradient of ``t[idx] where ok`` is ``g[inv_idx] where inv_ok``, not ATen's
-``index_add`` (an atomic scatter: ~1 ms per call at Qwen3's 131072 x 2048 bf16 rows on an H200).
+``index_add`` (an atomic scatter: ~1 ms per call at Qwen3's widths on an H200, 32768-65536 rows of
+2048 bf16 per call). The same values; only a -0.0 gradient row stays -0.0 where index_add into zeros
+gave +0.0.
 
 Every rank must route the same N rows: ``plan`` exchanges N with the counts and asserts it on the
 device (no host sync, no extra collective).

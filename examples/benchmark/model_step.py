@@ -34,7 +34,8 @@ tokens, a new batch every step; every variant starts from the same weights and s
 Columns: tokens/s and model TFLOP/s per step (FLOPs by NeMo Automodel's formula, ``examples/flops.py``:
 3 x 2mnk per GEMM, routed top-k experts only, causal attention halved, LM head included; the same
 FLOPs for both forms); step ms = median of --steps CUDA-event-timed steps after --warmup; host ms =
-median time to issue one step (no sync); peak GiB = ``max_memory_allocated`` over the timed steps;
+median time to issue one step (no sync); peak GiB = ``max_memory_allocated`` over the timed steps
+(under --fsdp on several ranks: the largest rank's);
 compile s = first step - median step; "regions rewritten" = MoE regions the backend rewrote while
 compiling (``moe_compile.counters``; one per layer for a whole-model compile, one per block class with
 --per-block); "moe layers" = calls of ``moe_compile::route_permute`` per
@@ -490,6 +491,10 @@ def run_variant(name, form, variant, args, device, dtype) -> dict:
     row["step_ms"], row["host_ms"] = _timed_steps(step, args.steps, device)
     if device == "cuda":
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        if args.fsdp and torch.distributed.get_world_size() > 1:   # the largest rank's, not rank 0's
+            peak = torch.tensor([row["peak_gib"]], device=device)
+            torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+            row["peak_gib"] = peak.item()
     row["compile_s"] = max(0.0, first - row["step_ms"] / 1e3) if variant != "eager" else 0.0
     tokens = batch * seq
     row["tokens_s"] = tokens / (row["step_ms"] / 1e3)
