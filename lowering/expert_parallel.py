@@ -98,12 +98,14 @@ def describe(ep: EPLayout, received, chunks: int) -> str:
     from moe_compile.kernels.ep_transport import resolve_group
 
     size = dist.get_world_size(resolve_group(ep.group_name))
+    if chunks > 1:
+        overlap = f"overlap: all-to-alls issued early and waited late (ep_overlap), {chunks} token chunks"
+    else:
+        overlap = ("one token chunk, no overlap (moe.ep_overlap_chunks > 1 splits the tokens so all-to-alls "
+                   "can run under another chunk's GEMMs)")
     return (f"expert parallel: ep={size} ranks, {ep.num_experts // size} of {ep.num_experts} experts per rank, "
             f"transport padded all-to-all (functional collectives, sync-free), receive capacity "
-            f"{received.shape[0]} rows per chunk (every rank's rows: dropless), "
-            + (f"overlap: all-to-alls issued early and waited late (ep_overlap), {chunks} token chunks" if chunks > 1
-               else "one token chunk, no overlap (moe.ep_overlap_chunks > 1 splits the tokens so all-to-alls "
-                    "can run under another chunk's GEMMs)"))
+            f"{received.shape[0]} rows per chunk (every rank's rows: dropless), {overlap}")
 
 
 def local_operand(b, node: fx.Node) -> fx.Node:
