@@ -34,6 +34,7 @@ import sys
 import time
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .config import MoEConfig
 
@@ -233,11 +234,17 @@ def inductor_defaults(records) -> dict:
     return {"size_asserts": False} if listy else {}
 
 
-class _PostGradPass:
+class _PostGradPass(CustomGraphPass):
     """The post_grad stage as Inductor's ``post_grad_custom_post_pass``, after the user's own pass if
-    they set one. Its ``uuid`` names the passes; not being an Inductor ``CustomGraphPass`` subclass,
-    it makes Inductor bypass its FX graph cache for these graphs ("Unsupported post grad custom
-    pass", torch 2.13), so the post_grad passes run on every compile."""
+    they set one.
+
+    ``uuid`` is this pass's part of Inductor's FX graph cache key: the stage's pass names, this
+    package's version and a digest of its source (``source_digest``: an edited checkout must not
+    reuse graphs its older passes made), and the user's pass's own uuid. A user pass Inductor
+    cannot key (a plain callable, or a ``uuid()`` that is empty) makes it None, so Inductor
+    bypasses its cache for that graph as it would for the user's pass alone. On a cache hit the
+    passes do not run; they only edit graphs (what a user must be told comes from the other
+    stages, pipeline.py)."""
 
     def __init__(self, hook, user_pass=None):
         self.hook, self.user_pass = hook, user_pass
@@ -250,8 +257,42 @@ class _PostGradPass:
     def uuid(self):
         from moe_compile import __version__
 
-        user = getattr(self.user_pass, "uuid", lambda: repr(self.user_pass))() if self.user_pass else None
-        return ("moe_compile.post_grad", __version__, getattr(self.hook, "passes", None), user)
+        user = None
+        if self.user_pass is not None:
+            user = self.user_pass.uuid() if isinstance(self.user_pass, CustomGraphPass) else None
+            if not user:
+                return None
+        return ("moe_compile.post_grad", __version__, source_digest(), getattr(self.hook, "passes", None), user)
+
+
+_PACKAGES = ("moe_compile", "moe_compile.passes", "moe_compile.lowering", "moe_compile.kernels")
+
+
+def package_files() -> list:
+    """(package, path) of every Python file of moe_compile and its passes / lowering / kernels."""
+    import importlib
+    import pathlib
+
+    return [(name, f) for name in _PACKAGES for root in importlib.import_module(name).__path__
+            for f in sorted(pathlib.Path(root).glob("*.py"))]
+
+
+def digest_files(files) -> str:
+    """sha256 over (package, path) pairs: each file's package, name and text."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, f in files:
+        h.update(f"{name}/{f.name}\0".encode())
+        h.update(f.read_bytes())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def source_digest() -> str:
+    """The digest of this package's source (``digest_files(package_files())``), read once per process."""
+    return digest_files(package_files())
 
 
 def _aot_eager(gm, example_inputs, hook):
@@ -270,10 +311,10 @@ def _aot_eager(gm, example_inputs, hook):
                         keep_inference_input_mutations=True)(gm, example_inputs)
 
 
-def _compile_rewritten(gm, example_inputs, config: MoEConfig, inductor_options: dict, records, notes: list):
+def _compile_rewritten(gm, example_inputs, config: MoEConfig, inductor_options: dict, records):
     from .pipeline import post_grad_hook
 
-    hook = post_grad_hook(config, notes)
+    hook = post_grad_hook(config)
     if not config.inductor:
         return _aot_eager(gm, example_inputs, hook)
     from torch._inductor import list_mode_options
@@ -319,12 +360,11 @@ def _moe_backend(gm, example_inputs, mode, options):
     session = records_mod.current_session()
     new_gm, records = pipeline.run_dynamo_stage(gm, example_inputs, config)
     plan, inputs, stacked = None, example_inputs, []
-    notes: list = []
     try:
         if new_gm is not gm:
             before = pipeline.run_before_compile(new_gm, example_inputs, records, config)
             plan, inputs, stacked, records = before.plan, before.inputs, before.to_rehome, before.records
-        compiled = _compile_rewritten(new_gm, inputs, config, inductor_options, records, notes)
+        compiled = _compile_rewritten(new_gm, inputs, config, inductor_options, records)
     except Exception as exc:
         if new_gm is gm or config.strict:
             raise
@@ -335,8 +375,8 @@ def _moe_backend(gm, example_inputs, mode, options):
                                        reason=reasons.message("compile_error", detail),
                                        fix=reasons.fix("compile_error"))
                    if r.status == records_mod.REWRITTEN else r for r in records]
-        new_gm, notes, plan, inputs, stacked = gm, [], None, example_inputs, []
-        compiled = _compile_rewritten(gm, example_inputs, config, inductor_options, records, notes)
+        new_gm, plan, inputs, stacked = gm, None, example_inputs, []
+        compiled = _compile_rewritten(gm, example_inputs, config, inductor_options, records)
     if plan is not None:
         from .expert_inputs import StackedInputs
 
@@ -351,9 +391,6 @@ def _moe_backend(gm, example_inputs, mode, options):
                 raise
             log.warning("moe_compile: the after_compile passes failed (%s: %s); the rewritten graph runs without "
                         "them", type(exc).__name__, exc)
-    if notes:
-        records = [dataclasses.replace(r, notes=r.notes + tuple(dict.fromkeys(notes))) if r.status == "rewritten"
-                   else r for r in records]
     if not records:
         return compiled
     return _PublishOnFirstCall(compiled, records, session)

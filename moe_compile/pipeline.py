@@ -2,13 +2,17 @@
 
     stage          graph                                     passes
     dynamo         a copy of Dynamo's torch-level graph      normalize, loop_regions, grouped_regions,
-                                                             check, lower, swiglu, router_topk
-    post_grad      each forward / backward ATen graph after  host_syncs, wgrad_early, ep_overlap,
-                                                             runtime_ops
+                                                             check, lower, swiglu, router_topk, host_syncs
+    before_compile the rewritten graph and its real inputs   stack_expert_params
+    post_grad      each forward / backward ATen graph after  wgrad_early, ep_overlap, runtime_ops
                    AOTAutograd (Inductor's post-grad hook,
                    or the aot_eager compilers)
-    before_compile the rewritten graph and its real inputs   stack_expert_params
     after_compile  the compiled graph's real inputs          rehome_weights
+
+The post_grad passes only edit graphs: they note nothing, because Inductor's FX graph cache skips
+them on a hit (their names and a digest of this package's source are the cache key's part,
+``backend._PostGradPass.uuid``). What a user must be told is found in the other stages, which run
+on every compile.
 
 ``moe.disable`` names optional passes to skip (never ``normalize``, ``check`` or ``lower``);
 ``moe.debug`` logs the graph after each pass. ``run_dynamo_stage`` works on a copy of Dynamo's
@@ -54,6 +58,7 @@ class DynamoState:
     region_notes: dict = dataclasses.field(default_factory=dict)  # id(region) -> notes from its lowering
     region_nodes: dict = dataclasses.field(default_factory=dict)  # id(region) -> nodes its lowering added
     unclaimed: list = dataclasses.field(default_factory=list)     # RegionRecord: MoE-like code no region covers
+    graph_notes: list = dataclasses.field(default_factory=list)   # notes for every rewritten region of the graph
 
 
 # ------------------------------------------------------------------------------- dynamo stage
@@ -139,29 +144,38 @@ def _router_topk(s: DynamoState) -> None:
                     s.region_nodes[id(r)].add(node)
 
 
-# ------------------------------------------------------------------------------- later stages
-def _host_syncs(graph: fx.Graph, notes: list) -> None:
+def _host_syncs(s: DynamoState) -> None:
+    """What still makes the host wait once the regions are rewritten (code outside them)."""
+    if not s.accepted:
+        return
     from moe_compile.passes.host_syncs import find_host_syncs
 
-    found = find_host_syncs(graph)
+    try:
+        found = find_host_syncs(s.gm.graph)
+    except Exception as exc:  # a detector bug must not stop the rewrite
+        if s.config.strict:
+            raise
+        log.warning("moe_compile: the host-sync detector failed (%s: %s)", type(exc).__name__, exc)
+        return
     if found:
-        notes.append("host syncs left in the compiled graph (CUDA graphs and overlap need none): "
-                     + ", ".join(f"{op} x{n}" for op, n in found.items()))
+        s.graph_notes.append("host syncs left in the compiled graph (CUDA graphs and overlap need none): "
+                             + ", ".join(f"{op} x{n}" for op, n in found.items()))
 
 
-def _wgrad_early(graph: fx.Graph, notes: list) -> None:
+# ------------------------------------------------------------------------------- later stages
+def _wgrad_early(graph: fx.Graph) -> None:
     from moe_compile.lowering.wgrad_order import hoist_weight_gradients
 
     hoist_weight_gradients(graph)
 
 
-def _ep_overlap(graph: fx.Graph, notes: list) -> None:
+def _ep_overlap(graph: fx.Graph) -> None:
     from moe_compile.lowering.overlap import schedule_collectives
 
     schedule_collectives(graph)
 
 
-def _runtime_ops(graph: fx.Graph, notes: list) -> None:
+def _runtime_ops(graph: fx.Graph) -> None:
     from moe_compile.lowering.runtime_ops import use_runtime_ops
 
     use_runtime_ops(graph)
@@ -210,10 +224,10 @@ PASSES: tuple[Pass, ...] = (
          "silu(h[:, :N]) * h[:, N:] on rewritten GEMM outputs -> moe_compile.swiglu (lowering/swiglu.py)"),
     Pass("router_topk", "dynamo", _router_topk, True,
          "torch.topk in the routers of rewritten regions -> moe_compile.router_topk (lowering/router_topk.py)"),
+    Pass("host_syncs", "dynamo", _host_syncs, True,
+         "note the host-sync ops left in a rewritten graph, outside its regions (passes/host_syncs.py)"),
     Pass("stack_expert_params", "before_compile", _stack_expert_params, True,
          "ModuleList expert weights -> one graph input (one autograd leaf) per buffer (lowering/expert_stack.py)"),
-    Pass("host_syncs", "post_grad", _host_syncs, True,
-         "note host-sync ops left in graphs with moe_compile ops (passes/host_syncs.py)"),
     Pass("wgrad_early", "post_grad", _wgrad_early, True,
          "run each expert weight-gradient GEMM as soon as its inputs exist: its inputs are freed before the "
          "input-gradient GEMMs allocate; under Inductor, whose memory-aware reordering checks the order "
@@ -281,11 +295,6 @@ def _with_fused(nodes: set) -> set:
     return nodes | {u for n in nodes for u in n.users if (canon(u) or "") == "moe_compile::swiglu"}
 
 
-def _surviving_syncs(gm: fx.GraphModule) -> list[str]:
-    """where/nonzero nodes left after lowering (kept alive by code outside any region)."""
-    return [n.name for n in gm.graph.nodes if canon(n) == "nonzero" or (canon(n) == "where" and len(n.args) == 1)]
-
-
 def run_dynamo_stage(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.GraphModule, list[RegionRecord]]:
     """The dynamo stage on a copy of ``gm``: (the graph to compile, one record per MoE region)."""
     from moe_compile import debug
@@ -321,8 +330,7 @@ def run_dynamo_stage(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.Gra
     records = s.errors + [_refused_record(r) for r in s.refused if isinstance(r, Refusal)] + s.unclaimed
     if not s.accepted:
         return gm, records
-    syncs = _surviving_syncs(s.gm)
-    notes = (f"where/nonzero still needed outside the rewritten regions: {', '.join(syncs)}",) if syncs else ()
+    notes = tuple(s.graph_notes)
     alive = set(s.gm.graph.nodes)
     for r in s.accepted:
         nodes = _with_fused(s.region_nodes.get(id(r), alive) & alive)
@@ -359,7 +367,7 @@ def _list_weight_note(gm: fx.GraphModule, nodes=None) -> tuple[str, ...]:
             "parameter [E, N, K] (as transformers 5 does) removes the per-parameter cost (docs/benchmarks.md)",)
 
 
-def post_grad_hook(config, notes: list):
+def post_grad_hook(config):
     """The post_grad stage as a graph pass (Inductor's ``post_grad_custom_post_pass`` or the
     aot_eager compilers): runs each enabled post-grad pass on every forward/backward graph. The
     hook's ``passes`` names them (part of the Inductor cache key, ``backend._PostGradPass.uuid``)."""
@@ -370,7 +378,7 @@ def post_grad_hook(config, notes: list):
     def run(graph: fx.Graph) -> None:
         if any((canon(n) or "").startswith("moe_compile::") for n in graph.nodes):
             for p in passes:
-                p.run(graph, notes)
+                p.run(graph)
 
     run.passes = tuple(p.name for p in passes)
     return run

@@ -21,3 +21,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("slow") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def no_compile_cache(monkeypatch):
+    """Inductor's FX graph cache and AOTAutograd's cache off for one test: on a cache hit the
+    post_grad passes do not run (the graph they made is loaded), and a test that spies on them
+    must see them run."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)

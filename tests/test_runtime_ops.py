@@ -105,7 +105,7 @@ def test_the_pass_swaps_only_ops_with_a_twin():
 
 
 @pytest.mark.parametrize("inductor", [True, False])
-def test_compiled_graphs_call_twins_and_gradients_match(monkeypatch, inductor):
+def test_compiled_graphs_call_twins_and_gradients_match(monkeypatch, no_compile_cache, inductor):
     """Forward and backward graphs of a rewritten layer end with only twins of the moe_compile
     compute ops (so the swap fired in both); outputs and every gradient match eager. Disabled: none
     swapped."""
@@ -128,7 +128,7 @@ def test_compiled_graphs_call_twins_and_gradients_match(monkeypatch, inductor):
     assert seen == []
 
 
-def test_loop_form_with_stacked_weights_uses_twins_and_gradients_match(monkeypatch):
+def test_loop_form_with_stacked_weights_uses_twins_and_gradients_match(monkeypatch, no_compile_cache):
     """The ModuleList form (stacked weight inputs, gradient hand-over) under Inductor."""
     swapped = []
     real = lowering_runtime_ops.use_runtime_ops

@@ -98,7 +98,7 @@ def test_already_early_weight_gradient_stays():
 
 
 @pytest.mark.parametrize("inductor", [True, False])
-def test_backward_weight_gradients_hoisted_and_gradients_match(monkeypatch, inductor):
+def test_backward_weight_gradients_hoisted_and_gradients_match(monkeypatch, no_compile_cache, inductor):
     """Under Inductor the pass runs on the backward graph of a rewritten layer (at least one weight
     gradient moves); in the aot_eager path (no memory-aware reordering to check it) it does not run;
     with it disabled nothing moves. Output and every gradient match eager each time."""

@@ -4,6 +4,7 @@ form) with 1, 8, 48 layers. Host work only: CPU figures are meaningful.
 
     python examples/benchmark/compile_time.py                          # 1 8 48 layers, whole + per-block
     python examples/benchmark/compile_time.py --layers 1 8 --form loop --moe-option moe.inductor=False
+    python examples/benchmark/compile_time.py --layers 1 8 --modes block --warm --backends moe inductor
 
 Each measurement runs in a fresh process with a fresh Inductor cache (a cold start); compile s = the
 first training step (forward + backward, which compiles both) minus the median of --steps later
@@ -26,7 +27,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def measure(layers: int, mode: str, form: str, options: dict, steps: int) -> dict:
+def measure(layers: int, mode: str, form: str, options: dict, steps: int, backend: str = "moe") -> dict:
     """One cold compile in this process (called in a child process)."""
     import torch
     from torch._dynamo.utils import counters
@@ -40,11 +41,11 @@ def measure(layers: int, mode: str, form: str, options: dict, steps: int) -> dic
     torch.manual_seed(0)
     model = model_step.build("qwen3", form, True, layers, "cpu", torch.float32)
     ids = torch.randint(3, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
-    kw = {"options": options} if options else {}
+    kw = {"options": options} if options and backend == "moe" else {}
     if mode == "whole":
-        fn = torch.compile(model, backend="moe", **kw)
+        fn = torch.compile(model, backend=backend, **kw)
     else:
-        moe_compile.compile_blocks(model, backend="moe", **kw)
+        moe_compile.compile_blocks(model, backend=backend, **kw)
         fn = model
 
     def step():
@@ -66,7 +67,9 @@ def measure(layers: int, mode: str, form: str, options: dict, steps: int) -> dic
 
     moe_layers = count_calls(prof.events(), "route_permute")
     step_s = statistics.median(times)
-    return dict(layers=layers, mode=mode, form=form, compile_s=first - step_s, step_ms=step_s * 1e3,
+    cache = "/".join(str(counters["inductor"].get(f"fxgraph_cache_{k}", 0)) for k in ("hit", "miss", "bypass"))
+    return dict(layers=layers, mode=mode, form=form, backend=backend, cache=cache, compile_s=first - step_s,
+                step_ms=step_s * 1e3,
                 graphs=counters["stats"]["unique_graphs"], moe_layers=moe_layers,
                 rewritten_records=moe_compile.counters["rewritten"])
 
@@ -79,12 +82,14 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=1, help="cold compiles per cell (the minimum is kept)")
     ap.add_argument("--moe-option", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--backends", nargs="+", default=["moe"], choices=["moe", "inductor"])
+    ap.add_argument("--warm", action="store_true", help="also compile each cell again in a new process, same cache")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     options = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in args.moe_option)}
     if args.child:
-        layers, mode = args.child.split(":")
-        print("RESULT " + json.dumps(measure(int(layers), mode, args.form, options, args.steps)), flush=True)
+        layers, mode, backend = args.child.split(":")
+        print("RESULT " + json.dumps(measure(int(layers), mode, args.form, options, args.steps, backend)), flush=True)
         return
     import platform
 
@@ -95,31 +100,54 @@ def main():
     rows = []
     for layers in args.layers:
         for mode in args.modes:
-            runs = []
-            for _ in range(args.repeats):
-                with tempfile.TemporaryDirectory() as cache:
-                    cmd = [sys.executable, os.path.abspath(__file__), "--child", f"{layers}:{mode}", "--form", args.form,
-                           "--steps", str(args.steps)] + [a for o in args.moe_option for a in ("--moe-option", o)]
-                    # one compute thread: spinning OpenMP threads on a shared machine made steps of the
-                    # 48-layer model take 2-27 s, and the first step is measured against them
-                    out = subprocess.run(cmd, capture_output=True, text=True,
-                                         env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": "1"})
-                line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-                if not line:
-                    print(out.stdout[-2000:], out.stderr[-4000:], file=sys.stderr)
-                    raise SystemExit(f"layers={layers} mode={mode}: the child failed (rc {out.returncode})")
-                runs.append(json.loads(line[0][len("RESULT "):]))
-            row = min(runs, key=lambda r: r["compile_s"])
-            row["compile_runs"] = [round(r["compile_s"], 1) for r in runs]
+            for backend in args.backends:
+                rows += _cell(args, layers, mode, backend)
+    one = {(r["mode"], r["backend"], r["start"]): r["compile_s"] for r in rows if r["layers"] == min(args.layers)}
+    print("\n| layers | compile | backend | start | compile s | x of 1 layer | FX cache hit/miss/bypass | graphs "
+          "| moe layers rewritten | step ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        base = one.get((r["mode"], r["backend"], r["start"]))
+        ratio = r["compile_s"] / base if base else float("nan")
+        print(f"| {r['layers']} | {'whole-model' if r['mode'] == 'whole' else 'per-block'} | {r['backend']} "
+              f"| {r['start']} | {r['compile_s']:.1f} | {ratio:.2f}x | {r['cache']} | {r['graphs']} | {r['moe_layers']} "
+              f"| {r['step_ms']:.0f} |")
+
+
+def _cell(args, layers: int, mode: str, backend: str) -> list:
+    """Cold compiles (--repeats, the fastest kept), each in a fresh process with a fresh Inductor
+    cache; with --warm, then one more process on the last cold run's cache."""
+    starts = ["cold"] * args.repeats + (["warm"] if args.warm else [])
+    runs = {"cold": [], "warm": []}
+    cache = None
+    try:
+        for start in starts:
+            if start == "cold":
+                if cache is not None:
+                    cache.cleanup()
+                cache = tempfile.TemporaryDirectory()
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", f"{layers}:{mode}:{backend}", "--form",
+                   args.form, "--steps", str(args.steps)] + [a for o in args.moe_option for a in ("--moe-option", o)]
+            # one compute thread: spinning OpenMP threads on a shared machine made steps of the
+            # 48-layer model take 2-27 s, and the first step is measured against them
+            out = subprocess.run(cmd, capture_output=True, text=True,
+                                 env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache.name, "OMP_NUM_THREADS": "1"})
+            line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+            if not line:
+                print(out.stdout[-2000:], out.stderr[-4000:], file=sys.stderr)
+                raise SystemExit(f"layers={layers} mode={mode} backend={backend}: the child failed (rc {out.returncode})")
+            runs[start].append(json.loads(line[0][len("RESULT "):]))
+    finally:
+        if cache is not None:
+            cache.cleanup()
+    rows = []
+    for start in ("cold", "warm"):
+        if runs[start]:
+            row = min(runs[start], key=lambda r: r["compile_s"])
+            row.update(start=start, compile_runs=[round(r["compile_s"], 1) for r in runs[start]])
             print(json.dumps(row), flush=True)
             rows.append(row)
-    one = {r["mode"]: r["compile_s"] for r in rows if r["layers"] == min(args.layers)}
-    print("\n| layers | compile | compile s | x of 1 layer | graphs | moe layers rewritten | step ms |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        ratio = r["compile_s"] / one[r["mode"]] if one.get(r["mode"]) else float("nan")
-        print(f"| {r['layers']} | {'whole-model' if r['mode'] == 'whole' else 'per-block'} | {r['compile_s']:.1f} "
-              f"| {ratio:.2f}x | {r['graphs']} | {r['moe_layers']} | {r['step_ms']:.0f} |")
+    return rows
 
 
 if __name__ == "__main__":
