@@ -24,12 +24,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
-def no_compile_cache(monkeypatch):
+def no_compile_cache():
     """Inductor's FX graph cache and AOTAutograd's cache off for one test: on a cache hit the
     post_grad passes do not run (the graph they made is loaded), and a test that spies on them
-    must see them run."""
+    must see them run. Through the configs' own ``patch`` (pytest >= 9.2's monkeypatch deletes a
+    config module's attribute on undo, which hides it from every later test)."""
     import torch._functorch.config
     import torch._inductor.config
 
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
