@@ -128,12 +128,12 @@ class LayerCfg:
 
 MODELS = {
     # Qwen3-30B-A3B (its HF config), 8 of its 48 layers
-    "qwen3": ModelCfg("Qwen3-30B-A3B widths, 8 layers", layers=8, hidden=2048, vocab=151936, heads=32, kv_heads=4,
+    "qwen3": ModelCfg("Qwen3-30B-A3B widths", layers=8, hidden=2048, vocab=151936, heads=32, kv_heads=4,
                       head_dim=128, moe_inter=768, experts=128, top_k=8, seq=4096, batch=2),
     # DeepSeek-V3's routing (256 fine-grained experts, top-8, one shared expert, sigmoid gate x 2.5, no group
     # limit) and MLA, widths scaled to H=2048 (expert width 512 ~ V3's 2048/7168 ratio) so that 8 layers with
     # all experts fit one GPU for single_moe (V3's own widths: 22.5 GB of expert weights per layer)
-    "dsv3": ModelCfg("DeepSeek-V3-like fine-grained (256 experts, top-8, 1 shared, MLA; H=2048), 8 layers",
+    "dsv3": ModelCfg("DeepSeek-V3-like fine-grained (256 experts, top-8, 1 shared, MLA; H=2048)",
                      layers=8, hidden=2048, vocab=129280, heads=16, moe_inter=512, experts=256, top_k=8, seq=4096,
                      batch=1, shared=1, router="sigmoid", attn="mla", q_lora=768, kv_lora=512, qk_nope=128,
                      qk_rope=64, v_head=128),
