@@ -235,34 +235,48 @@ def inductor_defaults(records) -> dict:
 
 
 class _PostGradPass(CustomGraphPass):
-    """The post_grad stage as Inductor's ``post_grad_custom_post_pass``, after the user's own pass if
-    they set one.
+    """The post_grad stage as an Inductor ``CustomGraphPass``, installed on every graph this backend
+    compiles with Inductor (also when ``moe.disable`` leaves it no pass: its key still holds).
 
-    ``uuid`` is this pass's part of Inductor's FX graph cache key: the stage's pass names, this
-    package's version and a digest of its source (``source_digest``: an edited checkout must not
-    reuse graphs its older passes made), and the user's pass's own uuid. A user pass Inductor
-    cannot key (a plain callable, or a ``uuid()`` that is empty) makes it None, so Inductor
-    bypasses its cache for that graph as it would for the user's pass alone. On a cache hit the
-    passes do not run; they only edit graphs (what a user must be told comes from the other
-    stages, pipeline.py)."""
+    ``uuid`` is its part of Inductor's FX graph cache key and AOTAutograd's: the stage's pass names,
+    this package's version and a digest of its source (``source_digest``: an edited checkout must not
+    reuse graphs that older passes, fake functions or autograd formulas made). On a cache hit the
+    passes do not run; they only edit graphs (what a user must be told comes from the other stages,
+    pipeline.py).
 
-    def __init__(self, hook, user_pass=None):
-        self.hook, self.user_pass = hook, user_pass
+    The user's own ``post_grad_custom_post_pass`` (from the options, else Inductor's config) runs
+    first. Where Inductor takes a list of passes, the user's go in that list before this one and
+    Inductor runs and keys each itself (``_with_user_passes``); on an Inductor without lists they
+    run inside this one (``user``), and one that Inductor cannot key (a plain callable, an empty
+    ``uuid()``) makes this uuid None: Inductor then bypasses its caches, as for the user's pass alone."""
+
+    def __init__(self, hook, user: tuple = ()):
+        self.hook, self.user = hook, tuple(user)
 
     def __call__(self, graph):
-        if self.user_pass is not None:
-            self.user_pass(graph)
+        for p in self.user:
+            p(graph)
         self.hook(graph)
 
     def uuid(self):
         from moe_compile import __version__
 
-        user = None
-        if self.user_pass is not None:
-            user = self.user_pass.uuid() if isinstance(self.user_pass, CustomGraphPass) else None
-            if not user:
-                return None
-        return ("moe_compile.post_grad", __version__, source_digest(), getattr(self.hook, "passes", None), user)
+        keys = tuple(p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.user)
+        if not all(keys):
+            return None
+        return ("moe_compile.post_grad", __version__, source_digest(), getattr(self.hook, "passes", None), keys)
+
+
+def _with_user_passes(hook, user):
+    """What ``post_grad_custom_post_pass`` becomes: the user's pass(es) (None, one, or a list), then ours."""
+    from torch._inductor import custom_graph_pass
+
+    users = () if user is None else tuple(user) if isinstance(user, (list, tuple)) else (user,)
+    if not users:
+        return _PostGradPass(hook)
+    if hasattr(custom_graph_pass, "get_custom_graph_passes"):   # this Inductor runs and keys each of a list
+        return [*users, _PostGradPass(hook)]
+    return _PostGradPass(hook, users)
 
 
 _PACKAGES = ("moe_compile", "moe_compile.passes", "moe_compile.lowering", "moe_compile.kernels")
@@ -302,7 +316,7 @@ def _aot_eager(gm, example_inputs, hook):
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     def compiler(fx_g, inputs):
-        if hook is not None:
+        if hook.passes:
             hook(fx_g.graph)
             fx_g.recompile()  # the passes edit the graph; the module's code must follow (not left to lazy codegen)
         return boxed_nop(fx_g, inputs)
@@ -321,8 +335,9 @@ def _compile_rewritten(gm, example_inputs, config: MoEConfig, inductor_options: 
     from torch._inductor.compile_fx import compile_fx
 
     patches = {**inductor_defaults(records), **list_mode_options(config.mode), **inductor_options}
-    if hook is not None:
-        patches["post_grad_custom_post_pass"] = _PostGradPass(hook, patches.get("post_grad_custom_post_pass"))
+    key = "post_grad_custom_post_pass"
+    user = patches[key] if key in patches else getattr(torch._inductor.config, key)
+    patches[key] = _with_user_passes(hook, user)
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 

@@ -369,11 +369,10 @@ def _list_weight_note(gm: fx.GraphModule, nodes=None) -> tuple[str, ...]:
 
 def post_grad_hook(config):
     """The post_grad stage as a graph pass (Inductor's ``post_grad_custom_post_pass`` or the
-    aot_eager compilers): runs each enabled post-grad pass on every forward/backward graph. The
-    hook's ``passes`` names them (part of the Inductor cache key, ``backend._PostGradPass.uuid``)."""
+    aot_eager compilers): runs each enabled post-grad pass on every forward/backward graph (none
+    when ``moe.disable`` names them all: the hook is still installed, it carries the cache key).
+    The hook's ``passes`` names them (part of the Inductor cache key, ``backend._PostGradPass.uuid``)."""
     passes = [p for p in enabled("post_grad", config) if config.inductor or not p.inductor_only]
-    if not passes:
-        return None
 
     def run(graph: fx.Graph) -> None:
         if any((canon(n) or "").startswith("moe_compile::") for n in graph.nodes):

@@ -4,24 +4,30 @@ A rewritten MoE region has none: its shapes are static and its routing stays on 
 is what lets CUDA graphs capture it and collectives overlap it. What is left (router code outside
 a region, a region that was refused) is reported on the graph's records so a user sees it.
 
-Reads a graph, never edits it. Runs on the rewritten torch-level graph (the before_compile stage:
+Reads a graph, never edits it. Runs on the rewritten torch-level graph (the dynamo stage, after lowering:
 Dynamo's fake values under ``example_value``, methods as ``call_method``) and on ATen graphs (fake
 values under ``val``). A node counts when
 
     its op is a known syncing op: nonzero / masked_select / unique / .item() ... -> reported by name
     its output has a data-dependent size or value that none of its inputs has  -> reported by name
     (an unbacked symbol it introduces: nodes downstream of that node are not counted again)
+
+Subgraphs of higher-order ops (activation checkpointing, ...) are searched too; the higher-order op
+itself is not counted (its subgraph names the op).
 """
 from __future__ import annotations
 
 import collections
 
+import torch
 import torch.fx as fx
 
 from moe_compile.passes.normalize import canon, val
 
+# always sync; repeat_interleave only with tensor repeats and no output_size (its output size is then
+# data-dependent, which the unbacked-symbol rule sees); _assert_async: a device-side check, no sync
 _SYNC_OPS = {"nonzero", "masked_select", "_local_scalar_dense", "item", "tolist", "unique", "_unique2",
-             "unique_consecutive", "unique_dim", "repeat_interleave", "bincount"}  # _assert_async: no sync
+             "unique_consecutive", "unique_dim", "bincount"}
 
 
 def _unbacked(v) -> set:
@@ -43,14 +49,16 @@ def _introduces_unbacked(n: fx.Node) -> bool:
 
 
 def find_host_syncs(graph: fx.Graph) -> dict[str, int]:
-    """{op name: count} of host-syncing nodes in ``graph`` (no syncs: empty)."""
+    """{op name: count} of host-syncing nodes in ``graph`` and the subgraphs its module holds (no
+    syncs: empty)."""
     found: collections.Counter = collections.Counter()
-    for n in graph.nodes:
-        if n.op not in ("call_function", "call_method"):
-            continue
-        name = canon(n) or str(n.target)
-        if name == "repeat_interleave" and "output_size" in n.kwargs:
-            continue  # a known output size: no sync
-        if name in _SYNC_OPS or _introduces_unbacked(n):
-            found["getitem (boolean mask)" if name == "getitem" else name] += 1
+    owner = graph.owning_module
+    graphs = [m.graph for m in owner.modules() if isinstance(m, fx.GraphModule)] if owner is not None else [graph]
+    for g in graphs:
+        for n in g.nodes:
+            if n.op not in ("call_function", "call_method") or isinstance(n.target, torch._ops.HigherOrderOperator):
+                continue
+            name = canon(n) or str(n.target)
+            if name in _SYNC_OPS or _introduces_unbacked(n):
+                found["getitem (boolean mask)" if name == "getitem" else name] += 1
     return dict(found)

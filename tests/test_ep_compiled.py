@@ -172,7 +172,7 @@ def check_case(case, rank, ep, mesh, chunks=1):
     # one chain by default; more chunks where the tokens split (a 1-token batch stays one chain)
     chain = ("one token chunk, no overlap",) if chunks == 1 else (" token chunks", "one token chunk, no overlap")
     assert any(f"ep={ep} ranks" in n and any(c in n for c in chain) for n in notes), notes
-    assert not any("host syncs" in n for n in notes), notes  # the post_grad host_syncs pass found none
+    assert not any("host syncs" in n for n in notes), notes  # the host_syncs pass found none
 
     ref = copy.deepcopy(full)
     ref_out = ref(torch.cat([i[0] for i in inputs]), torch.cat([i[1] for i in inputs]))

@@ -221,7 +221,7 @@ def test_rewritten_graph_has_no_region_left():
 
 
 def test_host_syncs_found_in_aten_graphs():
-    """The post_grad host_syncs pass names data-dependent ops (nonzero, .item()) and nothing else."""
+    """find_host_syncs on an ATen graph names the data-dependent ops (nonzero, .item()) and nothing else."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from moe_compile.passes.host_syncs import find_host_syncs
