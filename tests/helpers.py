@@ -375,3 +375,15 @@ def make_input(shape, dtype=torch.float32, requires_grad=True, seed=0):
 def make_model(dtype=torch.float32, seed=0, **kw):
     torch.manual_seed(seed)
     return LoopMoE(**kw).to(dtype)
+
+
+class WithExtra(nn.Module):
+    """A residual MoE layer (``make_model(spelling="index_add", e=4, k=2)``) plus ``extra(x)``: code
+    outside the MoE region, e.g. a host sync the backend must report."""
+
+    def __init__(self, extra):
+        super().__init__()
+        self.mlp, self.extra = make_model(spelling="index_add", e=4, k=2), extra
+
+    def forward(self, x):
+        return x + self.mlp(x) + self.extra(x)

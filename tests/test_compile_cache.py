@@ -25,23 +25,12 @@ _CHILD = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import torch
-import torch.nn as nn
 from torch._dynamo.utils import counters
-from helpers import check_compiled, make_input, make_model
+from helpers import WithExtra, check_compiled, make_input
 import moe_compile
 
 torch.set_num_threads(1)
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.mlp = make_model(spelling="index_add", e=4, k=2)
-
-    def forward(self, x):
-        return x + self.mlp(x) + x[x.sum(-1) > 0].sum()
-
-model = Block()
+model = WithExtra(lambda x: x[x.sum(-1) > 0].sum())
 with moe_compile.records.recording() as graphs:   # what this compile (Inductor, the caches) published
     check_compiled(model, (make_input((2, 5, 16)),), expect_rewritten=1, inductor=True, fresh_inputs=1)
 regions = [r for g in graphs for r in g]
@@ -210,39 +199,15 @@ def test_source_digest_covers_every_module_and_its_text(tmp_path):
 def test_host_sync_outside_the_region_is_noted():
     """A boolean-mask index outside the MoE region stays in the compiled graph: the rewritten
     region's notes name it; without it, no such note."""
-    import torch.nn as nn
-
-    class Block(nn.Module):
-        def __init__(self, sync):
-            super().__init__()
-            torch.manual_seed(0)
-            self.mlp, self.sync = make_model(spelling="index_add", e=4, k=2), sync
-
-        def forward(self, x):
-            y = x + self.mlp(x)
-            return y + x[x.sum(-1) > 0].sum() if self.sync else y
-
-    with_sync = moe_compile.explain(Block(True), make_input((2, 5, 16)))
-    without = moe_compile.explain(Block(False), make_input((2, 5, 16)))
-    assert len(with_sync.rewritten) == 1 and len(without.rewritten) == 1
-    note = [n for n in with_sync.rewritten[0].notes if "host syncs left" in n]
-    assert note and ("nonzero" in note[0] or "getitem" in note[0]), with_sync.rewritten[0].notes
-    assert not any("host syncs" in n for n in without.rewritten[0].notes), without.rewritten[0].notes
+    note = _sync_notes(lambda x: x[x.sum(-1) > 0].sum())
+    assert note and "getitem (boolean mask) x1" in note[0], note
+    assert _sync_notes(lambda x: x.sum()) == []
 
 
 def _sync_notes(extra) -> list:
-    import torch.nn as nn
+    from helpers import WithExtra
 
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.mlp = make_model(spelling="index_add", e=4, k=2)
-
-        def forward(self, x):
-            return x + self.mlp(x) + extra(x)
-
-    rep = moe_compile.explain(Block(), make_input((2, 5, 16)))
+    rep = moe_compile.explain(WithExtra(extra), make_input((2, 5, 16)))
     assert len(rep.rewritten) == 1, str(rep)
     return [n for n in rep.rewritten[0].notes if "host syncs" in n]
 
