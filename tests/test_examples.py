@@ -197,3 +197,23 @@ def test_train_torchrun_fsdp2(tmp_path, args):
     _run(torchrun + [TRAIN, "--steps", "6", "--out", "out", *args], tmp_path, env={"OMP_NUM_THREADS": "1"})
     moe, eager = _curves(tmp_path / "out" / "loss.csv")
     assert max(abs(a - b) for a, b in zip(moe, eager)) <= CURVE_ATOL, list(zip(moe, eager))
+
+
+def test_gpu_clocks_summarises_the_samples_of_a_window():
+    """ab.GpuClocks: nvidia-smi's lines (local timestamps) parsed, a window keeps only its own
+    samples (median clock, largest power, OR of the throttle reasons), unreadable lines skipped."""
+    import datetime
+
+    sys.path.insert(0, os.path.join(ROOT, "examples", "benchmark"))
+    from ab import GpuClocks
+
+    lines = ["2026/11/24 08:18:11.309, 1470, 253.49, 0x0000000000000004\n", "[N/A], [N/A], [N/A], [N/A]\n",
+             "2026/11/24 08:18:11.409, 1620, 307.37, 0x0000000000000000\n",
+             "2026/11/24 08:18:11.509, 1800, 414.41, 0x0000000000000001\n"]
+    clocks = GpuClocks(period_ms=1)
+    clocks.proc = type("P", (), {"stdout": iter(lines)})()
+    clocks._read()
+    t = datetime.datetime.strptime("2026/11/24 08:18:11.300", "%Y/%m/%d %H:%M:%S.%f").timestamp()
+    assert clocks.window(t, t + 0.15) == dict(sm_mhz=1545.0, power_w=307.37, throttle="0x4", samples=2)
+    assert clocks.window(t, t + 0.3)["throttle"] == "0x5"
+    assert clocks.window(t + 1, t + 2)["samples"] == 0

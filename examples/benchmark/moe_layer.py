@@ -317,6 +317,9 @@ def _ab_kernel(fn, steps, pair, rounds=6):
     return out
 
 
+CLOCKS = None   # ab.GpuClocks while main() runs: the SM clock, power and throttle of each timed window
+
+
 def run_variant(variant, shape, steps, warmup, profile=False, moe_options=None, memory_peak=False, host_profile=None,
                 ab_kernel=None):
     t, h, i, e, k = shape
@@ -356,7 +359,10 @@ def run_variant(variant, shape, steps, warmup, profile=False, moe_options=None, 
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    res["fwdbwd_ms"], res["host_ms"] = _events_median(fwd_bwd, steps)
+    t0 = time.time()
+    res["fwdbwd_ms"], res["host_ms"] = _events_median(fwd_bwd, steps)   # ends with a synchronize
+    if CLOCKS is not None:
+        res.update(CLOCKS.window(t0, time.time()))
     res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     res["act_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
     model.zero_grad(set_to_none=True)
@@ -424,6 +430,18 @@ def main():
     variants = args.variants or [v for v in VARIANTS if args.slow or v not in SLOW]
     moe_options = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in args.moe_option)} or None
     results = []
+    global CLOCKS
+    from ab import GpuClocks
+
+    CLOCKS = GpuClocks(torch.cuda.current_device()).start()
+    try:
+        _run_all(args, variants, moe_options, results)
+    finally:
+        CLOCKS.stop()
+    _finish(args, info, results)
+
+
+def _run_all(args, variants, moe_options, results):
     for name in args.shapes:
         shape = _shape(name, args)
         for v in variants:
@@ -443,6 +461,9 @@ def main():
                     row[f"{mode}_tflops"] = mult * flops(shape) / (row[f"{mode}_ms"] * 1e-3) / 1e12
             print(json.dumps(row), flush=True)
             results.append(row)
+
+
+def _finish(args, info, results):
     for r in results:
         for mode in ("fwdbwd", "fwd"):
             best = [a[f"{mode}_ms"] for a in results if a["shape"] == r["shape"] and a["variant"] in ANCHORS
@@ -462,8 +483,8 @@ def _shape(name, args):
 def print_table(results, info):
     print(f"\n## {info['device']} torch {info['torch']} triton {info['triton']} transformers {info['transformers']}")
     print("| shape | T | variant | fwd+bwd ms | TFLOP/s | vs best | host ms | fwd ms | TFLOP/s | vs best | peak GiB "
-          "| act GiB | compile s | regions rewritten |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| act GiB | compile s | regions rewritten | SM MHz (median) | W (max) | throttle |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
             print(f"| {r['shape']} | {r['T']} | {r['variant']} | error: {r['error']} |")
@@ -472,7 +493,8 @@ def print_table(results, info):
         print(f"| {r['shape']} | {r['T']} | {r['variant']} | {f('fwdbwd_ms', '{:.2f}')} | {f('fwdbwd_tflops', '{:.0f}')} "
               f"| {f('fwdbwd_vs_best', '{:.2f}x')} | {f('host_ms', '{:.2f}')} | {f('fwd_ms', '{:.2f}')} | {f('fwd_tflops', '{:.0f}')} "
               f"| {f('fwd_vs_best', '{:.2f}x')} | {f('peak_gib', '{:.1f}')} | {f('act_gib', '{:.1f}')} "
-              f"| {f('compile_s', '{:.1f}')} | {r.get('rewritten', '-')} |")
+              f"| {f('compile_s', '{:.1f}')} | {r.get('rewritten', '-')} | {f('sm_mhz', '{:.0f}')} | {f('power_w', '{:.0f}')} "
+              f"| {r.get('throttle', '-')} |")
 
 
 if __name__ == "__main__":
