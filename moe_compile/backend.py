@@ -272,6 +272,7 @@ def _with_user_passes(hook, user):
     from torch._inductor import custom_graph_pass
 
     users = () if user is None else tuple(user) if isinstance(user, (list, tuple)) else (user,)
+    users = tuple(p for p in users if not isinstance(p, _PostGradPass))   # a compile inside ours: never twice
     if not users:
         return _PostGradPass(hook)
     if hasattr(custom_graph_pass, "get_custom_graph_passes"):   # this Inductor runs and keys each of a list
