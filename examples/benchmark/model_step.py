@@ -446,6 +446,9 @@ def _timed_steps(step, steps, device):
     return statistics.median(times), statistics.median(host)
 
 
+CLOCKS = None   # ab.GpuClocks on a GPU while main() runs: SM clock, power, throttle of each timed window
+
+
 def run_variant(name, form, variant, args, device, dtype) -> dict:
     import moe_compile
 
@@ -488,7 +491,10 @@ def run_variant(name, form, variant, args, device, dtype) -> dict:
     _sync(device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    row["step_ms"], row["host_ms"] = _timed_steps(step, args.steps, device)
+    t0 = time.time()
+    row["step_ms"], row["host_ms"] = _timed_steps(step, args.steps, device)   # ends with a synchronize
+    if CLOCKS is not None:
+        row.update(CLOCKS.window(t0, time.time()))
     if device == "cuda":
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
         if args.fsdp and torch.distributed.get_world_size() > 1:   # the largest rank's, not rank 0's
@@ -593,6 +599,26 @@ def main(argv=None):
         print(f"# {name}: {MODELS[name].label}, {layers} layers, {n / 1e6:.1f} M parameters, "
               f"~{n * 8 / 2 ** 30:.1f} GiB of bf16 weights + gradients + AdamW state", flush=True)
     results = []
+    global CLOCKS
+    if device == "cuda":
+        from ab import GpuClocks
+
+        CLOCKS = GpuClocks(torch.cuda.current_device()).start()
+    try:
+        _run_all(args, device, dtype, results)
+    finally:
+        if CLOCKS is not None:
+            CLOCKS.stop()
+    if args.json and not (args.fsdp and dist.get_rank() != 0):
+        with open(args.json, "w") as f:
+            json.dump(dict(info=info, argv=sys.argv, results=results), f, indent=1)
+    print_table(results, info, args)
+    if args.fsdp:
+        dist.destroy_process_group()
+    return results
+
+
+def _run_all(args, device, dtype, results):
     for name in args.models:
         for form in args.forms:
             for variant in args.variants:
@@ -615,21 +641,14 @@ def main(argv=None):
                             torch.cuda.empty_cache()
                 print(json.dumps(row), flush=True)
                 results.append(row)
-    if args.json and not (args.fsdp and dist.get_rank() != 0):
-        with open(args.json, "w") as f:
-            json.dump(dict(info=info, argv=sys.argv, results=results), f, indent=1)
-    print_table(results, info, args)
-    if args.fsdp:
-        dist.destroy_process_group()
-    return results
 
 
 def print_table(results, info, args):
     print(f"\n## {info['device']}: " + ", ".join(f"{k} {v}" for k, v in info.items() if k != "device")
           + f" ({'per-block' if args.per_block else 'whole-model'} compile{', FSDP2' if args.fsdp else ''})")
     print("| model | form | variant | layers | tokens | step ms | tokens/s | TFLOP/s | host ms | peak GiB | compile s "
-          "| regions rewritten | moe layers | loss | " + " | ".join(f"{p} ms" for p in PART_NAMES) + " |")
-    print("|---" * (14 + len(PART_NAMES)) + "|")
+          "| regions rewritten | moe layers | loss | " + " | ".join(f"{p} ms" for p in PART_NAMES) + " | SM MHz |")
+    print("|---" * (15 + len(PART_NAMES)) + "|")
     for r in results:
         head = f"| {r['model']} | {r['form']} | {r['variant']} |"
         if "error" in r:
@@ -643,7 +662,7 @@ def print_table(results, info, args):
         print(f"{head} {r['layers']} | {r['batch']}x{r['seq']} | {f('step_ms', '{:.1f}')} | {f('tokens_s', '{:.0f}')} "
               f"| {f('tflops', '{:.1f}')} | {f('host_ms', '{:.1f}')} | {f('peak_gib', '{:.1f}')} "
               f"| {f('compile_s', '{:.1f}')} | {r.get('rewritten', '-')} | {'-' if r.get('moe_layers') is None else r['moe_layers']} | {f('loss', '{:.4f}')} | "
-              + " | ".join(f"{split[p]:.1f}" if p in split else "-" for p in PART_NAMES) + " |")
+              + " | ".join(f"{split[p]:.1f}" if p in split else "-" for p in PART_NAMES) + f" | {f('sm_mhz', '{:.0f}')} |")
 
 
 if __name__ == "__main__":
