@@ -267,15 +267,21 @@ class _PostGradPass(CustomGraphPass):
         return ("moe_compile.post_grad", __version__, source_digest(), getattr(self.hook, "passes", None), keys)
 
 
-def _with_user_passes(hook, user):
-    """What ``post_grad_custom_post_pass`` becomes: the user's pass(es) (None, one, or a list), then ours."""
+def _inductor_takes_pass_lists() -> bool:
+    """Whether this Inductor runs and keys each pass of a list given as a custom pass (torch 2.13: yes;
+    torch 2.11: no)."""
     from torch._inductor import custom_graph_pass
 
+    return hasattr(custom_graph_pass, "get_custom_graph_passes")
+
+
+def _with_user_passes(hook, user):
+    """What ``post_grad_custom_post_pass`` becomes: the user's pass(es) (None, one, or a list), then ours."""
     users = () if user is None else tuple(user) if isinstance(user, (list, tuple)) else (user,)
     users = tuple(p for p in users if not isinstance(p, _PostGradPass))   # a compile inside ours: never twice
     if not users:
         return _PostGradPass(hook)
-    if hasattr(custom_graph_pass, "get_custom_graph_passes"):   # this Inductor runs and keys each of a list
+    if _inductor_takes_pass_lists():
         return [*users, _PostGradPass(hook)]
     return _PostGradPass(hook, users)
 

@@ -160,6 +160,22 @@ def test_user_passes_run_from_options_lists_and_the_global_config(monkeypatch, n
         assert Aware.seen and False in Aware.seen, Aware.seen   # the training graphs: is_inference=False
 
 
+def test_user_passes_run_inside_ours_where_inductor_takes_no_list(monkeypatch, no_compile_cache):
+    """torch 2.11's Inductor takes one pass, not a list (no ``get_custom_graph_passes``): the user's
+    passes (one or a list) then run inside ours, before it; outputs and gradients match eager."""
+    from helpers import check_compiled
+
+    monkeypatch.setattr(backend, "_inductor_takes_pass_lists", lambda: False)
+    seen = _spy_patches(monkeypatch)
+    a, b = _CountingPass(), _CountingPass()
+    model, x = make_model(spelling="index_add", e=4, k=2), make_input((2, 5, 16))
+    check_compiled(model, (x,), expect_rewritten=1, inductor=True, options={"post_grad_custom_post_pass": [a, b]})
+    installed = seen[0]["post_grad_custom_post_pass"]
+    assert isinstance(installed, backend._PostGradPass) and installed.user == (a, b), installed
+    assert installed.uuid()[-1] == ("counting", "counting")
+    assert a.calls >= 2 and b.calls >= 2, (a.calls, b.calls)
+
+
 def test_user_pass_inductor_cannot_key_bypasses_the_cache(monkeypatch):
     """A plain callable as the user's pass: Inductor bypasses its FX graph cache (as it would for the
     user's pass without us); the pass still runs."""
