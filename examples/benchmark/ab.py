@@ -125,24 +125,23 @@ def versions(device: str = "cuda") -> dict:
 
 class GpuClocks:
     """SM clock, power and throttle reasons of GPU ``index``, from ``nvidia-smi`` sampled every
-    ``period_ms`` in a child process for as long as this object is open; ``window(t0, t1)`` sums up
+    ``period_ms`` in a child process inside a ``with`` block; ``window(t0, t1)`` sums up
     the samples stamped between two ``time.time()`` readings. Without nvidia-smi every figure is NaN.
     The H200 runs these layers at its power cap (docs/benchmarks.md section 8): a variant's clock says
     how much of a ratio is the kernels and how much the power they draw. Short windows hold few samples
     (``samples``): time more steps for a steady figure.
 
-        clocks = GpuClocks().start()
-        t0 = time.time(); ...timed steps...; torch.cuda.synchronize(); t1 = time.time()
-        clocks.window(t0, t1)   # {"sm_mhz": median, "power_w": max, "throttle": OR of reasons, "samples": n}
-        clocks.stop()
+        with GpuClocks() as clocks:
+            t0 = time.time(); ...timed steps...; torch.cuda.synchronize(); t1 = time.time()
+            clocks.window(t0, t1)   # {"sm_mhz": median, "power_w": max, "throttle": OR of reasons, "samples": n}
     """
 
     QUERY = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
 
     def __init__(self, index: int = 0, period_ms: int = 50):
-        self.index, self.period_ms, self.proc, self.thread, self.samples = index, period_ms, None, None, []
+        self.index, self.period_ms, self.proc, self.samples = index, period_ms, None, []
 
-    def start(self) -> "GpuClocks":
+    def __enter__(self) -> "GpuClocks":
         import shutil
         import subprocess
         import threading
@@ -151,8 +150,7 @@ class GpuClocks:
             self.proc = subprocess.Popen(["nvidia-smi", "-i", str(self.index), f"--query-gpu={self.QUERY}",
                                           "--format=csv,noheader,nounits", f"-lms={self.period_ms}"],
                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
-            self.thread = threading.Thread(target=self._read, daemon=True)
-            self.thread.start()
+            threading.Thread(target=self._read, daemon=True).start()
         return self
 
     def _read(self) -> None:
@@ -167,8 +165,6 @@ class GpuClocks:
                 continue
 
     def window(self, t0: float, t1: float) -> dict:
-        import statistics
-
         time.sleep(2 * self.period_ms / 1e3)   # the samples of the window's end
         got = [s for s in list(self.samples) if t0 <= s[0] <= t1]
         nan = float("nan")
@@ -180,7 +176,7 @@ class GpuClocks:
         return dict(sm_mhz=statistics.median(s[1] for s in got), power_w=max(s[2] for s in got),
                     throttle=hex(reasons), samples=len(got))
 
-    def stop(self) -> None:
+    def __exit__(self, *exc) -> None:
         if self.proc is not None:
             self.proc.terminate()
             self.proc.wait(timeout=10)

@@ -119,29 +119,12 @@ def main():
 def _cell(args, layers: int, mode: str, backend: str) -> list:
     """Cold compiles (--repeats, the fastest kept), each in a fresh process with a fresh Inductor
     cache; with --warm, then one more process on the last cold run's cache."""
-    starts = ["cold"] * args.repeats + (["warm"] if args.warm else [])
     runs = {"cold": [], "warm": []}
-    cache = None
-    try:
-        for start in starts:
-            if start == "cold":
-                if cache is not None:
-                    cache.cleanup()
-                cache = tempfile.TemporaryDirectory()
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", f"{layers}:{mode}:{backend}", "--form",
-                   args.form, "--steps", str(args.steps)] + [a for o in args.moe_option for a in ("--moe-option", o)]
-            # one compute thread: spinning OpenMP threads on a shared machine made steps of the
-            # 48-layer model take 2-27 s, and the first step is measured against them
-            out = subprocess.run(cmd, capture_output=True, text=True,
-                                 env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache.name, "OMP_NUM_THREADS": "1"})
-            line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-            if not line:
-                print(out.stdout[-2000:], out.stderr[-4000:], file=sys.stderr)
-                raise SystemExit(f"layers={layers} mode={mode} backend={backend}: the child failed (rc {out.returncode})")
-            runs[start].append(json.loads(line[0][len("RESULT "):]))
-    finally:
-        if cache is not None:
-            cache.cleanup()
+    for repeat in range(args.repeats):
+        with tempfile.TemporaryDirectory() as cache:
+            runs["cold"].append(_child(args, layers, mode, backend, cache))
+            if args.warm and repeat == args.repeats - 1:
+                runs["warm"].append(_child(args, layers, mode, backend, cache))
     rows = []
     for start in ("cold", "warm"):
         if runs[start]:
@@ -150,6 +133,21 @@ def _cell(args, layers: int, mode: str, backend: str) -> list:
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
+
+
+def _child(args, layers: int, mode: str, backend: str, cache: str) -> dict:
+    """One compile in a new process whose Inductor cache is ``cache``: its measure() row."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", f"{layers}:{mode}:{backend}", "--form",
+           args.form, "--steps", str(args.steps)] + [a for o in args.moe_option for a in ("--moe-option", o)]
+    # one compute thread: spinning OpenMP threads on a shared machine made steps of the
+    # 48-layer model take 2-27 s, and the first step is measured against them
+    out = subprocess.run(cmd, capture_output=True, text=True,
+                         env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": "1"})
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    if not line:
+        print(out.stdout[-2000:], out.stderr[-4000:], file=sys.stderr)
+        raise SystemExit(f"layers={layers} mode={mode} backend={backend}: the child failed (rc {out.returncode})")
+    return json.loads(line[0][len("RESULT "):])
 
 
 if __name__ == "__main__":

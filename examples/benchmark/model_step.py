@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import gc
 import json
@@ -86,7 +87,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ab import add_kernel_arg, apply_kernel_args, length, merge, versions  # noqa: E402  (examples/benchmark/ab.py)
+from ab import GpuClocks, add_kernel_arg, apply_kernel_args, length, merge, versions  # noqa: E402  (examples/benchmark/ab.py)
 from flops import model_flops  # noqa: E402  (examples/flops.py)
 
 
@@ -600,15 +601,8 @@ def main(argv=None):
               f"~{n * 8 / 2 ** 30:.1f} GiB of bf16 weights + gradients + AdamW state", flush=True)
     results = []
     global CLOCKS
-    if device == "cuda":
-        from ab import GpuClocks
-
-        CLOCKS = GpuClocks(torch.cuda.current_device()).start()
-    try:
+    with GpuClocks(torch.cuda.current_device()) if device == "cuda" else contextlib.nullcontext() as CLOCKS:
         _run_all(args, device, dtype, results)
-    finally:
-        if CLOCKS is not None:
-            CLOCKS.stop()
     if args.json and not (args.fsdp and dist.get_rank() != 0):
         with open(args.json, "w") as f:
             json.dump(dict(info=info, argv=sys.argv, results=results), f, indent=1)

@@ -317,7 +317,7 @@ def _ab_kernel(fn, steps, pair, rounds=6):
     return out
 
 
-CLOCKS = None   # ab.GpuClocks while main() runs: the SM clock, power and throttle of each timed window
+CLOCKS = None   # ab.GpuClocks while main() runs the variants: the SM clock, power and throttle of each timed window
 
 
 def run_variant(variant, shape, steps, warmup, profile=False, moe_options=None, memory_peak=False, host_profile=None,
@@ -412,7 +412,7 @@ def main():
                          "current one in one process (choices read at run time, e.g. LEAN_LAUNCH=False)")
     ap.add_argument("--moe-option", action="append", default=[], metavar="KEY=VALUE",
                     help="an option for the backend='moe' variants, e.g. moe.debug=True (value parsed as Python)")
-    from ab import add_kernel_arg, apply_kernel_args, versions
+    from ab import GpuClocks, add_kernel_arg, apply_kernel_args, versions
 
     add_kernel_arg(ap)
     args = ap.parse_args()
@@ -431,13 +431,8 @@ def main():
     moe_options = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in args.moe_option)} or None
     results = []
     global CLOCKS
-    from ab import GpuClocks
-
-    CLOCKS = GpuClocks(torch.cuda.current_device()).start()
-    try:
+    with GpuClocks(torch.cuda.current_device()) as CLOCKS:
         _run_all(args, variants, moe_options, results)
-    finally:
-        CLOCKS.stop()
     _finish(args, info, results)
 
 
