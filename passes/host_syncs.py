@@ -11,6 +11,7 @@ values under ``val``). A node counts when
     its op is a known syncing op: nonzero / masked_select / unique / .item() ... -> reported by name
     its output has a data-dependent size or value that none of its inputs has  -> reported by name
     (an unbacked symbol it introduces: nodes downstream of that node are not counted again)
+    it copies an accelerator tensor to the host (``.cpu()``, ``.to("cpu")``)  -> "<op> (to the host)"
 
 Subgraphs of higher-order ops (activation checkpointing, ...) are searched too; the higher-order op
 itself is not counted (its subgraph names the op).
@@ -48,6 +49,21 @@ def _introduces_unbacked(n: fx.Node) -> bool:
     return bool(out)
 
 
+def _device_types(v) -> set:
+    if isinstance(v, torch.Tensor):
+        return {v.device.type}
+    if isinstance(v, (tuple, list)):
+        return set().union(*map(_device_types, v)) if v else set()
+    return set()
+
+
+def _copies_to_host(n: fx.Node) -> bool:
+    """A host tensor made from a tensor that lives on an accelerator: the host waits for its value."""
+    if "cpu" not in _device_types(val(n)):
+        return False
+    return any(_device_types(val(inp)) - {"cpu", "meta"} for inp in n.all_input_nodes)
+
+
 def find_host_syncs(graph: fx.Graph) -> dict[str, int]:
     """{op name: count} of host-syncing nodes in ``graph`` and the subgraphs its module holds (no
     syncs: empty)."""
@@ -61,4 +77,6 @@ def find_host_syncs(graph: fx.Graph) -> dict[str, int]:
             name = canon(n) or str(n.target)
             if name in _SYNC_OPS or _introduces_unbacked(n):
                 found["getitem (boolean mask)" if name == "getitem" else name] += 1
+            elif _copies_to_host(n):
+                found[f"{name} (to the host)"] += 1
     return dict(found)

@@ -237,3 +237,28 @@ def test_host_syncs_found_in_aten_graphs():
     assert found.get("nonzero", 0) + found.get("masked_select", 0) + found.get("index", 0) >= 1, found
     assert "_local_scalar_dense" in found, found
     assert find_host_syncs(make_fx(static, tracing_mode="symbolic")(x).graph) == {}
+
+
+def test_host_syncs_name_copies_to_the_host():
+    """A CUDA tensor copied to the host (``.cpu()``, ``.to("cpu")``) is a sync, in Dynamo-level
+    (call_method) and ATen graphs alike; the same code on host tensors is none. Fake CUDA tensors:
+    runs without a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from moe_compile.passes.host_syncs import find_host_syncs
+
+    def copies(x):
+        return x.cpu().sum() + x.to("cpu").sum() + x.sum()
+
+    def on(device):
+        mode = FakeTensorMode()
+        with mode:
+            x = torch.empty(8, device=device)
+        gm = fx.symbolic_trace(copies)
+        FakeTensorProp(gm, mode).propagate(x)
+        return find_host_syncs(gm.graph), find_host_syncs(make_fx(copies, tracing_mode="fake")(x).graph)
+
+    assert on("cuda") == ({"cpu (to the host)": 1, "to (to the host)": 1}, {"_to_copy (to the host)": 2})
+    assert on("cpu") == ({}, {})

@@ -410,6 +410,8 @@ def main():
     ap.add_argument("--ab-kernel", default=None, metavar="NAME=VALUE",
                     help="also time each moe variant with this kernels/cuda.py choice, interleaved with the "
                          "current one in one process (choices read at run time, e.g. LEAN_LAUNCH=False)")
+    ap.add_argument("--no-clocks", action="store_true",
+                    help="no nvidia-smi sampling (SM MHz / W / throttle columns empty)")
     ap.add_argument("--moe-option", action="append", default=[], metavar="KEY=VALUE",
                     help="an option for the backend='moe' variants, e.g. moe.debug=True (value parsed as Python)")
     from ab import GpuClocks, add_kernel_arg, apply_kernel_args, versions
@@ -431,8 +433,11 @@ def main():
     moe_options = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in args.moe_option)} or None
     results = []
     global CLOCKS
-    with GpuClocks(torch.cuda.current_device()) as CLOCKS:
+    if args.no_clocks:
         _run_all(args, variants, moe_options, results)
+    else:
+        with GpuClocks(torch.cuda.current_device()) as CLOCKS:
+            _run_all(args, variants, moe_options, results)
     _finish(args, info, results)
 
 
