@@ -50,16 +50,17 @@ def compiled_backward(backend: Any = "moe", dynamic: bool | None = None, options
         from .config import MoEConfig
 
         MoEConfig.from_options(None, options)   # a bad option raises here, not inside Dynamo
-        backend = _backward_backend()
+        backend = quiet_backend()
     compiler = torch.compile(backend=backend, options=options or None)
     with enable(compiler, dynamic=dynamic):
         yield
 
 
 @functools.cache
-def _backward_backend():
-    """The moe backend for compiled-autograd graphs, reporting to one quiet session (a backward graph
-    has no MoE region to rewrite, so the nothing-rewritten warning would fire for every block)."""
+def quiet_backend():
+    """The moe backend reporting to one quiet session, for graphs that hold no MoE region by
+    construction: compiled-autograd backward graphs, a model's loss function (``compile_blocks``).
+    There the nothing-rewritten warning would be noise (it would fire for every backward)."""
     from .backend import capture_ctx, moe_backend
     from .records import Session
 

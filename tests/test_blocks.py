@@ -134,20 +134,42 @@ def _qwen3(layers):
     return model.train()
 
 
-def test_hf_blocks_match_eager_every_layer_rewritten():
+@pytest.mark.parametrize("loss", [True, False])
+def test_hf_blocks_match_eager_every_layer_rewritten(loss, caplog):
+    """One graph for the 4 blocks, one for the loss function (loss=True: the default); the loss and
+    every gradient as eager's; the loss graph (no MoE in it by construction) warns nothing."""
+    torch._dynamo.reset()   # the other parametrization's graphs would serve these blocks
     eager = _qwen3(4)
     model = copy.deepcopy(eager)
     graphs0 = dynamo_counters["stats"]["unique_graphs"]
-    moe_compile.compile_blocks(model, options=OPTS)
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    moe_compile.compile_blocks(model, options=OPTS, loss=loss)
+    assert (model.loss_function is not eager.loss_function) == loss
     ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    losses = []
     for m in (eager, model):
-        m(input_ids=ids, labels=ids).loss.backward()
-    assert dynamo_counters["stats"]["unique_graphs"] - graphs0 == 1
+        out = m(input_ids=ids, labels=ids).loss
+        out.backward()
+        losses.append(out.detach())
+    assert dynamo_counters["stats"]["unique_graphs"] - graphs0 == 1 + loss
+    assert caplog.text == "", caplog.text
+    assert_close_rel(losses[1], losses[0], HF_FP32_REL, "loss")
     for (n, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
         assert_close_rel(p.grad, q.grad, HF_FP32_REL, f"gradient of {n}")
     with torch.no_grad():
         assert_close_rel(model(input_ids=ids).logits, eager(input_ids=ids).logits, HF_FP32_REL, "logits")
         assert _route_permute_calls(lambda: model(input_ids=ids)) == 4
+
+
+def test_compile_loss_only_where_there_is_a_settable_loss_function():
+    """A plain module has no loss_function to set: left alone; a compiled one is not compiled twice."""
+    from moe_compile.blocks import compile_loss
+
+    assert not compile_loss(LoopLM(), options=OPTS)
+    model = _qwen3(1)
+    assert compile_loss(model, options=OPTS)
+    first = model.loss_function
+    assert not compile_loss(model, options=OPTS) and model.loss_function is first
 
 
 def test_find_blocks_needs_a_module_list():

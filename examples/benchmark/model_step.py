@@ -404,7 +404,7 @@ def shard(model: nn.Module) -> int:
     return sum(isinstance(p, DTensor) for p in model.parameters())
 
 
-def compile_model(model, variant: str, per_block: bool, moe_options: dict, device: str):
+def compile_model(model, variant: str, per_block: bool, moe_options: dict, device: str, loss: bool = True):
     backend = {"eager": None, "inductor": "inductor", "moe": "moe", "moe_cg": "moe"}[variant]
     if backend is None:
         return model
@@ -417,7 +417,7 @@ def compile_model(model, variant: str, per_block: bool, moe_options: dict, devic
     if per_block:
         import moe_compile
 
-        moe_compile.compile_blocks(model, backend=backend, **kw)
+        moe_compile.compile_blocks(model, backend=backend, loss=loss, **kw)
         return model
     return torch.compile(model, backend=backend, **kw)
 
@@ -463,7 +463,7 @@ def run_variant(name, form, variant, args, device, dtype) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     fused = device == "cuda" or hasattr(torch._C._VariableFunctions, "_fused_adamw_")
     opt = torch.optim.AdamW(params, lr=1e-4, fused=fused)
-    fn = compile_model(model, variant, args.per_block, args.moe_options, device)
+    fn = compile_model(model, variant, args.per_block, args.moe_options, device, loss=not args.eager_loss)
     gen = torch.Generator(device=device).manual_seed(1)
     batches = [torch.randint(3, model.config.vocab_size, (batch, seq), device=device, generator=gen) for _ in range(4)]
     losses, it = [], iter(range(10 ** 9))
@@ -558,6 +558,8 @@ def main(argv=None):
     ap.add_argument("--slow", action="store_true", help=f"also run {SLOW} (stock Inductor on the expert loop)")
     ap.add_argument("--tiny", action="store_true", help="small widths, 2 layers, 2 x 64 tokens: a CPU check")
     ap.add_argument("--per-block", action="store_true", help="moe_compile.compile_blocks (one compile per layer)")
+    ap.add_argument("--eager-loss", action="store_true",
+                    help="with --per-block: leave model.loss_function eager (compile_blocks(loss=False))")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--seq", type=int, default=None)
