@@ -47,7 +47,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-__all__ = ["compile_blocks", "compile_loss", "find_blocks"]
+__all__ = ["compile_blocks", "find_blocks"]
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +75,15 @@ def compile_blocks(model: nn.Module, backend="moe", *, blocks: Iterable[nn.Modul
 
     ``blocks``: the modules to compile; a dotted path inside ``model`` ("model.layers"); default
     ``find_blocks(model)``. ``loss``: also compile ``model.loss_function`` where the model has a
-    settable one (Hugging Face models), with the same backend and arguments (see the module
-    docstring). Returns the compiled blocks. Call ``model(...)`` as before: it stays an
-    eager module that calls compiled blocks. With FSDP2 (and expert parallelism), call it after
-    ``fully_shard`` on the blocks and the root, as examples/train.py does: Dynamo does not trace
-    FSDP's hooks, they run eagerly around each block's compiled code."""
+    settable one (Hugging Face models with a head), with the same backend and arguments but
+    ``dynamic`` (``compile_loss``). Returns the compiled blocks. Call ``model(...)`` as before: it
+    stays an eager module that calls compiled blocks. With FSDP2 (and expert parallelism), call it
+    after ``fully_shard`` on the blocks and the root, as examples/train.py does: Dynamo does not
+    trace FSDP's hooks, they run eagerly around each block's compiled code. With CUDA graphs
+    (``mode="reduce-overhead"``, or ``options={"triton.cudagraphs": True}``) call
+    ``torch.compiler.cudagraph_mark_step_begin()`` at the start of each training step, as for any
+    model whose modules are CUDA-graphed one by one: otherwise CUDA graph trees cannot tell steps
+    apart and torch raises "accessing tensor output of CUDAGraphs that has been overwritten"."""
     if isinstance(blocks, str):
         blocks = list(model.get_submodule(blocks))
     blocks = find_blocks(model) if blocks is None else list(blocks)
@@ -100,23 +104,50 @@ def compile_blocks(model: nn.Module, backend="moe", *, blocks: Iterable[nn.Modul
 
 def compile_loss(model: nn.Module, backend="moe", **compile_kwargs) -> bool:
     """Replace ``model.loss_function`` (a property with a setter on Hugging Face's PreTrainedModel)
-    by ``torch.compile`` of it; False where there is none to set, or it is compiled already. With
-    ``backend="moe"`` the loss graph holds no MoE region by construction: it reports to a quiet
-    session (no nothing-rewritten warning) and goes to Inductor as any such graph does."""
+    by a compiled one (``_CompiledLoss``); False where there is none to set (a model without a head:
+    no ``loss_type``), it is a module, or it is compiled already. ``dynamic`` is not passed on: the
+    loss keeps torch.compile's default (static, then dynamic once a size or an int argument such as
+    ``num_items_in_batch`` changes), whatever the blocks use. With the moe backend the loss graph
+    holds no MoE region by construction: it reports to a quiet session (no nothing-rewritten
+    warning) and goes to Inductor as any such graph does."""
+    from .backend import moe_backend
+
     prop = getattr(type(model), "loss_function", None)
     if not isinstance(prop, property) or prop.fset is None:
         return False
+    if "_loss_function" not in vars(model) and getattr(model, "loss_type", None) is None:
+        return False   # a base model: reading the property would warn and return a loss it never computes
     fn = model.loss_function
-    if not callable(fn) or getattr(fn, "_moe_compiled_loss", False):
+    if not callable(fn) or isinstance(fn, (nn.Module, _CompiledLoss)):
         return False
-    if backend == "moe":
+    compile_kwargs.pop("dynamic", None)
+    if backend == "moe" or backend is moe_backend:
         from .autograd import quiet_backend
 
         backend = quiet_backend()
-    compiled = torch.compile(fn, backend=backend, **compile_kwargs)
-    compiled._moe_compiled_loss = True
-    model.loss_function = compiled
+    model.loss_function = _CompiledLoss(fn, torch.compile(fn, backend=backend, **compile_kwargs))
     return True
+
+
+def _eager_loss(fn):
+    return fn
+
+
+class _CompiledLoss:
+    """``model.loss_function`` compiled. Pickled or deep-copied it is the eager function again (a
+    compiled function does not pickle; ``save_pretrained`` keeps no loss function either), so
+    ``torch.save(model)`` works and a copy can be compiled anew."""
+
+    __slots__ = ("eager", "compiled")
+
+    def __init__(self, eager, compiled):
+        self.eager, self.compiled = eager, compiled
+
+    def __call__(self, *args, **kwargs):
+        return self.compiled(*args, **kwargs)
+
+    def __reduce__(self):
+        return _eager_loss, (self.eager,)
 
 
 class _MirrorOnce:

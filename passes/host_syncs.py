@@ -11,7 +11,8 @@ values under ``val``). A node counts when
     its op is a known syncing op: nonzero / masked_select / unique / .item() ... -> reported by name
     its output has a data-dependent size or value that none of its inputs has  -> reported by name
     (an unbacked symbol it introduces: nodes downstream of that node are not counted again)
-    it copies an accelerator tensor to the host (``.cpu()``, ``.to("cpu")``)  -> "<op> (to the host)"
+    it copies an accelerator tensor's values to the host, blocking (``.cpu()``, ``.to("cpu")``)
+                                                                            -> "<op> (to the host)"
 
 Subgraphs of higher-order ops (activation checkpointing, ...) are searched too; the higher-order op
 itself is not counted (its subgraph names the op).
@@ -57,8 +58,16 @@ def _device_types(v) -> set:
     return set()
 
 
+# ops that copy a tensor's values (Dynamo's methods, ATen's ops); factories such as new_zeros or
+# empty_like(device="cpu") only take an accelerator tensor's metadata
+_COPY_OPS = {"cpu", "to", "copy", "copy_", "_to_copy", "numpy"}
+
+
 def _copies_to_host(n: fx.Node) -> bool:
-    """A host tensor made from a tensor that lives on an accelerator: the host waits for its value."""
+    """A blocking copy of an accelerator tensor's values into a host tensor: the host waits for
+    them. ``non_blocking=True`` (into pinned memory) does not wait there: not counted."""
+    if (canon(n) or str(n.target)) not in _COPY_OPS or n.kwargs.get("non_blocking", False):
+        return False
     if "cpu" not in _device_types(val(n)):
         return False
     return any(_device_types(val(inp)) - {"cpu", "meta"} for inp in n.all_input_nodes)

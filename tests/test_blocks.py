@@ -161,15 +161,42 @@ def test_hf_blocks_match_eager_every_layer_rewritten(loss, caplog):
         assert _route_permute_calls(lambda: model(input_ids=ids)) == 4
 
 
-def test_compile_loss_only_where_there_is_a_settable_loss_function():
-    """A plain module has no loss_function to set: left alone; a compiled one is not compiled twice."""
+def test_compile_loss_only_where_there_is_a_settable_loss_function(caplog):
+    """Left alone: a plain module (no loss_function), a model without a head (no loss_type: reading
+    the property would make transformers warn), a loss already compiled."""
     from moe_compile.blocks import compile_loss
 
+    caplog.set_level(logging.WARNING)
     assert not compile_loss(LoopLM(), options=OPTS)
+    assert not compile_loss(_qwen3(1).model, options=OPTS)
+    assert caplog.text == "", caplog.text
     model = _qwen3(1)
     assert compile_loss(model, options=OPTS)
     first = model.loss_function
     assert not compile_loss(model, options=OPTS) and model.loss_function is first
+
+
+def test_compiled_loss_pickles_as_the_eager_loss_and_ignores_dynamic(caplog):
+    """torch.save(model) still works (the compiled loss pickles, and deep-copies, as the eager
+    function); ``dynamic=False`` meant for the blocks does not make the loss recompile for every
+    int ``num_items_in_batch`` (torch.compile's default: dynamic after the first change)."""
+    import io
+    import pickle
+
+    eager = _qwen3(1)
+    model = copy.deepcopy(eager)
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    moe_compile.compile_blocks(model, backend=moe_compile.moe_backend, options=OPTS, dynamic=False)
+    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    graphs0 = dynamo_counters["stats"]["unique_graphs"]
+    for n in range(10, 16):
+        got = model(input_ids=ids, labels=ids, num_items_in_batch=n).loss
+        assert_close_rel(got, eager(input_ids=ids, labels=ids, num_items_in_batch=n).loss, HF_FP32_REL, f"loss / {n}")
+    assert dynamo_counters["stats"]["unique_graphs"] - graphs0 <= 3   # the blocks, the loss: static, then dynamic
+    assert pickle.loads(pickle.dumps(model.loss_function)) is eager.loss_function
+    assert copy.deepcopy(model).loss_function is eager.loss_function
+    torch.save(model, io.BytesIO())
+    assert caplog.text == "", caplog.text   # the backend passed as a function: the loss is quiet too
 
 
 def test_find_blocks_needs_a_module_list():

@@ -249,8 +249,9 @@ def test_host_syncs_name_copies_to_the_host():
 
     from moe_compile.passes.host_syncs import find_host_syncs
 
-    def copies(x):
-        return x.cpu().sum() + x.to("cpu").sum() + x.sum()
+    def copies(x):   # two blocking copies; a non-blocking one and a host factory are no wait
+        return (x.cpu().sum() + x.to("cpu").sum() + x.sum() + x.to("cpu", non_blocking=True).sum()
+                + x.new_zeros(2, device="cpu").sum())
 
     def on(device):
         mode = FakeTensorMode()
