@@ -54,7 +54,7 @@ def _device_types(v) -> set:
     if isinstance(v, torch.Tensor):
         return {v.device.type}
     if isinstance(v, (tuple, list)):
-        return set().union(*map(_device_types, v)) if v else set()
+        return set().union(*map(_device_types, v))
     return set()
 
 
@@ -63,10 +63,10 @@ def _device_types(v) -> set:
 _COPY_OPS = {"cpu", "to", "copy", "copy_", "_to_copy", "numpy"}
 
 
-def _copies_to_host(n: fx.Node) -> bool:
+def _copies_to_host(n: fx.Node, name: str) -> bool:
     """A blocking copy of an accelerator tensor's values into a host tensor: the host waits for
     them. ``non_blocking=True`` (into pinned memory) does not wait there: not counted."""
-    if (canon(n) or str(n.target)) not in _COPY_OPS or n.kwargs.get("non_blocking", False):
+    if name not in _COPY_OPS or n.kwargs.get("non_blocking", False):
         return False
     if "cpu" not in _device_types(val(n)):
         return False
@@ -86,6 +86,6 @@ def find_host_syncs(graph: fx.Graph) -> dict[str, int]:
             name = canon(n) or str(n.target)
             if name in _SYNC_OPS or _introduces_unbacked(n):
                 found["getitem (boolean mask)" if name == "getitem" else name] += 1
-            elif _copies_to_host(n):
+            elif _copies_to_host(n, name):
                 found[f"{name} (to the host)"] += 1
     return dict(found)

@@ -433,11 +433,8 @@ def main():
     moe_options = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in args.moe_option)} or None
     results = []
     global CLOCKS
-    if args.no_clocks:
+    with contextlib.nullcontext() if args.no_clocks else GpuClocks(torch.cuda.current_device()) as CLOCKS:
         _run_all(args, variants, moe_options, results)
-    else:
-        with GpuClocks(torch.cuda.current_device()) as CLOCKS:
-            _run_all(args, variants, moe_options, results)
     _finish(args, info, results)
 
 
