@@ -5,6 +5,7 @@ on the six grouped GEMMs of one MoE layer's training step (issue 14 item 3; kern
     python examples/benchmark/quack_ab.py --shapes qwen3 --rounds 3 --configs pp128x192
     python examples/benchmark/quack_ab.py --shapes qwen3 --products up_wgrad down_wgrad --spread 1.5 \
         --configs pp128x192 pp128x192dyn      # uneven routing: static vs dynamic tile scheduler
+    python examples/benchmark/quack_ab.py --gated --spread 1.0 --configs pp128x192 pp128x128
 
 Per layer shape: the forward products (up: K=H, N=2I; down: K=I, N=H, weights in nn.Linear's
 [E, N, K] layout), the data-gradient products (the same weights read as [E, K, N]) and the weight
@@ -16,6 +17,15 @@ grouped_mm_wgrad_lowp with WGRAD_BACKEND=cutlass); "cutlass" = torch._grouped_mm
 and a fixed GemmConfig (no autotuning: each config compiles once, seconds). Each result is checked
 against torch._grouped_mm first; timings interleave the kernels per round (ab.interleave). Prints
 TFLOP/s, then a per-layer table with the sum over the six GEMMs.
+
+``--gated``: SwiGLU in quack's epilogues instead (its ``gemm_gated`` / ``gemm_dgated``, ping-pong
+warp groups, so a tile's epilogue overlaps the other group's main loop), against what runs: the up
+GEMM + ``swiglu`` -> one ``gemm_gated`` (the weight read as [gate; up] through ``concat_layout``,
+h stored gate/up-interleaved); the down dgrad + ``swiglu_backward`` -> one ``gemm_dgated`` (reads
+the interleaved h, writes the interleaved dh and recomputes a = swiglu(h)); and the two products
+that then read the interleaved dh: the up dgrad (weight through ``concat_layout``) and the up
+weight gradient (its output through ``concat_layout``). Values are checked against what runs; the
+table gives both sums of the four per layer.
 """
 from __future__ import annotations
 
@@ -30,6 +40,7 @@ LAYERS = {
     "qwen3": (8192, 8, 128, 2048, 768),
     "gptoss": (8192, 4, 32, 2880, 2880),
     "mixtral": (4096, 2, 8, 4096, 14336),
+    "dsv3": (8192, 6, 64, 2048, 1408),   # model_step.py's DeepSeek-V3-like (Moonlight widths)
 }
 # quack GemmConfig fields (tile_m, tile_n, pingpong, cluster_m, cluster_n, is_dynamic_persistent)
 CONFIGS = {
@@ -64,6 +75,72 @@ def products(t, k, e, h, i, g, spread=0.0):
     }
 
 
+def gated_ab(layer, cfgs, rounds, spread, g) -> None:
+    """--gated (module docstring): one layer's four products both ways, µs, and their sums."""
+    from ab import interleave, topk_offsets
+    from quack.gemm_config import GemmConfig
+    from quack.gemm_interface import gemm_dgated_tuned, gemm_gated_tuned, gemm_tuned
+
+    from moe_compile.kernels import _quack, _triton_tma, cuda
+
+    t, k, e, h, i = LAYERS[layer]
+    m = t * k
+    offs = topk_offsets(t, k, e, g, spread)
+    cu, rows = _quack.cu_seqlens(offs), int(offs[-1])
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * shape[-1] ** -0.5
+
+    x, dy = rnd(m, h), rnd(m, h)
+    w_up, w_down = rnd(e, 2 * i, h), rnd(e, h, i)  # nn.Linear layout [E, N, K]
+    hh = _triton_tma.grouped_mm(x, w_up.transpose(1, 2), offs)
+    dh = cuda.swiglu_backward(hh, _triton_tma.grouped_mm(dy, w_down, offs))
+    fns = {"now up+swiglu": lambda: cuda.swiglu(_triton_tma.grouped_mm(x, w_up.transpose(1, 2), offs)),
+           "now down dgrad+dswiglu": lambda: cuda.swiglu_backward(hh, _triton_tma.grouped_mm(dy, w_down, offs)),
+           "now up dgrad": lambda: _triton_tma.grouped_mm(dh, w_up, offs),
+           "now up wgrad": lambda: _quack.grouped_mm_wgrad(dh, x, offs, e, torch.bfloat16, True)}
+    refs = {"a": cuda.swiglu(hh), "dh": dh, "dx": fns["now up dgrad"](), "dw": fns["now up wgrad"]()}
+    wgrad_cfg = _quack._STATE["config"][True]
+
+    def gated(cfg):   # the four products through quack's gated epilogues, with their own outputs
+        h_il, a = torch.empty(m, 2 * i, device="cuda", dtype=x.dtype), torch.empty(m, i, device="cuda", dtype=x.dtype)
+        dh_il, a2, dx, dw = torch.empty_like(h_il), torch.empty_like(a), torch.empty_like(x), torch.empty_like(w_up)
+        fns = {
+            "up+swiglu": lambda: gemm_gated_tuned.fn(x, w_up.transpose(1, 2), h_il, a, activation="swiglu",
+                                                     cu_seqlens_m=cu, config=cfg, concat_layout=("B",)),
+            "down dgrad+dswiglu": lambda: gemm_dgated_tuned.fn(dy, w_down, h_il, dh_il, a2, activation="swiglu",
+                                                               cu_seqlens_m=cu, config=cfg,
+                                                               dynamic_scheduler=cfg.is_dynamic_persistent),
+            "up dgrad": lambda: gemm_tuned.fn(dh_il, w_up, dx, cu_seqlens_m=cu, config=cfg, concat_layout=("B",)),
+            "up wgrad": lambda: gemm_tuned.fn(dh_il.t(), x, dw, cu_seqlens_k=cu, config=wgrad_cfg,
+                                              concat_layout=("out",))}
+        for fn in fns.values():
+            fn()
+        dh_concat = torch.cat([dh_il[:, 0::2], dh_il[:, 1::2]], 1)
+        return fns, (("a", a, refs["a"]), ("dh", dh_concat, refs["dh"]), ("recomputed a", a2, refs["a"]),
+                     ("dx", dx, refs["dx"]), ("dw", dw, refs["dw"]))
+
+    for cname in cfgs:
+        tm, tn, pp, cm, cn, dyn = CONFIGS[cname]
+        mine, checks = gated(GemmConfig(tile_m=tm, tile_n=tn, pingpong=pp, cluster_m=cm, cluster_n=cn,
+                                        is_dynamic_persistent=dyn, device_capacity=9))
+        for what, got, ref in checks:
+            got, ref = (got[:rows], ref[:rows]) if what != "dw" else (got, ref)
+            err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+            if err > 1e-2:
+                raise SystemExit(f"# {layer} quack[{cname}] {what}: relative error {err:.3g} against what runs")
+        fns.update({f"quack[{cname}] {n}": fn for n, fn in mine.items()})
+    times = {n: statistics.median(v) * 1e3 for n, v in interleave(fns, rounds, warmup=20, rep=60).items()}
+    now = sum(v for n, v in times.items() if n.startswith("now"))
+    print(f"\n| {layer} | " + " | ".join(f"{n} µs" for n in times) + " |")
+    print("|---|" + "---|" * len(times))
+    print(f"| {layer} | " + " | ".join(f"{v:.0f}" for v in times.values()) + " |")
+    for cname in cfgs:
+        fused = sum(v for n, v in times.items() if n.startswith(f"quack[{cname}]"))
+        print(f"{layer}: the four products {now:.0f} µs as they run, {fused:.0f} µs with quack[{cname}]'s gated "
+              f"epilogues ({fused / now:.3f}x)", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(LAYERS), choices=list(LAYERS))
@@ -73,6 +150,7 @@ def main():
                     help="std of a per-expert logit bias: uneven routing (ab.topk_offsets)")
     ap.add_argument("--products", nargs="+", default=None,
                     choices=["up", "down", "up_dgrad", "down_dgrad", "up_wgrad", "down_wgrad"])
+    ap.add_argument("--gated", action="store_true", help="SwiGLU in quack's epilogues (module docstring)")
     args = ap.parse_args()
     import quack
     import triton
@@ -86,6 +164,10 @@ def main():
           f"quack {quack.__version__}", flush=True)
     g = torch.Generator(device="cuda")
     g.manual_seed(0)
+    if args.gated:
+        for layer in args.shapes:
+            gated_ab(layer, args.configs, args.rounds, args.spread, g)
+        return
     table, compile_s, flops = {}, {}, {}
     for layer in args.shapes:
         for pname, (kind, a, b, offs, flop) in products(*LAYERS[layer], g, args.spread).items():
