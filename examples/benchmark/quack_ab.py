@@ -25,7 +25,8 @@ h stored gate/up-interleaved); the down dgrad + ``swiglu_backward`` -> one ``gem
 the interleaved h, writes the interleaved dh and recomputes a = swiglu(h)); and the two products
 that then read the interleaved dh: the up dgrad (weight through ``concat_layout``) and the up
 weight gradient (its output through ``concat_layout``). Values are checked against what runs; the
-table gives both sums of the four per layer.
+table gives both sums of the four per layer, and a control not in the sum: quack's up dgrad on dh as
+it is now ([gate; up]), which tells the kernel's effect from the interleaved layout's.
 """
 from __future__ import annotations
 
@@ -52,18 +53,35 @@ CONFIGS = {
 }
 
 
+MAX_REL_ERR = 1e-2   # against the reference: bf16 outputs of fp32 accumulations in another order
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def gemm_config(cname: str):
+    """quack's GemmConfig for a CONFIGS entry (sm90)."""
+    from quack.gemm_config import GemmConfig
+
+    tm, tn, pp, cm, cn, dyn = CONFIGS[cname]
+    return GemmConfig(tile_m=tm, tile_n=tn, pingpong=pp, cluster_m=cm, cluster_n=cn, is_dynamic_persistent=dyn,
+                      device_capacity=9)
+
+
+def _rnd(g, *shape):
+    """bf16 normal values scaled by 1/sqrt(last dim) on the GPU."""
+    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * shape[-1] ** -0.5
+
+
 def products(t, k, e, h, i, g, spread=0.0):
     """{name: (kind, a, b, offsets, flop)} for one layer; kind "m" = varlen rows, "k" = wgrad."""
     from ab import topk_offsets
 
     m = t * k
     offs = topk_offsets(t, k, e, g, spread)
-
-    def rnd(*shape):
-        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * shape[-1] ** -0.5
-
-    x, a, dy, dh = rnd(m, h), rnd(m, i), rnd(m, h), rnd(m, 2 * i)
-    w_up, w_down = rnd(e, 2 * i, h), rnd(e, h, i)  # nn.Linear layout [E, N, K]
+    x, a, dy, dh = _rnd(g, m, h), _rnd(g, m, i), _rnd(g, m, h), _rnd(g, m, 2 * i)
+    w_up, w_down = _rnd(g, e, 2 * i, h), _rnd(g, e, h, i)  # nn.Linear layout [E, N, K]
     return {
         "up": ("m", x, w_up.transpose(1, 2), offs, 2.0 * m * h * 2 * i),
         "down": ("m", a, w_down.transpose(1, 2), offs, 2.0 * m * i * h),
@@ -78,7 +96,6 @@ def products(t, k, e, h, i, g, spread=0.0):
 def gated_ab(layer, cfgs, rounds, spread, g) -> None:
     """--gated (module docstring): one layer's four products both ways, µs, and their sums."""
     from ab import interleave, topk_offsets
-    from quack.gemm_config import GemmConfig
     from quack.gemm_interface import gemm_dgated_tuned, gemm_gated_tuned, gemm_tuned
 
     from moe_compile.kernels import _quack, _triton_gmm, _triton_tma, cuda
@@ -87,12 +104,8 @@ def gated_ab(layer, cfgs, rounds, spread, g) -> None:
     m = t * k
     offs = topk_offsets(t, k, e, g, spread)
     cu = _quack.cu_seqlens(offs)
-
-    def rnd(*shape):
-        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g) * shape[-1] ** -0.5
-
-    x, dy = rnd(m, h), rnd(m, h)
-    w_up, w_down = rnd(e, 2 * i, h), rnd(e, h, i)  # nn.Linear layout [E, N, K]
+    x, dy = _rnd(g, m, h), _rnd(g, m, h)
+    w_up, w_down = _rnd(g, e, 2 * i, h), _rnd(g, e, h, i)  # nn.Linear layout [E, N, K]
     hh = _triton_tma.grouped_mm(x, w_up.transpose(1, 2), offs)
     dh = cuda.swiglu_backward(hh, _triton_tma.grouped_mm(dy, w_down, offs))
     # what runs: kernels/cuda.py's choices (the weight gradient: quack, static or dynamic scheduler by its rule)
@@ -127,11 +140,8 @@ def gated_ab(layer, cfgs, rounds, spread, g) -> None:
                      ("dx", dx, refs["dx"]), ("dw", dw, refs["dw"]), ("dx (control)", dx_c, refs["dx"]))
 
     for cname in cfgs:
-        tm, tn, pp, cm, cn, dyn = CONFIGS[cname]
-        mine, checks = gated(GemmConfig(tile_m=tm, tile_n=tn, pingpong=pp, cluster_m=cm, cluster_n=cn,
-                                        is_dynamic_persistent=dyn, device_capacity=9))
-        bad = [(what, err) for what, got, ref in checks
-               if (err := ((got.float() - ref.float()).norm() / ref.float().norm()).item()) > 1e-2]
+        mine, checks = gated(gemm_config(cname))
+        bad = [(what, err) for what, got, ref in checks if (err := rel_err(got, ref)) > MAX_REL_ERR]
         if bad:   # every routed row is checked (topk_offsets routes all T k rows)
             print(f"# {layer} quack[{cname}]: relative error against what runs {bad}, not timed", flush=True)
             continue
@@ -164,7 +174,6 @@ def main():
     import quack
     import triton
     from ab import interleave, with_attr
-    from quack.gemm_config import GemmConfig
     from quack.gemm_interface import gemm_tuned
 
     from moe_compile.kernels import _quack, _triton_tma, cuda
@@ -201,9 +210,7 @@ def main():
                 qkw = dict(cu_seqlens_k=cu)
                 qa, qb = a.t(), b
             for cname in args.configs:
-                tm, tn, pp, cm, cn, dyn = CONFIGS[cname]
-                cfg = GemmConfig(tile_m=tm, tile_n=tn, pingpong=pp, cluster_m=cm, cluster_n=cn,
-                                 is_dynamic_persistent=dyn, device_capacity=9)
+                cfg = gemm_config(cname)
 
                 def q(qa=qa, qb=qb, out=out, cfg=cfg, qkw=qkw):
                     gemm_tuned.fn(qa, qb, out, config=cfg, **qkw)
@@ -218,9 +225,8 @@ def main():
                 compile_s[(layer, pname, cname)] = time.perf_counter() - t0
                 fns[f"quack[{cname}]"] = q
             for kname, fn in fns.items():  # same values before timing
-                got = fn().float()
-                err = ((got - ref.float()).norm() / ref.float().norm()).item()
-                if err > 1e-2:
+                err = rel_err(fn(), ref)
+                if err > MAX_REL_ERR:
                     print(f"# {layer} {pname} {kname}: relative error {err:.3g}, dropped", flush=True)
                     fns[kname] = None
             fns = {k: v for k, v in fns.items() if v is not None}
