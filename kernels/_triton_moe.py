@@ -39,8 +39,9 @@ def _permute_rows_kernel(x_ptr, perm_ptr, offs_ptr, xp_ptr, NR, H, E, sxm,
 @lean
 @triton.jit
 def _combine_kernel(y_ptr, inv_ptr, w_ptr, offs_ptr, out_ptr, T, H, E, sym,
-                    TOP_K: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
-    """out[t] = sum_j w[t, j] * y[inv[t*K + j]] over kept rows (inv < total), fp32, j in order."""
+                    TOP_K: tl.constexpr, HAS_W: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
+    """out[t] = sum_j w[t, j] * y[inv[t*K + j]] over kept rows (inv < total), fp32, j in order
+    (w = 1 without HAS_W)."""
     total = tl.load(offs_ptr + E - 1)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -50,10 +51,11 @@ def _combine_kernel(y_ptr, inv_ptr, w_ptr, offs_ptr, out_ptr, T, H, E, sym,
     for j in tl.static_range(TOP_K):
         p = tl.load(inv_ptr + t * TOP_K + j, mask=tmask, other=0)
         keep = tmask & (p < total)
-        wj = tl.load(w_ptr + t * TOP_K + j, mask=keep, other=0.0).to(tl.float32)
         v = tl.load(y_ptr + p.to(tl.int64)[:, None] * sym + cols[None, :], mask=keep[:, None] & cmask[None, :],
                     other=0.0).to(tl.float32)
-        acc += wj[:, None] * v
+        if HAS_W:
+            v = tl.load(w_ptr + t * TOP_K + j, mask=keep, other=0.0).to(tl.float32)[:, None] * v
+        acc += v
     tl.store(out_ptr + t.to(tl.int64)[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=tmask[:, None] & cmask[None, :])
 
@@ -280,10 +282,16 @@ def permute_rows(x: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, top
 
 
 def unpermute_combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor):
+    return _combine(y, inv, weights.contiguous(), offsets, *weights.shape)
+
+
+def unpermute_sum(y: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor, offsets: torch.Tensor, top_k: int):
+    return _combine(y, inv, None, offsets, y.shape[0] // top_k, top_k)
+
+
+def _combine(y, inv, weights, offsets, t: int, k: int):
     y = y if y.stride(1) == 1 else y.contiguous()
-    t, k = weights.shape
     h = y.shape[1]
-    weights = weights.contiguous()
     out = torch.empty(t, h, dtype=y.dtype, device=y.device)
     if out.numel() == 0:
         return out
@@ -292,7 +300,8 @@ def unpermute_combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor,
     bh = min(triton.next_power_of_2(h), 1024)
     bt = max(1, 1024 // bh)
     _combine_kernel[(triton.cdiv(t, bt), triton.cdiv(h, bh))](
-        y, inv, weights, offsets, out, t, h, offsets.numel(), y.stride(0), TOP_K=k, BT=bt, BH=bh, num_warps=4)
+        y, inv, weights if weights is not None else y, offsets, out, t, h, offsets.numel(), y.stride(0), TOP_K=k,
+        HAS_W=weights is not None, BT=bt, BH=bh, num_warps=4)
     return out
 
 
@@ -381,16 +390,29 @@ def swiglu_grads(g, u, d):
 
 @lean
 @triton.jit
-def _swiglu_kernel(h_ptr, a_ptr, M, N, sh, sa, BM: tl.constexpr, BN: tl.constexpr):
-    """a[r, c] = silu(h[r, c]) * h[r, N + c], fp32 math, one rounding."""
+def _swiglu_kernel(h_ptr, a_ptr, w_ptr, perm_ptr, offs_ptr, M, N, E, sh, sa,
+                   HAS_W: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """a[r, c] = silu(h[r, c]) * h[r, N + c], fp32 math, one rounding; with HAS_W times the row's
+    routing weight w[perm[r]] (0 for dropped rows r >= offsets[E-1])."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    rmask = rows < M
+    mask = rmask[:, None] & (cols < N)[None, :]
     base = h_ptr + rows.to(tl.int64)[:, None] * sh + cols[None, :]
     g = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(base + N, mask=mask, other=0.0).to(tl.float32)
     a = silu_mul(g, u)
+    if HAS_W:
+        a = a * _row_weight(w_ptr, perm_ptr, offs_ptr, rows, rmask, E)[:, None]
     tl.store(a_ptr + rows.to(tl.int64)[:, None] * sa + cols[None, :], a.to(a_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _row_weight(w_ptr, perm_ptr, offs_ptr, rows, rmask, E):
+    """fp32 [BM]: w[perm[r]] for rows inside a group, 0 for dropped or masked rows."""
+    keep = rmask & (rows < tl.load(offs_ptr + E - 1))
+    q = tl.load(perm_ptr + rows, mask=keep, other=0)
+    return tl.load(w_ptr + q, mask=keep, other=0.0).to(tl.float32)
 
 
 @lean
@@ -411,6 +433,34 @@ def _swiglu_bwd_kernel(h_ptr, da_ptr, dh_ptr, M, N, sh, sda, sdh, BM: tl.constex
     tl.store(ob + N, du.to(dh_ptr.dtype.element_ty), mask=mask)
 
 
+@lean
+@triton.jit
+def _weighted_swiglu_bwd_kernel(h_ptr, da_ptr, w_ptr, perm_ptr, offs_ptr, dh_ptr, dw_ptr, M, N, E, sh, sda, sdh,
+                                BM: tl.constexpr, BN: tl.constexpr):
+    """BM rows per program, their columns in BN chunks: dh = swiglu grads of w_r * da, and
+    dw[perm[r]] = <da[r], silu(g) u> (fp32, columns in order; 0 for dropped rows)."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    rmask = rows < M
+    w = _row_weight(w_ptr, perm_ptr, offs_ptr, rows, rmask, E)
+    r64 = rows.to(tl.int64)[:, None]
+    acc = tl.zeros((BM,), dtype=tl.float32)
+    for c0 in range(0, N, BN):
+        cols = c0 + tl.arange(0, BN)
+        mask = rmask[:, None] & (cols < N)[None, :]
+        hb = h_ptr + r64 * sh + cols[None, :]
+        g = tl.load(hb, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(hb + N, mask=mask, other=0.0).to(tl.float32)
+        d = tl.load(da_ptr + r64 * sda + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc += tl.sum(d * silu_mul(g, u), axis=1)
+        dg, du = swiglu_grads(g, u, d * w[:, None])
+        ob = dh_ptr + r64 * sdh + cols[None, :]
+        tl.store(ob, dg.to(dh_ptr.dtype.element_ty), mask=mask)
+        tl.store(ob + N, du.to(dh_ptr.dtype.element_ty), mask=mask)
+    keep = rmask & (rows < tl.load(offs_ptr + E - 1))
+    q = tl.load(perm_ptr + rows, mask=rmask, other=0)
+    tl.store(dw_ptr + q, tl.where(keep, acc, 0.0).to(dw_ptr.dtype.element_ty), mask=rmask)
+
+
 def _swiglu_grid(m: int, n: int):
     bn = min(256, triton.next_power_of_2(max(n, 16)))
     bm = max(1, 4096 // bn)
@@ -423,8 +473,38 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     a = torch.empty(m, n, dtype=h.dtype, device=h.device)
     if a.numel():
         bm, bn, grid = _swiglu_grid(m, n)
-        _swiglu_kernel[grid](h, a, m, n, h.stride(0), a.stride(0), BM=bm, BN=bn, num_warps=4)
+        _swiglu_kernel[grid](h, a, h, h, h, m, n, 1, h.stride(0), a.stride(0), HAS_W=False, BM=bm, BN=bn,
+                             num_warps=4)
     return a
+
+
+def weighted_swiglu(h: torch.Tensor, weights: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor):
+    h = h if h.stride(-1) == 1 else h.contiguous()
+    weights = weights.contiguous()
+    m, n = h.shape[0], h.shape[1] // 2
+    a = torch.empty(m, n, dtype=h.dtype, device=h.device)
+    if a.numel():
+        bm, bn, grid = _swiglu_grid(m, n)
+        _swiglu_kernel[grid](h, a, weights, perm, offsets, m, n, offsets.numel(), h.stride(0), a.stride(0),
+                             HAS_W=True, BM=bm, BN=bn, num_warps=4)
+    return a
+
+
+def weighted_swiglu_backward(h, weights, perm, offsets, da):
+    h = h if h.stride(-1) == 1 else h.contiguous()
+    da = da if da.stride(-1) == 1 else da.contiguous()
+    weights = weights.contiguous()
+    m, n = h.shape[0], h.shape[1] // 2
+    dh = torch.empty(m, 2 * n, dtype=h.dtype, device=h.device)
+    dw = torch.empty_like(weights)
+    if m:
+        # BM rows x BN columns per step, the row's columns in turn (the weight's gradient sums them)
+        bn = min(256, triton.next_power_of_2(max(n, 16)))
+        bm = max(1, 4096 // bn)
+        _weighted_swiglu_bwd_kernel[(triton.cdiv(m, bm),)](
+            h, da, weights, perm, offsets, dh, dw, m, n, offsets.numel(), h.stride(0), da.stride(0), dh.stride(0),
+            BM=bm, BN=bn, num_warps=4)
+    return dh, dw
 
 
 def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:

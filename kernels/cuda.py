@@ -29,7 +29,10 @@ What runs where (all sync-free: no .item()/.tolist()/nonzero, static launch shap
                                empty groups; otherwise a Triton kernel writing fp32 directly
     grouped_bias_grad          Triton segmented column sum (fp32, fixed order)
     unpermute_combine(+bwd)    Triton gather-reduce over top-k in fp32, routing weights fused
+    unpermute_sum              the same kernel without weights (its backward is permute_rows)
     swiglu(+bwd)               Triton, fp32 math; the backward reads h and da once, writes dh once
+    weighted_swiglu(+bwd)      the same with each row's routing weight; the backward also sums the
+                               weight's gradient over each row (BM rows per program, columns in turn)
     router_topk                Triton: one int64 key per score (torch.topk's order, ties to the lower index),
                                K rounds of a row max (E <= 1024, k <= 64); else torch.topk
 
@@ -298,6 +301,24 @@ def unpermute_combine_backward(dout, y, inv, weights, offsets):
     return _triton_moe.unpermute_combine_backward(dout, y, inv, weights, offsets)
 
 
+def unpermute_sum(y, perm, inv, offsets, top_k):
+    from . import _triton_moe
+
+    return _triton_moe.unpermute_sum(y, perm, inv, offsets, top_k)
+
+
+def weighted_swiglu(h, weights, perm, offsets):
+    from . import _triton_moe
+
+    return _triton_moe.weighted_swiglu(h, weights, perm, offsets)
+
+
+def weighted_swiglu_backward(h, weights, perm, offsets, da):
+    from . import _triton_moe
+
+    return _triton_moe.weighted_swiglu_backward(h, weights, perm, offsets, da)
+
+
 def swiglu(h):
     from . import _triton_moe
 
@@ -331,6 +352,9 @@ _ALL = {
     "grouped_mm_wgrad_lowp": grouped_mm_wgrad_lowp,
     "swiglu": swiglu,
     "swiglu_backward": swiglu_backward,
+    "unpermute_sum": unpermute_sum,
+    "weighted_swiglu": weighted_swiglu,
+    "weighted_swiglu_backward": weighted_swiglu_backward,
 }
 
 # op name -> implementation on CUDA tensors (registry.py reads this); without Triton only route_permute,

@@ -145,6 +145,41 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
     return torch.cat([d * u * (s + g * s * (1 - s)), d * g * s], dim=1).to(h.dtype)
 
 
+def unpermute_sum(y: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor, offsets: torch.Tensor, top_k: int):
+    """out[t] = sum_j y[inv[t*K + j]] over rows inside a group: unpermute_combine with weight 1."""
+    ones = torch.ones(perm.numel() // top_k, top_k, dtype=torch.float32, device=y.device)
+    return unpermute_combine(y, inv, ones, offsets)
+
+
+def _row_weights(weights: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, ct: torch.dtype):
+    """[M, 1]: the routing weight of each permuted row (its pair perm[p]), 0 for dropped rows."""
+    w = weights.reshape(-1).to(ct).index_select(0, perm)
+    return (w * valid_rows(offsets, perm.numel()).to(ct)).unsqueeze(-1)
+
+
+def weighted_swiglu(h: torch.Tensor, weights: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor):
+    """a[p] = weights.flat[perm[p]] * silu(h[p, :N]) * h[p, N:] (0 for dropped rows), fp32 math,
+    rounded once: a row's routing weight applied before the down projection instead of after it."""
+    n = h.shape[-1] // 2
+    ct = torch.promote_types(h.dtype, torch.float32)
+    g, u = h[:, :n].to(ct), h[:, n:].to(ct)
+    return (torch.nn.functional.silu(g) * u * _row_weights(weights, perm, offsets, ct)).to(h.dtype)
+
+
+def weighted_swiglu_backward(h, weights, perm, offsets, da):
+    """(dh [M, 2N], dweights like weights) for a = weighted_swiglu(h, weights, perm, offsets):
+    dh = swiglu_backward(h, w_row * da); dweights.flat[perm[p]] = <da[p], silu(g) * u> (0 if dropped)."""
+    n = h.shape[-1] // 2
+    ct = torch.promote_types(h.dtype, torch.float32)
+    g, u, d = h[:, :n].to(ct), h[:, n:].to(ct), da.to(ct)
+    s = torch.sigmoid(g)
+    w = _row_weights(weights, perm, offsets, ct)
+    dw_rows = (d * g * s * u).sum(-1) * valid_rows(offsets, perm.numel()).to(ct)
+    dw = torch.zeros(weights.numel(), dtype=ct, device=h.device).index_copy_(0, perm, dw_rows)
+    dh = torch.cat([w * d * u * (s + g * s * (1 - s)), w * d * g * s], dim=1).to(h.dtype)
+    return dh, dw.view(weights.shape).to(weights.dtype)
+
+
 def router_topk(scores: torch.Tensor, k: int):
     """(values, indices) of torch.topk(scores, k, dim=-1): on CPU exactly what eager computes."""
     values, indices = torch.topk(scores, k, dim=-1)

@@ -3,6 +3,7 @@
     route_permute(expert_ids[T,K], E)            -> perm[N] i64, inv[N] i64, offsets[E] i32
     permute_rows(x[T,H], perm, inv, offsets, K)  -> xp[N,H]          (gather; bwd = combine)
     unpermute_combine(y[N,H], inv, weights[T,K], offsets) -> out[T,H] (weighted gather-reduce)
+    unpermute_sum(y[N,H], perm, inv, offsets, K) -> out[T,H]  (weight 1; bwd = permute_rows: y not kept)
     router_topk(scores[..., E], k)               -> values[..., k], indices[..., k] i64  (torch.topk
                                                     on the last dim; bwd: scatter into zeros)
 
@@ -48,14 +49,13 @@ def _(x, perm, inv, offsets, top_k):
 
 def _permute_rows_setup(ctx, inputs, output):
     x, perm, inv, offsets, top_k = inputs
-    ctx.save_for_backward(inv, offsets)
-    ctx.shape = (x.shape[0], top_k)
+    ctx.save_for_backward(perm, inv, offsets)
+    ctx.top_k = top_k
 
 
 def _permute_rows_bwd(ctx, dxp):
-    inv, offsets = ctx.saved_tensors
-    ones = dxp.new_ones(ctx.shape, dtype=torch.float32)
-    return unpermute_combine(dxp, inv, ones, offsets), None, None, None, None
+    perm, inv, offsets = ctx.saved_tensors
+    return unpermute_sum(dxp, perm, inv, offsets, ctx.top_k), None, None, None, None
 
 
 permute_rows.register_autograd(_permute_rows_bwd, setup_context=_permute_rows_setup)
@@ -98,6 +98,37 @@ def unpermute_combine_backward(dout: torch.Tensor, y: torch.Tensor, inv: torch.T
 @unpermute_combine_backward.register_fake
 def _(dout, y, inv, weights, offsets):
     return torch.empty_like(y), torch.empty_like(weights)
+
+
+# --------------------------------------------------------------------------- unpermute_sum
+@torch.library.custom_op("moe_compile::unpermute_sum", mutates_args=())
+def unpermute_sum(y: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor, offsets: torch.Tensor,
+                  top_k: int) -> torch.Tensor:
+    """out[t] = sum_j y[inv[t*K + j]] over rows inside a group (fp32, j in order): the combine of
+    unweighted experts, or of experts whose rows were weighted before (``weighted_swiglu``)."""
+    check(y.dim() == 2 and top_k > 0 and perm.numel() == inv.numel() == y.shape[0]
+          and y.shape[0] % top_k == 0, "unpermute_sum",
+          f"y {tuple(y.shape)}, perm {perm.numel()}, inv {inv.numel()}: y must have T*K rows (K={top_k})")
+    return implementation("unpermute_sum", y)(y, perm, inv, offsets, top_k)
+
+
+@unpermute_sum.register_fake
+def _(y, perm, inv, offsets, top_k):
+    return y.new_empty(y.shape[0] // top_k, y.shape[1])
+
+
+def _sum_setup(ctx, inputs, output):
+    y, perm, inv, offsets, top_k = inputs
+    ctx.save_for_backward(perm, inv, offsets)
+    ctx.top_k = top_k
+
+
+def _sum_bwd(ctx, dout):
+    perm, inv, offsets = ctx.saved_tensors
+    return permute_rows(dout, perm, inv, offsets, ctx.top_k), None, None, None, None
+
+
+unpermute_sum.register_autograd(_sum_bwd, setup_context=_sum_setup)
 
 
 # --------------------------------------------------------------------------- router_topk

@@ -46,6 +46,7 @@ OPS = {
     "permute_rows": routing_ops.permute_rows,
     "unpermute_combine": routing_ops.unpermute_combine,
     "unpermute_combine_backward": routing_ops.unpermute_combine_backward,
+    "unpermute_sum": routing_ops.unpermute_sum,
     "router_topk": routing_ops.router_topk,
     "grouped_mm": gemm_ops.grouped_mm,
     "grouped_mm_wgrad": gemm_ops.grouped_mm_wgrad,
@@ -56,6 +57,8 @@ OPS = {
     "grouped_mm_list_cat_dx": gemm_ops.grouped_mm_list_cat_dx,
     "swiglu": activation_ops.swiglu,
     "swiglu_backward": activation_ops.swiglu_backward,
+    "weighted_swiglu": activation_ops.weighted_swiglu,
+    "weighted_swiglu_backward": activation_ops.weighted_swiglu_backward,
 }
 
 _LIB = torch.library.Library(NAMESPACE, "DEF")  # noqa: TOR901 (kept alive: owns the registrations)

@@ -13,7 +13,8 @@ After, inserted after the region's last write (or its output)::
                                        or grouped_mm_list(h, [W_e], offs, [b_e], transposed=True)
                                           (ModuleList nn.Linear weights [N, K], no per-expert view)
             sibling linears of one input (SwiGLU w1, w3) -> one grouped_mm_list_cat(h, [W1_e], [W3_e], ...)
-    out = moe_compile.unpermute_combine(h_last, inv, weights[T,K] | ones, offs).to(dtype) (+ base)
+    out = moe_compile.unpermute_combine(h_last, inv, weights[T,K], offs).to(dtype) (+ base)
+          | moe_compile.unpermute_sum(h_last, perm, inv, offs, K)   (unweighted, or weights on the input)
 
 ``AccumulateInPlace``: every reader of the finished accumulator reads ``out``; the writes into it
 are erased. ``ReplaceOutput``: readers of the output (and of its in-place aliases, after it) read
@@ -164,9 +165,13 @@ def _lower_whole(b: GraphBuilder, region: Region, ep):
         flight, gemm_offs, _ = expert_parallel.dispatch(b, rows, offs, ep)
         rows = expert_parallel.receive(b, flight)
         received = val(rows)
+    # the weights before the experts: lowering/weights_in_swiglu.py may move them into the activation
+    weights = _pair_weights(b, router) if region_forms.weighted_combine(router) else None
     h = _emit_experts(b, region, rows, gemm_offs, ep)
     y = expert_parallel.receive_back(b, expert_parallel.send_back(b, h, flight, ep)) if ep is not None else h
-    return h, b.fn(OPS.unpermute_combine.default, y, inv, _pair_weights(b, router), offs), received
+    if weights is None:  # weight 1: the backward is a gather, y is not kept
+        return h, b.fn(OPS.unpermute_sum.default, y, perm, inv, offs, router.top_k), received
+    return h, b.fn(OPS.unpermute_combine.default, y, inv, weights, offs), received
 
 
 def _chunks(region: Region, ep, ep_chunks: int) -> list[int]:

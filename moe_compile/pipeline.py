@@ -2,7 +2,8 @@
 
     stage          graph                                     passes
     dynamo         a copy of Dynamo's torch-level graph      normalize, loop_regions, grouped_regions,
-                                                             check, lower, swiglu, router_topk, host_syncs
+                                                             check, lower, swiglu, weights_in_swiglu,
+                                                             router_topk, host_syncs
     before_compile the rewritten graph and its real inputs   stack_expert_params
     post_grad      each forward / backward ATen graph after  wgrad_early, ep_overlap, runtime_ops
                    AOTAutograd (Inductor's post-grad hook,
@@ -132,6 +133,17 @@ def _swiglu(s: DynamoState) -> None:
         fuse_swiglu(s.gm, find_swiglu(s.gm))
 
 
+def _weights_in_swiglu(s: DynamoState) -> None:
+    from moe_compile.lowering.weights_in_swiglu import weights_into_swiglu
+    from moe_compile.passes.weights_in_swiglu import find_weights_in_swiglu
+
+    matches = find_weights_in_swiglu(s.gm)
+    for m, added in zip(matches, weights_into_swiglu(s.gm, matches)):
+        for r in s.accepted:  # listed with the region whose combine it replaced (explain's ops)
+            if m.combine in s.region_nodes.get(id(r), ()):
+                s.region_nodes[id(r)].update(added)
+
+
 def _router_topk(s: DynamoState) -> None:
     if s.accepted:
         from moe_compile.lowering.router_topk import use_router_topk
@@ -222,6 +234,10 @@ PASSES: tuple[Pass, ...] = (
     Pass("lower", "dynamo", _lower, False, "rewrite accepted regions into moe_compile ops (lowering/region.py)"),
     Pass("swiglu", "dynamo", _swiglu, True,
          "silu(h[:, :N]) * h[:, N:] on rewritten GEMM outputs -> moe_compile.swiglu (lowering/swiglu.py)"),
+    Pass("weights_in_swiglu", "dynamo", _weights_in_swiglu, True,
+         "a combine's routing weights -> moe_compile.weighted_swiglu before a bias-free down projection, the "
+         "combine -> moe_compile.unpermute_sum: its backward no longer reads the expert outputs "
+         "(lowering/weights_in_swiglu.py)"),
     Pass("router_topk", "dynamo", _router_topk, True,
          "torch.topk in the routers of rewritten regions -> moe_compile.router_topk (lowering/router_topk.py)"),
     Pass("host_syncs", "dynamo", _host_syncs, True,
@@ -292,7 +308,13 @@ def _ops_used(gm: fx.GraphModule, nodes=None) -> tuple[str, ...]:
 
 def _with_fused(nodes: set) -> set:
     """A region's nodes plus the ops later passes fused onto them (moe_compile.swiglu of its GEMM output)."""
-    return nodes | {u for n in nodes for u in n.users if (canon(u) or "") == "moe_compile::swiglu"}
+    return nodes | {u for n in nodes for u in n.users if (canon(u) or "") in _FUSED}
+
+
+_FUSED = ("moe_compile::swiglu", "moe_compile::weighted_swiglu")
+
+
+_REWRITES = ("lower", "swiglu", "weights_in_swiglu", "router_topk")   # dynamo passes that edit the graph
 
 
 def run_dynamo_stage(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.GraphModule, list[RegionRecord]]:
@@ -309,10 +331,10 @@ def run_dynamo_stage(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.Gra
     graphs = [("dynamo graph", s.gm.print_readable(print_output=False))] if verbose else []
     try:
         for p in passes:
-            if p.name in ("lower", "swiglu", "router_topk") and not s.accepted:
+            if p.name in _REWRITES and not s.accepted:
                 continue
             p.run(s)
-            if verbose and p.name in ("lower", "swiglu", "router_topk"):
+            if verbose and p.name in _REWRITES:
                 graphs.append((f"after {p.name}", s.gm.print_readable(print_output=False)))
     except Exception as exc:
         from moe_compile.lowering.graph_edit import InvalidSetup

@@ -30,7 +30,7 @@ def test_explain_rewritten():
     assert r.module.startswith("mlp"), r.module
     assert r.form == "loop/where+setitem"
     assert r.num_experts == 4 and r.top_k == 2
-    for op in ("route_permute", "permute_rows", "unpermute_combine"):
+    for op in ("route_permute", "permute_rows", "weighted_swiglu", "unpermute_sum"):
         assert op in r.ops
     assert "grouped_mm_list" in r.ops  # ModuleList experts
     assert r.where.startswith("helpers.py:")

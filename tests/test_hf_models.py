@@ -83,8 +83,10 @@ def test_hf_grouped_mm_matches_eager(name):
     records = [r for g in graphs for r in g]
     assert {r.module.removeprefix("m.") for r in records if r.status == "rewritten"} == LAYERS, records
     assert all(r.status == "rewritten" for r in records), records
-    # SwiGLU experts (all but GPT-OSS's clamped variant) get the fused activation op
-    assert all(("swiglu" in r.ops) == (name != "gpt_oss") for r in records), records
+    # SwiGLU experts (all but GPT-OSS's clamped variant) get the fused activation op, with the routing
+    # weights in it (weights_in_swiglu: their down projections are bias-free) and an unweighted sum
+    assert all(("weighted_swiglu" in r.ops and "unpermute_sum" in r.ops and "unpermute_combine" not in r.ops)
+               == (name != "gpt_oss") for r in records), records
     assert all("router_topk" in r.ops for r in records), records  # every one routes with torch.topk
 
 

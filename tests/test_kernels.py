@@ -14,6 +14,10 @@ from helpers import OP_BF16_REL, OP_FP32_REL
 from moe_compile.kernels import ops  # noqa: F401  (registers torch.ops.moe_compile.*)
 from helpers import rel_err
 
+# three bf16 ops chained (activation, GEMM, sum), each rounding its output once to bf16 (2^-8
+# relative), against the fp64 chain: up to three roundings' worth of OP_BF16_REL.
+OP_BF16_CHAIN_REL = 3 * OP_BF16_REL
+
 OPS = torch.ops.moe_compile
 
 
@@ -171,6 +175,10 @@ def _opcheck_samples():
         "grouped_mm_wgrad": (xp.detach(), y.detach(), offs, e),
         "grouped_bias_grad": (y.detach(), offs, e),
         "unpermute_combine_backward": (torch.randn(t, n, generator=gen), y.detach(), inv, wr.detach(), offs),
+        "unpermute_sum": (y, perm, inv, offs, k),
+        "weighted_swiglu": (torch.randn(t * k, 2 * n, generator=gen, requires_grad=True), wr, perm, offs),
+        "weighted_swiglu_backward": (torch.randn(t * k, 2 * n, generator=gen), wr.detach(), perm, offs,
+                                     torch.randn(t * k, n, generator=gen)),
     }
 
 
@@ -294,7 +302,7 @@ def test_every_op_registered_on_import():
     # a fresh interpreter that imports only ops.py, as lowering/moe_region.py does
     probe = ("import torch, moe_compile.kernels.ops\n"
              "for n in ('grouped_mm_wgrad_lowp', 'grouped_mm_list_cat_dx', 'unpermute_combine_backward',"
-             " 'grouped_mm_wgrad', 'grouped_bias_grad', 'grouped_mm_list_cat'):\n"
+             " 'grouped_mm_wgrad', 'grouped_bias_grad', 'grouped_mm_list_cat', 'weighted_swiglu_backward'):\n"
              "    getattr(torch.ops.moe_compile, n).default\n")
     subprocess.run([sys.executable, "-c", probe], check=True)
 
@@ -319,6 +327,40 @@ def test_swiglu_op_matches_silu_mul(dtype):
         torch.library.opcheck(ops.swiglu_backward, (h.detach(), da))
     with pytest.raises(ValueError, match="swiglu"):
         ops.swiglu(torch.randn(3, 5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["random", "empty", "hot", "dropped"])
+def test_weighted_swiglu_and_sum_match_the_weighted_combine(kind, dtype):
+    """unpermute_sum(weighted_swiglu(h, w) @ W) == unpermute_combine(swiglu(h) @ W, w): the output and
+    the gradients of h, W and the routing weights w (dropped pairs: 0), against an fp64 chain."""
+    gen = torch.Generator().manual_seed(12)
+    t, k, e, n, d = 9, 2, 5, 7, 6
+    ids = _routing(t, k, e, kind, gen)
+    perm, inv, offs = OPS.route_permute(ids, e)
+    h = (2 * torch.randn(t * k, 2 * n, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_()
+    w = torch.rand(t, k, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    wd = torch.randn(e, n, d, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    cot = torch.randn(t, d, generator=gen, dtype=torch.float64).to(dtype)
+    out = OPS.unpermute_sum(OPS.grouped_mm(OPS.weighted_swiglu(h, w, perm, offs), wd, offs), perm, inv, offs, k)
+    got = torch.autograd.grad((out * cot).sum(), [h, w, wd])
+    leaves = [v.detach().double().requires_grad_() for v in (h, w, wd)]
+    ref_out = OPS.unpermute_combine(OPS.grouped_mm(ops.swiglu(leaves[0]), leaves[2], offs), inv, leaves[1], offs)
+    ref = torch.autograd.grad((ref_out * cot.double()).sum(), leaves)
+    # fp64 too: the GEMM and combine references accumulate in fp32
+    tol = OP_BF16_CHAIN_REL if dtype == torch.bfloat16 else OP_FP32_REL
+    assert out.dtype == dtype and rel_err(out, ref_out) <= tol
+    for name, g, r in zip(("h", "weights", "W_down"), got, ref):
+        assert g.dtype == dtype and rel_err(g, r) <= tol, name
+    dropped = ~torch.isin(inv.view(t, k), torch.arange(int(offs[-1])))
+    assert torch.all(got[1][dropped] == 0)
+    if kind == "dropped":
+        assert dropped.any()  # the case is exercised
+    if dtype == torch.float64:
+        torch.library.opcheck(OPS.weighted_swiglu.default, (h, w, perm, offs))
+        torch.library.opcheck(OPS.unpermute_sum.default, (out.detach().repeat_interleave(k, 0), perm, inv, offs, k))
+    with pytest.raises(ValueError, match="weighted_swiglu"):
+        OPS.weighted_swiglu(h, w[:, :1], perm, offs)
 
 
 def _quack_load_with(monkeypatch, modules: dict):

@@ -72,7 +72,7 @@ def main():
 
         def combine_before():
             M._combine_kernel[(triton.cdiv(t, 4), triton.cdiv(h, 512))](
-                y, inv, w, offs, out, t, h, e, y.stride(0), TOP_K=k, BT=4, BH=512, num_warps=4)
+                y, inv, w, offs, out, t, h, e, y.stride(0), TOP_K=k, HAS_W=True, BT=4, BH=512, num_warps=4)
             return out
 
         assert torch.equal(gather_before(), M.permute_rows(x, perm, offs, k)), name

@@ -441,6 +441,22 @@ def test_unpermute_combine_and_backward(shape, routing, dtype, gen):
     assert rel(dy, rdy) <= tol and rel(dw, rdw) <= tol
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_unpermute_sum_is_combine_with_weight_one(shape, routing, dtype, gen):
+    t, k, e, h, _ = shape
+    ids = make_ids(t, k, e, routing, gen)
+    perm, inv, offsets = kcuda.route_permute(ids, e)
+    y = rand((t * k, h), dtype, gen)
+    poison(((t, h), dtype))
+    out = kcuda.unpermute_sum(y, perm, inv, offsets, k)
+    ones = torch.ones(t, k, device=DEV)
+    assert torch.equal(out, kcuda.unpermute_combine(y, inv, ones, offsets))   # the same kernel, w = 1 skipped
+    assert rel(out, reference.unpermute_sum(y, perm, inv, offsets, k)) <= (
+        BF16_SUM_REL if dtype == torch.bfloat16 else FP32_SUM_REL)
+
+
 # ------------------------------------------------------------------------------- end to end
 def _moe_layer(x, ids, topw, w13, b13, w2, e, k, as_list):
     moe = torch.ops.moe_compile
@@ -612,3 +628,34 @@ def test_swiglu_kernels(m, n, dtype, gen):
     assert rel(dh, reference.swiglu_backward(h, da)) <= tol
     hs = rand((m, 4 * n), dtype, gen)[:, ::2]  # a strided h is accepted (copied once)
     assert rel(kcuda.swiglu(hs), reference.swiglu(hs)) <= tol
+
+
+# the weight's gradient sums N products per row in fp32, in column order in both (chunks of 256 in the
+# kernel, torch's reduction order in the reference): a few fp32 ulps, far below bf16's inputs
+WEIGHT_GRAD_REL = 1e-5
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("t,k,e,n", [(1, 1, 4, 8), (37, 2, 6, 200), (1029, 8, 32, 768), (0, 2, 4, 64)])
+def test_weighted_swiglu_kernels(t, k, e, n, routing, dtype, wdtype, gen):
+    """Rows past offsets[-1] (dropped ids) get weight 0 in a, dh and their pair's dweights."""
+    ids = make_ids(t, k, e, routing, gen) if t else torch.zeros(0, k, dtype=torch.long, device=DEV)
+    perm, inv, offsets = kcuda.route_permute(ids, e)
+    m = t * k
+    h = rand((m, 2 * n), dtype, gen, 3.0)
+    da = rand((m, n), dtype, gen)
+    weights = torch.rand(t, k, generator=gen, device=DEV).to(wdtype)
+    poison(((m, n), dtype), ((m, 2 * n), dtype), ((t, k), wdtype))
+    a = kcuda.weighted_swiglu(h, weights, perm, offsets)
+    dh, dw = kcuda.weighted_swiglu_backward(h, weights, perm, offsets, da)
+    tol = BF16_ACT_REL if dtype == torch.bfloat16 else FP32_ACT_REL
+    assert not a.isnan().any() and not dh.isnan().any() and not dw.isnan().any()
+    assert dw.dtype == wdtype and dw.shape == weights.shape
+    assert rel(a, reference.weighted_swiglu(h, weights, perm, offsets)) <= tol
+    rdh, rdw = reference.weighted_swiglu_backward(h, weights, perm, offsets, da)
+    assert rel(dh, rdh) <= tol
+    assert rel(dw, rdw) <= (BF16_ACT_REL if wdtype == torch.bfloat16 else WEIGHT_GRAD_REL)
+    dropped = total_rows(offsets)
+    assert torch.all(a[dropped:] == 0) and torch.all(dh[dropped:] == 0)

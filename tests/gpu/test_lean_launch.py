@@ -36,7 +36,10 @@ def _layer(gen):
         out = kcuda.unpermute_combine(y, inv, w, offs)
         dy, dw = kcuda.unpermute_combine_backward(dout, y, inv, w, offs)
         dh = kcuda.swiglu_backward(h, dy[:, :I].contiguous())
-        return [vals, ids, perm, inv, offs, xp, h, a, out, dy, dw, dh]
+        aw = kcuda.weighted_swiglu(h, w, perm, offs)
+        dhw, dww = kcuda.weighted_swiglu_backward(h, w, perm, offs, dy[:, :I].contiguous())
+        summed = kcuda.unpermute_sum(y, perm, inv, offs, K)
+        return [vals, ids, perm, inv, offs, xp, h, a, out, dy, dw, dh, aw, dhw, dww, summed]
     return run
 
 
@@ -57,7 +60,8 @@ def test_every_layer_kernel_launches_lean_and_matches_tritons_launch(monkeypatch
     for i, (g, r) in enumerate(zip(got, ref)):
         assert torch.equal(g, r), f"output {i} differs from Triton's own launch"
     used = ("_router_topk_kernel", "_route_permute_count_kernel", "_route_permute_place_kernel",
-            "_permute_rows_kernel", "_swiglu_kernel", "_combine_kernel", "_combine_bwd_kernel", "_swiglu_bwd_kernel")
+            "_permute_rows_kernel", "_swiglu_kernel", "_combine_kernel", "_combine_bwd_kernel", "_swiglu_bwd_kernel",
+            "_weighted_swiglu_bwd_kernel")
     if torch.cuda.get_device_capability()[0] == 9:
         used += ("_tma_gmm_kernel",)
     kernels = _lean_kernels()

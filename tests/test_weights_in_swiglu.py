@@ -1,0 +1,86 @@
+"""The weights_in_swiglu pass end to end: a weighted combine after a bias-free down projection of a
+SwiGLU becomes weighted_swiglu + unpermute_sum; outputs and every gradient (the router's included:
+its gradient now comes from the activation's backward) match eager, or the pass leaves the combine.
+
+Each case asserts which combine the compiled graph runs, so a pass that did not fire fails.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import check_compiled, make_input, make_model
+from moe_compile import report
+
+FP32, BF16 = torch.float32, torch.bfloat16
+MOVED = ("weighted_swiglu", "unpermute_sum")
+
+
+def _compiled_ops(model, x, **kw) -> list[tuple[str, ...]]:
+    """Compile ``model`` against eager (outputs, every gradient); the ops of each rewritten region."""
+    with report.recording() as graphs:
+        check_compiled(model, [x], expect_rewritten=1, **kw)
+    return [r.ops for g in graphs for r in g if r.status == "rewritten"]
+
+
+def _moved(ops: tuple[str, ...]) -> bool:
+    return all(op in ops for op in MOVED) and "unpermute_combine" not in ops and "swiglu" not in ops
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("expert", ["swiglu", "stacked_chunk"])
+def test_weights_move_into_the_activation(expert, dtype):
+    """ModuleList SwiGLU experts and 3-D weights ([gate; up] halves)."""
+    m = make_model(dtype, spelling="index_add", k=2, e=4, expert=expert)
+    (ops,) = _compiled_ops(m, make_input((2, 7, 16), dtype))
+    assert _moved(ops), ops
+
+
+@pytest.mark.parametrize("routing", ["empty", "hot"])
+@pytest.mark.parametrize("router,k", [("softmax_topk", 2), ("argmax", 1), ("sigmoid_group", 2),
+                                      ("topk_softmax", 3)])
+def test_routers_and_routings(router, k, routing):
+    """Top-1 and top-k, DeepSeek-V3's scaled group-limited weights; experts without tokens, one hot expert."""
+    m = make_model(spelling="where_setitem", k=k, e=8 if router == "sigmoid_group" else 4, router=router,
+                   routing=routing)
+    (ops,) = _compiled_ops(m, make_input((11, 16)))
+    assert _moved(ops), ops
+
+
+def test_zero_tokens_and_inductor():
+    m = make_model(BF16, spelling="index_add", k=2, e=4)
+    (ops,) = _compiled_ops(m, make_input((0, 16), BF16), inductor=True, fresh_inputs=0)
+    assert _moved(ops), ops
+    (ops,) = _compiled_ops(m, make_input((3, 5, 16), BF16), inductor=True)
+    assert _moved(ops), ops
+
+
+@pytest.mark.parametrize("expert", ["gelu_seq", "gptoss", "stacked_interleave"])
+def test_biased_or_other_experts_keep_the_weighted_combine(expert):
+    """A down projection with a bias (w * (a W + b) != (w a) W + b), another activation, or a SwiGLU
+    the swiglu pass does not fuse (interleaved gate/up columns): unchanged."""
+    m = make_model(spelling="index_add", k=2, e=4, expert=expert)
+    (ops,) = _compiled_ops(m, make_input((9, 16)))
+    assert "unpermute_combine" in ops and not any(op in ops for op in MOVED), ops
+
+
+def test_pass_can_be_disabled():
+    m = make_model(spelling="index_add", k=2, e=4)
+    (ops,) = _compiled_ops(m, make_input((9, 16)), options={"moe.disable": ("weights_in_swiglu",)})
+    assert "unpermute_combine" in ops and "swiglu" in ops and "weighted_swiglu" not in ops, ops
+
+
+def test_expert_output_read_twice_keeps_the_weighted_combine():
+    """The finder on a rewritten graph: one match; once the expert outputs are also read elsewhere
+    (here: summed into a graph output), none (their values would change)."""
+    from graphs import rewrite
+    from moe_compile.passes.weights_in_swiglu import find_weights_in_swiglu
+
+    new, _ = rewrite(("loop", "index_add", 2, "softmax_topk", "swiglu", None), disable=("weights_in_swiglu",))
+    (combine,) = [n for n in new.graph.nodes if getattr(n.target, "_opname", "") == "unpermute_combine"]
+    assert len(find_weights_in_swiglu(new)) == 1
+    with new.graph.inserting_after(combine):
+        extra = new.graph.call_function(torch.ops.aten.sum.default, (combine.args[0],))
+    out = next(n for n in new.graph.nodes if n.op == "output")
+    out.args = (tuple(out.args[0]) + (extra,),) if isinstance(out.args[0], (tuple, list)) else ((out.args[0], extra),)
+    assert find_weights_in_swiglu(new) == []
