@@ -308,27 +308,27 @@ def unpermute_sum(y, perm, inv, offsets, top_k):
 
 
 def weighted_swiglu(h, weights, perm, offsets):
-    from . import _triton_moe
+    from . import _triton_act
 
-    return _triton_moe.weighted_swiglu(h, weights, perm, offsets)
+    return _triton_act.weighted_swiglu(h, weights, perm, offsets)
 
 
 def weighted_swiglu_backward(h, weights, perm, offsets, da):
-    from . import _triton_moe
+    from . import _triton_act
 
-    return _triton_moe.weighted_swiglu_backward(h, weights, perm, offsets, da)
+    return _triton_act.weighted_swiglu_backward(h, weights, perm, offsets, da)
 
 
 def swiglu(h):
-    from . import _triton_moe
+    from . import _triton_act
 
-    return _triton_moe.swiglu(h)
+    return _triton_act.swiglu(h)
 
 
 def swiglu_backward(h, da):
-    from . import _triton_moe
+    from . import _triton_act
 
-    return _triton_moe.swiglu_backward(h, da)
+    return _triton_act.swiglu_backward(h, da)
 
 
 def router_topk(scores, k):

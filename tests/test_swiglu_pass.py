@@ -21,19 +21,24 @@ def _ops(model, x, dtype=torch.float32, **options):
     return recs[0].ops
 
 
+@pytest.mark.parametrize("weights_moved", [True, False], ids=["weighted", "plain"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("spelling,expert", [("index_add", "swiglu"), ("where_setitem", "stacked_chunk")])
-def test_swiglu_fused(spelling, expert, dtype):
+def test_swiglu_fused(spelling, expert, dtype, weights_moved):
+    """The fused op; with the weights_in_swiglu pass (default) it is the weighted one."""
     # bf16 with forced-empty experts is left out: the router bias gradient is then a sum of few
     # cancelling bf16 terms, outside BF16_GRAD_REL with or without this pass
     routing = "empty" if dtype == torch.float32 else "random"
     m = make_model(dtype, h=16, i=12, e=5, k=2, spelling=spelling, expert=expert, routing=routing)
-    assert "swiglu" in _ops(m, make_input((9, 16), dtype))
+    options = {} if weights_moved else {"moe.disable": ("weights_in_swiglu",)}
+    ops = _ops(m, make_input((9, 16), dtype), **options)
+    assert ("weighted_swiglu" if weights_moved else "swiglu") in ops, ops
 
 
 def test_swiglu_disabled_and_other_activations_untouched():
     m = make_model(h=16, i=12, e=4, k=2, spelling="index_add")
-    assert "swiglu" not in _ops(m, make_input((9, 16)), **{"moe.disable": ("swiglu",)})
+    ops = _ops(m, make_input((9, 16)), **{"moe.disable": ("swiglu",)})
+    assert "swiglu" not in ops and "weighted_swiglu" not in ops, ops
     for expert in ("gelu_seq", "stacked_interleave", "gptoss"):  # no [g | u] halves + silu
         m = make_model(h=16, i=12, e=4, k=2, spelling="index_add", expert=expert)
         assert "swiglu" not in _ops(m, make_input((9, 16))), expert

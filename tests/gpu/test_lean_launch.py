@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
-from moe_compile.kernels import _launch, _triton_moe, _triton_tma  # noqa: E402
+from moe_compile.kernels import _launch, _triton_act, _triton_moe, _triton_tma  # noqa: E402
 from moe_compile.kernels import cuda as kcuda  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -44,7 +44,7 @@ def _layer(gen):
 
 
 def _lean_kernels():
-    mods = (_triton_moe, _triton_tma)
+    mods = (_triton_act, _triton_moe, _triton_tma)
     return {name: k for m in mods for name, k in vars(m).items() if isinstance(k, _launch.LeanKernel)}
 
 
