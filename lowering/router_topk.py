@@ -2,9 +2,10 @@
 
 Before: ``vals, ids = topk(scores, k, dim=-1)`` read as ``[0]`` / ``[1]`` / ``.values`` / ``.indices``.
 After:  ``r = moe_compile.router_topk(scores, k)``; ``r[0]`` / ``r[1]`` (a ``.values`` / ``.indices``
-        user becomes the matching ``getitem``); only sorted calls are matched, so the order is the
-        one asked for. ``meta["example_value"]`` of new nodes
-        is computed under the graph's fake mode; the graph is linted and recompiled.
+        user becomes the matching ``getitem``), its entries sorted: the order asked for, or, for a
+        ``sorted=False`` call (matched only where no reader can see the order), one torch may
+        return too. ``meta["example_value"]`` of new nodes is computed under the graph's fake mode;
+        the graph is linted and recompiled.
 """
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """moe_compile.router_topk: the op (CPU reference = torch.topk, its gradient) and the router_topk
 pass, which swaps the topk calls of rewritten regions' routers for it and leaves every other topk.
+``sorted=False`` calls are swapped only where no reader can see the order of the k entries: tests
+run those with an op that returns each row's entries in a shuffled order (``shuffled_op``), which
+torch.topk(sorted=False) may return too, so compiled code that matches eager does not depend on it.
 
 The Triton kernel is tested against torch.topk on CUDA in tests/gpu/test_cuda_kernels.py."""
 from __future__ import annotations
@@ -9,8 +12,10 @@ import torch
 
 import helpers
 from graphs import rewrite, ops_in
-from moe_compile.kernels import ops
+from moe_compile.kernels import ops, registry
+from moe_compile.passes import router_topk as router_topk_pass
 from moe_compile.passes.normalize import canon
+from moe_compile.pipeline import OPTIONAL_PASSES
 
 
 @pytest.mark.parametrize("shape,k,dtype", [((5, 16), 3, torch.float32), ((2, 3, 8), 8, torch.float32),
@@ -41,19 +46,18 @@ def _topk_nodes(gm):
     return [n for n in gm.graph.nodes if canon(n) == "topk"]
 
 
-@pytest.mark.parametrize("router,replaced,kept", [("softmax_topk", 1, 0), ("topk_softmax", 1, 0),
-                                                  ("group_inplace", 3, 0), ("sigmoid_group", 1, 2)])
-def test_region_routers_use_the_op(router, replaced, kept):
-    """Every sorted topk of a rewritten router becomes router_topk: three for a DeepSeek-V3-style
-    group limit written with sorted calls ([T, groups, E/groups] group scores, the group mask set by
-    an in-place ``scatter_`` the walk must follow). ``sorted=False`` calls (``sigmoid_group``: two)
-    stay torch.topk: their order is torch's own. explain lists the op with the region."""
+@pytest.mark.parametrize("router", ["softmax_topk", "topk_softmax", "group_inplace", "sigmoid_group"])
+def test_region_routers_use_the_op(router):
+    """Every topk of a rewritten router becomes router_topk: one for softmax/top-k routers, three
+    for a DeepSeek-V3-style group limit ([T, groups, E/groups] group scores, the group mask set by an
+    in-place ``scatter_`` the walk must follow); ``sigmoid_group`` writes two of them ``sorted=False``,
+    read only as a set (the group mask's scatter_, gather + sum-normalised weights, the region's ids).
+    explain lists the op with the region."""
     spec = ("loop", "index_add", 2, router, "swiglu", None)
     new, records = rewrite(spec)
     assert [r.status for r in records] == ["rewritten"]
-    assert ops_in(new).count("router_topk") == replaced
-    left = _topk_nodes(new)
-    assert len(left) == kept and all(n.kwargs.get("sorted") is False for n in left), [n.format_node() for n in left]
+    assert ops_in(new).count("router_topk") == (3 if "group" in router else 1)
+    assert not _topk_nodes(new), [n.format_node() for n in _topk_nodes(new)]
     assert "router_topk" in records[0].ops
 
 
@@ -92,15 +96,45 @@ def test_compiled_matches_eager_with_the_op(router):
     helpers.check_compiled(model, [helpers.make_input((2, 5, 16))], expect_rewritten=1)
 
 
-def test_hf_deepseek_v3_router():
-    """transformers' DeepSeek-V3 router: its top-2 per group (sorted) becomes the op; its top groups
-    and top-k experts (``sorted=False``) stay torch.topk."""
+@pytest.fixture
+def shuffled_op(monkeypatch):
+    """moe_compile.router_topk on CPU returns each row's k entries in a shuffled order (values and
+    indices together): one torch.topk(sorted=False) may return, unlike CPU torch.topk, which
+    returns them sorted. Only for routers whose every topk is read as a set (sorted ones too)."""
+    def shuffled(scores, k):
+        v, i = torch.topk(scores, k, dim=-1)
+        order = torch.rand(v.shape, generator=torch.Generator().manual_seed(k)).argsort(-1)
+        return v.gather(-1, order), i.gather(-1, order)
+
+    monkeypatch.setitem(registry._IMPLS, ("router_topk", "cpu"), shuffled)
+    x = torch.randn(64, 8)
+    v, i = ops.router_topk(x, 2)
+    assert torch.equal(i.sort(-1)[0], torch.topk(x, 2)[1].sort(-1)[0]) and not torch.equal(i, torch.topk(x, 2)[1])
+    assert torch.equal(v, x.gather(-1, i))
+
+
+# where a rewritten region reads its routing weights: weighted_swiglu (passes/weights_in_swiglu.py,
+# on by default where the pipeline has it) or unpermute_combine (that pass disabled)
+WEIGHTS_READ_BY = [pytest.param((), id="default"),
+                   pytest.param(("weights_in_swiglu",), id="combine", marks=pytest.mark.skipif(
+                       "weights_in_swiglu" not in OPTIONAL_PASSES, reason="no weights_in_swiglu pass"))]
+
+
+@pytest.mark.parametrize("disable", WEIGHTS_READ_BY)
+def test_hf_deepseek_v3_router(disable, shuffled_op):
+    """transformers' DeepSeek-V3 router: its top-2 per group (sorted), top groups and top-k experts
+    (both ``sorted=False``: a group mask's ``scatter_``; ids to the experts, ``gather``ed weights
+    divided in place by their sum and scaled) all become the op. Compiled logits and every
+    parameter gradient match eager with the op's entries shuffled."""
     pytest.importorskip("transformers")
     import test_hf_models as hf
 
-    new, records = rewrite(("fn", hf.Logits(hf.build("deepseek_v3", layers=2)), (hf._ids(),)))
+    new, records = rewrite(("fn", hf.Logits(hf.build("deepseek_v3", layers=2)), (hf._ids(),)), disable=disable)
     assert [r.status for r in records] == ["rewritten"] * 2
-    assert ops_in(new).count("router_topk") == 2 and len(_topk_nodes(new)) == 4
+    assert ops_in(new).count("router_topk") == 6 and not _topk_nodes(new), [n.format_node() for n in _topk_nodes(new)]
+    helpers.check_compiled(hf.Logits(hf.build("deepseek_v3", layers=2)), [hf._ids()], expect_rewritten=2,
+                           rel=helpers.HF_FP32_REL, grad_rel=helpers.HF_FP32_REL, fresh_inputs=1,
+                           options={"moe.disable": disable})
 
 
 def _gemm_free_router(self, x):
@@ -131,3 +165,140 @@ def test_walk_stops_at_the_region_tokens():
     assert ops_in(new).count("router_topk") == 1
     left = _topk_nodes(new)
     assert len(left) == 1 and left[0].args[1] == 4, [n.format_node() for n in left]
+
+
+# routers of a LoopMoE(e=4, k=2) written with sorted=False calls (bound as its router's forward)
+def _unsorted_softmax(self, x):        # softmax over the k values: a slot-by-slot op, in any order
+    w, ids = torch.topk(self.proj(x), self.k, dim=-1, sorted=False)
+    return torch.softmax(w, dim=-1), ids
+
+
+def _first_slot_weight(self, x):       # weights relative to the first entry: reads a position
+    w, ids = torch.topk(torch.softmax(self.proj(x), -1), self.k, dim=-1, sorted=False)
+    return w / w[..., :1], ids
+
+
+def _first_slot_top1(self, x):         # the first entry taken as the top-1 expert: reads a position
+    w, ids = torch.topk(torch.softmax(self.proj(x), -1), self.k, dim=-1, sorted=False)
+    return torch.where(ids == ids[:, :1], 2 * w, w), ids
+
+
+def _ids_of_one_weights_of_another(self, x):   # two calls' orders paired as (expert id, weight)
+    logits = self.proj(x)
+    _, ids = torch.topk(logits, self.k, dim=-1, sorted=False)
+    w, _ = torch.topk(torch.softmax(logits, -1), self.k, dim=-1, sorted=False)
+    return w, ids
+
+
+def _two_calls_mixed(self, x):         # slot j of one call's values times slot j of another's
+    logits = self.proj(x)
+    vb, ib = torch.topk(logits, self.k, dim=-1, sorted=False)
+    near = torch.zeros_like(logits).scatter_(1, ib, 1.0)           # read as a set
+    va, ids = torch.topk(logits + near, self.k, dim=-1, sorted=False)
+    return torch.softmax(va * vb, dim=-1), ids
+
+
+def _cumulative_weights(self, x):      # cumsum over the slots: an op not known to ignore the order
+    w, ids = torch.topk(torch.softmax(self.proj(x), -1), self.k, dim=-1, sorted=False)
+    return w.cumsum(-1) / w.sum(-1, keepdim=True), ids
+
+
+def _sum_over_tokens(self, x):         # a reduction over the tokens: slot j of every row summed
+    w, ids = torch.topk(torch.softmax(self.proj(x), -1), self.k, dim=-1, sorted=False)
+    return w / w.sum(0, keepdim=True), ids
+
+
+_ROUTERS = {"unsorted_softmax": _unsorted_softmax, "first_slot_weight": _first_slot_weight,
+            "first_slot_top1": _first_slot_top1, "ids_of_one_weights_of_another": _ids_of_one_weights_of_another,
+            "two_calls_mixed": _two_calls_mixed, "cumulative_weights": _cumulative_weights,
+            "sum_over_tokens": _sum_over_tokens}
+
+
+def _with_router(forward):
+    model = helpers.make_model(spelling="index_add", k=2, e=4)
+    model.router.forward = forward.__get__(model.router)
+    return model
+
+
+def _deepseek_like():
+    """helpers' sigmoid_group router over 8 experts in 4 groups, the top 2 groups kept: two
+    sorted=False calls of k=2 (groups, then experts), as transformers' DeepSeek-V3 router."""
+    model = helpers.make_model(spelling="index_add", k=2, e=8, router="sigmoid_group")
+    model.router.n_group, model.router.topk_group = 4, 2
+    return model
+
+
+def _rewrite_with_router(forward):
+    new, records = rewrite(("fn", _with_router(forward), (helpers.make_input((2, 5, 16), requires_grad=False),)))
+    assert [r.status for r in records] == ["rewritten"]
+    return new
+
+
+@pytest.mark.parametrize("disable", WEIGHTS_READ_BY)
+@pytest.mark.parametrize("build,swapped", [pytest.param(_deepseek_like, 3, id="deepseek_like"),
+                                           pytest.param(lambda: _with_router(_unsorted_softmax), 1,
+                                                        id="unsorted_softmax")])
+def test_unsorted_calls_read_as_a_set_match_eager(build, swapped, disable, shuffled_op):
+    """Every topk swapped (DeepSeek-V3-like: the sorted top-2 per group, the top groups read by a
+    mask's scatter_, the top experts; a softmax over the unsorted top-k values); outputs and every
+    gradient against eager with the op's entries shuffled, on fresh inputs too."""
+    new, _ = rewrite(("fn", build(), (helpers.make_input((2, 5, 16), requires_grad=False),)), disable=disable)
+    assert ops_in(new).count("router_topk") == swapped and not _topk_nodes(new)
+    helpers.check_compiled(build(), [helpers.make_input((2, 5, 16))], expect_rewritten=1,
+                           options={"moe.disable": disable})
+
+
+@pytest.mark.parametrize("router,kept,routers", [("first_slot_weight", 1, 1), ("first_slot_top1", 1, 1),
+                                                  ("ids_of_one_weights_of_another", 2, 1), ("two_calls_mixed", 2, 2),
+                                                  ("cumulative_weights", 1, 1), ("sum_over_tokens", 1, 1)])
+def test_unsorted_calls_whose_order_is_read_stay_torch_topk(router, kept, routers, monkeypatch):
+    """A sorted=False topk whose order a reader can see stays torch.topk: a position read
+    (``w[..., :1]``, ``ids[:, :1]`` as the top-1 expert), a region pairing one call's ids with another
+    call's weights, slot j of two calls multiplied, a cumsum over the slots, a sum over the tokens. ``routers`` of them are
+    routers of the region: the analysis forced to accept swaps exactly those (so it is what keeps them)."""
+    new = _rewrite_with_router(_ROUTERS[router])
+    assert ops_in(new).count("router_topk") == 0
+    left = _topk_nodes(new)
+    assert len(left) == kept and all(n.kwargs.get("sorted") is False for n in left), [n.format_node() for n in left]
+    monkeypatch.setattr(router_topk_pass, "_readers_see_no_order", lambda *a: True)
+    assert ops_in(_rewrite_with_router(_ROUTERS[router])).count("router_topk") == routers
+
+
+def test_the_shuffled_op_catches_a_wrong_swap(shuffled_op, monkeypatch):
+    """The compiled-vs-eager tests above can fail: a position-reading router swapped anyway (the
+    analysis forced to accept) no longer matches eager."""
+    monkeypatch.setattr(router_topk_pass, "_readers_see_no_order", lambda *a: True)
+    assert ops_in(_rewrite_with_router(_first_slot_weight)).count("router_topk") == 1
+    with pytest.raises(AssertionError, match="output|grad"):
+        helpers.check_compiled(_with_router(_first_slot_weight), [helpers.make_input((2, 5, 16))],
+                               expect_rewritten=1)
+
+
+class _UnsortedIdsOut(torch.nn.Module):
+    """A DeepSeek-V3-like MoE layer (``_deepseek_like``) that also returns its router's expert ids
+    (a graph output: the caller may read their order)."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe = _deepseek_like()
+
+    def forward(self, x):
+        x = x.reshape(-1, 16)
+        w, ids = self.moe.router(x)
+        out = torch.zeros_like(x)
+        for i in range(self.moe.e):
+            tok, slot = torch.where(ids == i)
+            out.index_add_(0, tok, self.moe.experts.fwd(i, x[tok]) * w[tok, slot].unsqueeze(-1))
+        return out, ids
+
+
+def test_unsorted_ids_returned_stay_torch_topk():
+    """The expert ids' sorted=False call reaches a graph output: kept. The same router's top-group
+    call (read by the group mask's scatter_ only) and its sorted top-2 per group become the op."""
+    spec = ("fn", _UnsortedIdsOut(), (helpers.make_input((2, 5, 16), requires_grad=False),))
+    new, records = rewrite(spec)
+    assert [r.status for r in records] == ["rewritten"]
+    assert ops_in(new).count("router_topk") == 2
+    left = _topk_nodes(new)
+    assert len(left) == 1 and left[0].kwargs.get("sorted") is False and canon(left[0].args[0]) == "masked_fill", \
+        [n.format_node() for n in left]
