@@ -118,7 +118,7 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
 
 def weighted_swiglu(h: torch.Tensor, weights: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor):
     h = h if h.stride(-1) == 1 else h.contiguous()
-    weights = weights.contiguous()
+    weights, perm, offsets = weights.contiguous(), perm.contiguous(), offsets.contiguous()
     m, n = h.shape[0], h.shape[1] // 2
     a = torch.empty(m, n, dtype=h.dtype, device=h.device)
     if a.numel():
@@ -131,10 +131,10 @@ def weighted_swiglu(h: torch.Tensor, weights: torch.Tensor, perm: torch.Tensor, 
 def weighted_swiglu_backward(h, weights, perm, offsets, da):
     h = h if h.stride(-1) == 1 else h.contiguous()
     da = da if da.stride(-1) == 1 else da.contiguous()
-    weights = weights.contiguous()
+    weights, perm, offsets = weights.contiguous(), perm.contiguous(), offsets.contiguous()
     m, n = h.shape[0], h.shape[1] // 2
     dh = torch.empty(m, 2 * n, dtype=h.dtype, device=h.device)
-    dw = torch.empty_like(weights)
+    dw = torch.empty(weights.shape, dtype=weights.dtype, device=weights.device)
     if m:
         # BM rows x BN columns per step, the row's columns in turn (the weight's gradient sums them);
         # 32 x 128: H200, 199 / 167 / 622 us on DeepSeek-V3-like / Qwen3 / Mixtral widths against 208 /

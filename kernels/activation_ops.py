@@ -65,17 +65,19 @@ swiglu.register_autograd(_swiglu_bwd, setup_context=_swiglu_setup)
 
 
 # --------------------------------------------------------------------------- weighted_swiglu
-def _check_weighted(h, weights, perm) -> None:
+def _check_weighted(h, weights, perm, offsets) -> None:
     _check_swiglu(h)
     check(weights.is_floating_point() and weights.dim() == 2, "weighted_swiglu",
           f"weights must be floating [T, K], got {weights.dtype} {tuple(weights.shape)}")
     check(perm.dim() == 1 and perm.numel() == h.shape[0] == weights.numel(), "weighted_swiglu",
           f"h has {h.shape[0]} rows, perm {perm.numel()}, weights {weights.numel()}: all must be T*K")
+    check(offsets.dim() == 1 and offsets.numel() > 0, "weighted_swiglu",
+          f"offsets must be [E] with E >= 1 (route_permute's), got {tuple(offsets.shape)}")
 
 
 @torch.library.custom_op("moe_compile::weighted_swiglu", mutates_args=())
 def weighted_swiglu(h: torch.Tensor, weights: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    _check_weighted(h, weights, perm)
+    _check_weighted(h, weights, perm, offsets)
     return implementation("weighted_swiglu", h)(h, weights, perm, offsets)
 
 
@@ -87,7 +89,7 @@ def _(h, weights, perm, offsets):
 @torch.library.custom_op("moe_compile::weighted_swiglu_backward", mutates_args=())
 def weighted_swiglu_backward(h: torch.Tensor, weights: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor,
                              da: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_weighted(h, weights, perm)
+    _check_weighted(h, weights, perm, offsets)
     check(da.shape == (h.shape[0], h.shape[1] // 2), "weighted_swiglu_backward",
           f"da {tuple(da.shape)} must be [M, N] for h {tuple(h.shape)}")
     return implementation("weighted_swiglu_backward", h)(h, weights, perm, offsets, da)
@@ -95,7 +97,7 @@ def weighted_swiglu_backward(h: torch.Tensor, weights: torch.Tensor, perm: torch
 
 @weighted_swiglu_backward.register_fake
 def _(h, weights, perm, offsets, da):
-    return torch.empty_like(h), torch.empty_like(weights)
+    return torch.empty_like(h), weights.new_empty(weights.shape)   # contiguous, as every implementation
 
 
 def _weighted_setup(ctx, inputs, output):

@@ -47,8 +47,10 @@ def _(x, perm, inv, offsets, top_k):
     return x.new_empty(perm.shape[0], x.shape[1])
 
 
-def _permute_rows_setup(ctx, inputs, output):
-    x, perm, inv, offsets, top_k = inputs
+def _routing_setup(ctx, inputs, output):
+    """permute_rows and unpermute_sum (inputs: rows, perm, inv, offsets, top_k), each the other's
+    backward: only the routing is kept, never the rows."""
+    _, perm, inv, offsets, top_k = inputs
     ctx.save_for_backward(perm, inv, offsets)
     ctx.top_k = top_k
 
@@ -58,7 +60,7 @@ def _permute_rows_bwd(ctx, dxp):
     return unpermute_sum(dxp, perm, inv, offsets, ctx.top_k), None, None, None, None
 
 
-permute_rows.register_autograd(_permute_rows_bwd, setup_context=_permute_rows_setup)
+permute_rows.register_autograd(_permute_rows_bwd, setup_context=_routing_setup)
 
 
 # --------------------------------------------------------------------------- unpermute_combine
@@ -97,7 +99,7 @@ def unpermute_combine_backward(dout: torch.Tensor, y: torch.Tensor, inv: torch.T
 
 @unpermute_combine_backward.register_fake
 def _(dout, y, inv, weights, offsets):
-    return torch.empty_like(y), torch.empty_like(weights)
+    return torch.empty_like(y), weights.new_empty(weights.shape)   # contiguous, as every implementation
 
 
 # --------------------------------------------------------------------------- unpermute_sum
@@ -117,18 +119,12 @@ def _(y, perm, inv, offsets, top_k):
     return y.new_empty(y.shape[0] // top_k, y.shape[1])
 
 
-def _sum_setup(ctx, inputs, output):
-    y, perm, inv, offsets, top_k = inputs
-    ctx.save_for_backward(perm, inv, offsets)
-    ctx.top_k = top_k
-
-
 def _sum_bwd(ctx, dout):
     perm, inv, offsets = ctx.saved_tensors
     return permute_rows(dout, perm, inv, offsets, ctx.top_k), None, None, None, None
 
 
-unpermute_sum.register_autograd(_sum_bwd, setup_context=_sum_setup)
+unpermute_sum.register_autograd(_sum_bwd, setup_context=_routing_setup)
 
 
 # --------------------------------------------------------------------------- router_topk

@@ -14,7 +14,7 @@ allocated in the step and alive at its peak: 1664.6, stock torch.compile 1635.6)
     dh   = grouped_mm(dy_p, w_down)
     dgu  = swiglu_bwd(gu, dh)                   dgu 192
     dx_p = grouped_mm(dgu, w_up)                dx_p 256 (freed after the next line)
-    dx   = unpermute_combine(dx_p) + router     dx 32, a graph output
+    dx   = unpermute_sum(dx_p) + router         dx 32, a graph output
     dw_down = grouped_mm_wgrad(h, dy_p)         384
     dw_up   = grouped_mm_wgrad(x_p, dgu)        768  <- peak: dx, dw_down, x_p, dgu alive
 
@@ -26,7 +26,7 @@ After (1635.3: x_p is freed before the dgrad allocates dx_p; dx comes last)::
     dgu  = swiglu_bwd(gu, dh)
     dw_up   = grouped_mm_wgrad(x_p, dgu)        x_p freed
     dx_p = grouped_mm(dgu, w_up)
-    dx   = unpermute_combine(dx_p) + router
+    dx   = unpermute_sum(dx_p) + router
 
 Only moves nodes, so every value is unchanged: a weight gradient moves above plain ATen / prims /
 moe_compile ops only, never above a node with side effects (a mutation, a random op, a host sync, a

@@ -22,7 +22,7 @@ reader can tell one order from another (k == 1 always: there is one order). Its 
 are *slot tensors*: entry j of a row is slot j, and both outputs hold a row's slots in one order.
 Walking forward in graph order, each reader of a slot tensor must be one of::
 
-    sum / mean / amax / ... over the last dim, max(-1)[0]   -> order-free: the walk ends there
+    sum / mean / amax / ... over the last dim, max()        -> order-free: the walk ends there
     m.scatter_(-1, idx, 1.0) / m.scatter(...), a number      -> a set write: m stays order-free
     x.gather(-1, idx), x not a slot tensor                   -> a slot tensor: x[row, idx[row, j]]
     elementwise over slot tensors of one shape and tensors   -> a slot tensor: w / w.sum(-1, True),
@@ -157,21 +157,19 @@ def _reads_only(u: fx.Node, slots: dict, i: int, name: str) -> fx.Node | None:
     return found[0] if len(found) == 1 and arg(u, i, name) is found[0] else None
 
 
-def _takes_values(u: fx.Node) -> bool:
-    return (canon(u) == "getitem" and u.args[1] == 0) or (canon(u) == "getattr" and u.args[1] == "values")
-
-
 def _reduces_slots(u: fx.Node, slots: dict) -> bool:
-    """``w.sum(-1)``, ``w.amax(-1)``, ``w.mean()``, ``w.max(-1)[0]``: a reduction over the last dim
-    (or every dim), the same for every order of the slots."""
+    """``w.sum(-1)``, ``w.amax(-1)``, ``w.mean()``, ``w.max()``: a reduction over the last dim (or every
+    dim) whose value and gradient are the same for every order of the slots. Not ``max(-1)`` /
+    ``min(-1)``: their backward sends the gradient to the index they return, the first of tied slots
+    (amax / amin split it between ties); not an ``axis=`` or other keyword this does not read."""
     n, op = _reads_only(u, slots, 0, "input"), _op_of(u)
     if n is None or _writes_first_arg(u) or op not in _REDUCTIONS | {"max", "min"}:
         return False
+    if not set(u.kwargs) <= {"dim", "keepdim", "dtype"}:
+        return False
+    if op in ("max", "min"):  # max(x): a value (ties share the gradient); max(x, dim) -> (values, indices)
+        return len(u.args) == 1 and not u.kwargs
     dim, ndim = arg(u, 1, "dim"), len(shape(n))
-    if op in ("max", "min"):  # max(x) is a value; max(x, dim) -> (values, indices); max(x, y) elementwise
-        if dim is None:
-            return len(u.args) == 1 and not u.kwargs
-        return _is_last(dim, ndim) and all(_takes_values(r) for r in u.users)
     dims = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
     return dim is None or dims == () or any(_is_last(d, ndim) for d in dims)
 

@@ -21,8 +21,8 @@ differ from the combine's order of operations by bf16 rounding only (the weight 
 before the activation's one rounding instead of after the down projection's). What it saves: the
 combine's backward becomes a gather that does not read y [M, H], and y is not kept for the backward.
 
-Only ops the lowering emitted are matched, and only in this exact chain (an expert-parallel
-combine reads received rows, not a GEMM output, so it never matches); a chain that does not match
+Only this exact chain of moe_compile ops is matched (an expert-parallel combine reads received
+rows, not a GEMM output, so it never matches); a chain that does not match
 keeps the weighted combine (correct, a read of y slower), so nothing here is a refusal.
 """
 from __future__ import annotations

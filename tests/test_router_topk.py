@@ -208,7 +208,26 @@ def _sum_over_tokens(self, x):         # a reduction over the tokens: slot j of 
     return w / w.sum(0, keepdim=True), ids
 
 
-_ROUTERS = {"unsorted_softmax": _unsorted_softmax, "first_slot_weight": _first_slot_weight,
+def _max_normalised(self, x):          # max(-1)'s backward picks the first of tied slots: order-dependent
+    w, ids = torch.topk(torch.softmax(self.proj(x), -1), self.k, dim=-1, sorted=False)
+    return w / w.max(-1, keepdim=True)[0], ids
+
+
+def _axis_keyword_sum(self, x):        # sum(axis=0): over the tokens (a keyword, not "every dim")
+    w, ids = torch.topk(torch.softmax(self.proj(x), -1), self.k, dim=-1, sorted=False)
+    return w / w.sum(axis=0, keepdim=True)[..., :1], ids
+
+
+def _tied_first_experts(model):
+    """Router rows 0 and 1 equal (same weight and bias): experts 0 and 1 tie in every token's scores."""
+    with torch.no_grad():
+        model.router.proj.weight[1] = model.router.proj.weight[0]
+        model.router.proj.bias[:2] = model.router.proj.bias[:2].max() + 10.0
+    return model
+
+
+_ROUTERS = {"max_normalised": _max_normalised, "axis_keyword_sum": _axis_keyword_sum,
+            "unsorted_softmax": _unsorted_softmax, "first_slot_weight": _first_slot_weight,
             "first_slot_top1": _first_slot_top1, "ids_of_one_weights_of_another": _ids_of_one_weights_of_another,
             "two_calls_mixed": _two_calls_mixed, "cumulative_weights": _cumulative_weights,
             "sum_over_tokens": _sum_over_tokens}
@@ -250,11 +269,13 @@ def test_unsorted_calls_read_as_a_set_match_eager(build, swapped, disable, shuff
 
 @pytest.mark.parametrize("router,kept,routers", [("first_slot_weight", 1, 1), ("first_slot_top1", 1, 1),
                                                   ("ids_of_one_weights_of_another", 2, 1), ("two_calls_mixed", 2, 2),
-                                                  ("cumulative_weights", 1, 1), ("sum_over_tokens", 1, 1)])
+                                                  ("cumulative_weights", 1, 1), ("sum_over_tokens", 1, 1),
+                                                  ("max_normalised", 1, 1), ("axis_keyword_sum", 1, 1)])
 def test_unsorted_calls_whose_order_is_read_stay_torch_topk(router, kept, routers, monkeypatch):
     """A sorted=False topk whose order a reader can see stays torch.topk: a position read
     (``w[..., :1]``, ``ids[:, :1]`` as the top-1 expert), a region pairing one call's ids with another
-    call's weights, slot j of two calls multiplied, a cumsum over the slots, a sum over the tokens. ``routers`` of them are
+    call's weights, slot j of two calls multiplied, a cumsum over the slots, a sum over the tokens
+    (also as ``sum(axis=0)``), a ``max(-1)`` (its gradient goes to the first of tied slots). ``routers`` of them are
     routers of the region: the analysis forced to accept swaps exactly those (so it is what keeps them)."""
     new = _rewrite_with_router(_ROUTERS[router])
     assert ops_in(new).count("router_topk") == 0
@@ -264,13 +285,16 @@ def test_unsorted_calls_whose_order_is_read_stay_torch_topk(router, kept, router
     assert ops_in(_rewrite_with_router(_ROUTERS[router])).count("router_topk") == routers
 
 
-def test_the_shuffled_op_catches_a_wrong_swap(shuffled_op, monkeypatch):
-    """The compiled-vs-eager tests above can fail: a position-reading router swapped anyway (the
-    analysis forced to accept) no longer matches eager."""
+@pytest.mark.parametrize("router,tied", [("first_slot_weight", False), ("axis_keyword_sum", False),
+                                         ("max_normalised", True)])
+def test_the_shuffled_op_catches_a_wrong_swap(router, tied, shuffled_op, monkeypatch):
+    """The compiled-vs-eager tests above can fail: an order-reading router swapped anyway (the
+    analysis forced to accept) no longer matches eager (max(-1): only its gradient, with tied slots)."""
     monkeypatch.setattr(router_topk_pass, "_readers_see_no_order", lambda *a: True)
-    assert ops_in(_rewrite_with_router(_first_slot_weight)).count("router_topk") == 1
+    assert ops_in(_rewrite_with_router(_ROUTERS[router])).count("router_topk") == 1
+    model = _with_router(_ROUTERS[router])
     with pytest.raises(AssertionError, match="output|grad"):
-        helpers.check_compiled(_with_router(_first_slot_weight), [helpers.make_input((2, 5, 16))],
+        helpers.check_compiled(_tied_first_experts(model) if tied else model, [helpers.make_input((2, 5, 16))],
                                expect_rewritten=1)
 
 

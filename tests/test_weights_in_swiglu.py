@@ -64,23 +64,40 @@ def test_biased_or_other_experts_keep_the_weighted_combine(expert):
     assert "unpermute_combine" in ops and not any(op in ops for op in MOVED), ops
 
 
+def test_down_projection_bias_keeps_the_weighted_combine():
+    """SwiGLU experts whose down projection (w2) has a bias: the activation is fused (so the pass
+    sees the chain) but w * (a W + b) != (w a) W + b, so the combine keeps its weights."""
+    m = make_model(spelling="index_add", k=2, e=4)
+    for expert in m.experts.experts:
+        expert.w2 = torch.nn.Linear(expert.w2.in_features, expert.w2.out_features, bias=True)
+    (ops,) = _compiled_ops(m, make_input((9, 16)))
+    assert "swiglu" in ops and "unpermute_combine" in ops and not any(op in ops for op in MOVED), ops
+
+
 def test_pass_can_be_disabled():
     m = make_model(spelling="index_add", k=2, e=4)
     (ops,) = _compiled_ops(m, make_input((9, 16)), options={"moe.disable": ("weights_in_swiglu",)})
     assert "unpermute_combine" in ops and "swiglu" in ops and "weighted_swiglu" not in ops, ops
 
 
-def test_expert_output_read_twice_keeps_the_weighted_combine():
-    """The finder on a rewritten graph: one match; once the expert outputs are also read elsewhere
-    (here: summed into a graph output), none (their values would change)."""
+def _matches_with_an_extra_reader(opname: str, operand) -> tuple[int, int]:
+    """find_weights_in_swiglu on the rewritten loop layer (the pass off): matches as lowered, and
+    after the ``operand(node)`` of its one ``opname`` node is also summed into a graph output."""
     from graphs import rewrite
     from moe_compile.passes.weights_in_swiglu import find_weights_in_swiglu
 
     new, _ = rewrite(("loop", "index_add", 2, "softmax_topk", "swiglu", None), disable=("weights_in_swiglu",))
-    (combine,) = [n for n in new.graph.nodes if getattr(n.target, "_opname", "") == "unpermute_combine"]
-    assert len(find_weights_in_swiglu(new)) == 1
-    with new.graph.inserting_after(combine):
-        extra = new.graph.call_function(torch.ops.aten.sum.default, (combine.args[0],))
+    before = len(find_weights_in_swiglu(new))
+    (node,) = [n for n in new.graph.nodes if getattr(n.target, "_opname", "") == opname]
+    with new.graph.inserting_after(node):
+        extra = new.graph.call_function(torch.ops.aten.sum.default, (operand(node),))
     out = next(n for n in new.graph.nodes if n.op == "output")
     out.args = (tuple(out.args[0]) + (extra,),) if isinstance(out.args[0], (tuple, list)) else ((out.args[0], extra),)
-    assert find_weights_in_swiglu(new) == []
+    return before, len(find_weights_in_swiglu(new))
+
+
+@pytest.mark.parametrize("opname,operand", [("unpermute_combine", lambda n: n.args[0]), ("swiglu", lambda n: n)],
+                         ids=["expert_outputs", "activation"])
+def test_values_read_elsewhere_keep_the_weighted_combine(opname, operand):
+    """The expert outputs y or the SwiGLU output also read elsewhere: their values would change, no match."""
+    assert _matches_with_an_extra_reader(opname, operand) == (1, 0)
