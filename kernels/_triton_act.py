@@ -41,16 +41,17 @@ def _swiglu_kernel(h_ptr, a_ptr, w_ptr, perm_ptr, offs_ptr, M, N, E, sh, sa,
     u = tl.load(base + N, mask=mask, other=0.0).to(tl.float32)
     a = silu_mul(g, u)
     if HAS_W:
-        a = a * _row_weight(w_ptr, perm_ptr, offs_ptr, rows, rmask, E)[:, None]
+        q, keep = _row_pairs(perm_ptr, offs_ptr, rows, rmask, E)
+        a = a * tl.load(w_ptr + q, mask=keep, other=0.0).to(tl.float32)[:, None]
     tl.store(a_ptr + rows.to(tl.int64)[:, None] * sa + cols[None, :], a.to(a_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _row_weight(w_ptr, perm_ptr, offs_ptr, rows, rmask, E):
-    """fp32 [BM]: w[perm[r]] for rows inside a group, 0 for dropped or masked rows."""
+def _row_pairs(perm_ptr, offs_ptr, rows, rmask, E):
+    """(q, keep) [BM]: each row's (token, slot) pair perm[r] (0 where masked), and whether the row is
+    inside a group (r < offsets[E-1]; a dropped row's weight is 0)."""
     keep = rmask & (rows < tl.load(offs_ptr + E - 1))
-    q = tl.load(perm_ptr + rows, mask=keep, other=0)
-    return tl.load(w_ptr + q, mask=keep, other=0.0).to(tl.float32)
+    return tl.load(perm_ptr + rows, mask=rmask, other=0), keep
 
 
 @lean
@@ -79,7 +80,8 @@ def _weighted_swiglu_bwd_kernel(h_ptr, da_ptr, w_ptr, perm_ptr, offs_ptr, dh_ptr
     dw[perm[r]] = <da[r], silu(g) u> (fp32, columns in order; 0 for dropped rows)."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < M
-    w = _row_weight(w_ptr, perm_ptr, offs_ptr, rows, rmask, E)
+    q, keep = _row_pairs(perm_ptr, offs_ptr, rows, rmask, E)
+    w = tl.load(w_ptr + q, mask=keep, other=0.0).to(tl.float32)
     r64 = rows.to(tl.int64)[:, None]
     acc = tl.zeros((BM,), dtype=tl.float32)
     for c0 in range(0, N, BN):
@@ -94,8 +96,6 @@ def _weighted_swiglu_bwd_kernel(h_ptr, da_ptr, w_ptr, perm_ptr, offs_ptr, dh_ptr
         ob = dh_ptr + r64 * sdh + cols[None, :]
         tl.store(ob, dg.to(dh_ptr.dtype.element_ty), mask=mask)
         tl.store(ob + N, du.to(dh_ptr.dtype.element_ty), mask=mask)
-    keep = rmask & (rows < tl.load(offs_ptr + E - 1))
-    q = tl.load(perm_ptr + rows, mask=rmask, other=0)
     tl.store(dw_ptr + q, tl.where(keep, acc, 0.0).to(dw_ptr.dtype.element_ty), mask=rmask)
 
 

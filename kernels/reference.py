@@ -172,11 +172,9 @@ def weighted_swiglu_backward(h, weights, perm, offsets, da):
     n = h.shape[-1] // 2
     ct = torch.promote_types(h.dtype, torch.float32)
     g, u, d = h[:, :n].to(ct), h[:, n:].to(ct), da.to(ct)
-    s = torch.sigmoid(g)
-    w = _row_weights(weights, perm, offsets, ct)
-    dw_rows = (d * g * s * u).sum(-1) * valid_rows(offsets, perm.numel()).to(ct)
+    dw_rows = (d * torch.nn.functional.silu(g) * u).sum(-1) * valid_rows(offsets, perm.numel()).to(ct)
     dw = torch.zeros(weights.numel(), dtype=ct, device=h.device).index_copy_(0, perm, dw_rows)
-    dh = torch.cat([w * d * u * (s + g * s * (1 - s)), w * d * g * s], dim=1).to(h.dtype)
+    dh = swiglu_backward(h, _row_weights(weights, perm, offsets, ct) * d)
     return dh, dw.view(weights.shape).to(weights.dtype)
 
 

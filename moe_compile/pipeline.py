@@ -308,10 +308,7 @@ def _ops_used(gm: fx.GraphModule, nodes=None) -> tuple[str, ...]:
 
 def _with_fused(nodes: set) -> set:
     """A region's nodes plus the ops later passes fused onto them (moe_compile.swiglu of its GEMM output)."""
-    return nodes | {u for n in nodes for u in n.users if (canon(u) or "") in _FUSED}
-
-
-_FUSED = ("moe_compile::swiglu", "moe_compile::weighted_swiglu")
+    return nodes | {u for n in nodes for u in n.users if (canon(u) or "") == "moe_compile::swiglu"}
 
 
 _REWRITES = ("lower", "swiglu", "weights_in_swiglu", "router_topk")   # dynamo passes that edit the graph

@@ -114,6 +114,18 @@ def shape(n: Any) -> tuple | None:
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
+ROUTE_OUTPUTS = {"perm": 0, "inv": 1, "offsets": 2}   # moe_compile.route_permute's outputs, by index
+
+
+def route_permute_output(node: Any, name: str) -> fx.Node | None:
+    """The ``moe_compile.route_permute`` call whose output ``name`` (``ROUTE_OUTPUTS``) ``node`` is
+    (``getitem(route_permute(...), i)``), else None."""
+    if not isinstance(node, fx.Node) or canon(node) != "getitem" or node.args[1] != ROUTE_OUTPUTS[name]:
+        return None
+    rp = node.args[0]
+    return rp if isinstance(rp, fx.Node) and canon(rp) == "moe_compile::route_permute" else None
+
+
 def where_in_user_code(node: fx.Node) -> str:
     """'file.py:LINE' of the user's source line that produced the node (last frame), or ''."""
     trace = node.meta.get("stack_trace") or ""

@@ -58,7 +58,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .normalize import arg, canon, is_inplace_method, shape, val
+from .normalize import arg, canon, is_inplace_method, route_permute_output, shape, val
 
 # ops that end the walk back from the expert ids: the router's own GEMM, and anything before it
 _STOP = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "einsum", "baddbmm"})
@@ -119,7 +119,6 @@ _FILLS = frozenset({"ones_like", "zeros_like", "full_like"})   # one value in ev
 _RESHAPES = frozenset({"reshape", "view", "flatten"})
 _IN_PLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv)   # w /= s
 _ROUTE = "moe_compile::route_permute"
-_ROUTE_OUTPUTS = {"perm": 0, "inv": 1}   # route_permute -> perm, inv, offsets
 # region op -> ((position, name) of the weights it reads per (token, slot) pair, (position, name) of
 # the route_permute output that pairs them with the expert ids)
 _PAIR_READERS = {"moe_compile::unpermute_combine": ((2, "weights"), (1, "inv")),
@@ -232,13 +231,6 @@ def _slot_layout(u: fx.Node, slots: dict, k: int) -> str | None:
     return _reshaped_layout(u, n, k) if op in _RESHAPES else None
 
 
-def _route_output(n, name: str) -> fx.Node | None:
-    """The route_permute whose output ``name`` n is, else None."""
-    if isinstance(n, fx.Node) and canon(n) == "getitem" and n.args[1] == _ROUTE_OUTPUTS[name]:
-        return n.args[0] if isinstance(n.args[0], fx.Node) and canon(n.args[0]) == _ROUTE else None
-    return None
-
-
 def _pair_read(u: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """(route_permute, what u reads of its region one value per (token, slot) pair): the expert ids
     (route_permute itself), the weights of unpermute_combine / weighted_swiglu (paired by inv /
@@ -248,10 +240,10 @@ def _pair_read(u: fx.Node) -> tuple[fx.Node, fx.Node] | None:
         return u, arg(u, 0, "expert_ids")
     if op in _PAIR_READERS:
         (at, name), (src, src_name) = _PAIR_READERS[op]
-        route = _route_output(arg(u, src, src_name), src_name)
+        route = route_permute_output(arg(u, src, src_name), src_name)
         return (route, arg(u, at, name)) if route is not None else None
     if op == "getitem" and len(u.args) == 2 and shape(u.args[0]) is not None and len(shape(u.args[0])) == 1:
-        route = _route_output(u.args[1], "perm")
+        route = route_permute_output(u.args[1], "perm")
         return (route, u.args[0]) if route is not None else None
     return None
 

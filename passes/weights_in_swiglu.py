@@ -28,12 +28,10 @@ keeps the weighted combine (correct, a read of y slower), so nothing here is a r
 from __future__ import annotations
 
 import dataclasses
-import operator
-
 import torch
 import torch.fx as fx
 
-from .normalize import canon, val
+from .normalize import canon, route_permute_output, val
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,16 +44,8 @@ class WeightsInSwiGLUMatch:
     top_k: int
 
 
-def _route_output(node, index: int) -> fx.Node | None:
-    """The route_permute call whose output ``index`` ``node`` is, else None."""
-    if not isinstance(node, fx.Node) or node.target is not operator.getitem or node.args[1] != index:
-        return None
-    rp = node.args[0]
-    return rp if isinstance(rp, fx.Node) and canon(rp) == "moe_compile::route_permute" else None
-
-
 def _perm_of(rp: fx.Node) -> fx.Node | None:
-    return next((u for u in rp.users if u.target is operator.getitem and u.args[1] == 0), None)
+    return next((u for u in rp.users if route_permute_output(u, "perm") is rp), None)
 
 
 def _bias_free_down(y: fx.Node, offs: fx.Node) -> bool:
@@ -83,8 +73,9 @@ def _match(c: fx.Node, order: dict) -> WeightsInSwiGLUMatch | None:
     if len(c.args) != 4 or c.kwargs:
         return None
     y, inv, w, offs = c.args
-    rp = _route_output(inv, 1)
-    if rp is None or _route_output(offs, 2) is not rp or not isinstance(y, fx.Node) or not _bias_free_down(y, offs):
+    rp = route_permute_output(inv, "inv")
+    if rp is None or route_permute_output(offs, "offsets") is not rp or not isinstance(y, fx.Node) \
+            or not _bias_free_down(y, offs):
         return None
     a, perm = _through_casts(y.args[0]), _perm_of(rp)
     if not isinstance(a, fx.Node) or canon(a) != "moe_compile::swiglu" or len(a.users) != 1 or perm is None:
