@@ -12,10 +12,13 @@ import time
 from typing import Callable
 
 
-def parse_args(shapes, default_rounds: int = 3) -> argparse.Namespace:
+def parse_args(shapes, default_rounds: int = 3, extra=None) -> argparse.Namespace:
+    """--shapes and --rounds; ``extra(ap)`` adds a script's own arguments."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(shapes), choices=list(shapes))
     ap.add_argument("--rounds", type=int, default=default_rounds)
+    if extra is not None:
+        extra(ap)
     return ap.parse_args()
 
 

@@ -9,6 +9,14 @@ are below run-to-run noise otherwise. Kernels: "tma" = kernels/_triton_tma.py (w
 runs on sm90), "cutlass" = torch._grouped_mm, "pointer" = kernels/_triton_gmm.py. Routing is top-k
 of random logits (group sizes vary around T*k/E), operands bf16 random normal, fan-in scaled.
 Prints TFLOP/s per round and the median over rounds.
+
+``--floors``: what the TMA kernel loses against two floors instead of the other kernels, on the same
+operands and in the same rounds: "routed" (the routing above), "even" (every group M/E rows: on
+these shapes a multiple of 128, so no group has a partly filled last 128-row tile) and "dense" (one
+cuBLAS GEMM of the same M, K, N with one expert's weight: no per-group tiles, one weight read).
+routed / even is the cost of the groups' partial last tiles; even / dense the cost of grouping.
+
+    python examples/benchmark/gmm_ab.py --floors --shapes qwen3_up qwen3_down moonlight_up moonlight_down
 """
 from __future__ import annotations
 
@@ -36,21 +44,42 @@ SHAPES = {
 }
 
 
+def _kernel_runs(x, w, offs, _triton_gmm, _triton_tma) -> dict:
+    """The three kernels on the routed groups, each checked against torch._grouped_mm first."""
+    runs = {
+        "tma": lambda: _triton_tma.grouped_mm(x, w, offs),
+        "cutlass": lambda: torch._grouped_mm(x, w, offs=offs),
+        "pointer": lambda: _triton_gmm.grouped_mm(x, w, offs),
+    }
+    ref = runs["cutlass"]().float()
+    for kname, fn in runs.items():
+        err = ((fn().float() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, (kname, err)
+    return runs
+
+
+def _floor_runs(x, w, offs, _triton_tma) -> dict:
+    """--floors: the TMA kernel on the routed groups, on even groups, and one dense GEMM."""
+    e, m = w.shape[0], x.shape[0]
+    even = torch.arange(1, e + 1, device=x.device, dtype=torch.int32) * (m // e)
+    return {
+        "routed": lambda: _triton_tma.grouped_mm(x, w, offs),
+        "even": lambda: _triton_tma.grouped_mm(x, w, even),
+        "dense": lambda: x @ w[0],
+    }
+
+
 def main():
     from ab import cell, header, interleave, parse_args, topk_offsets
 
     from moe_compile.kernels import _triton_gmm, _triton_tma
 
-    args = parse_args(SHAPES)
+    args = parse_args(SHAPES, extra=lambda ap: ap.add_argument(
+        "--floors", action="store_true", help="routed vs even groups vs one dense GEMM (module docstring)"))
     header()
-    kernels = {
-        "tma": lambda x, w, o: _triton_tma.grouped_mm(x, w, o),
-        "cutlass": lambda x, w, o: torch._grouped_mm(x, w, offs=o),
-        "pointer": lambda x, w, o: _triton_gmm.grouped_mm(x, w, o),
-    }
     g = torch.Generator(device="cuda")
     g.manual_seed(0)
-    table = {}
+    table, names = {}, []
     for name in args.shapes:
         t, top_k, e, k, n, layout = SHAPES[name]
         m = t * top_k
@@ -60,21 +89,21 @@ def main():
             w = (torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k**-0.5).transpose(1, 2)
         else:
             w = torch.randn(e, k, n, device="cuda", dtype=torch.bfloat16, generator=g) * k**-0.5
-        ref = torch._grouped_mm(x, w, offs=offs).float()
-        for kname, fn in kernels.items():  # same function before timing it
-            err = ((fn(x, w, offs).float() - ref).norm() / ref.norm()).item()
-            assert err < 1e-2, (name, kname, err)
+        runs = _floor_runs(x, w, offs, _triton_tma) if args.floors else _kernel_runs(x, w, offs, _triton_gmm, _triton_tma)
+        names = list(runs)
         flop = 2.0 * m * k * n
-        times = interleave({kname: (lambda fn=fn: fn(x, w, offs)) for kname, fn in kernels.items()},
-                           args.rounds, warmup=25, rep=150)
-        for kname, ms in times.items():
+        for kname, ms in interleave(runs, args.rounds, warmup=25, rep=150).items():
             table[(name, kname)] = [flop / r / 1e9 for r in ms]
-    print("\n| GEMM | " + " | ".join(f"{k} TFLOP/s (rounds)" for k in kernels) + " | tma / cutlass |")
-    print("|---|" + "---|" * (len(kernels) + 1))
+    ratios = list(zip(names, names[1:])) if args.floors else [("tma", "cutlass")]
+    print("\n| GEMM | " + " | ".join(f"{k} TFLOP/s (rounds)" for k in names)
+          + "".join(f" | {a} / {b}" for a, b in ratios) + " |")
+    print("|---|" + "---|" * (len(names) + len(ratios)))
     for name in args.shapes:
-        meds = {kname: cell(table[(name, kname)]) for kname in kernels}
+        meds = {kname: cell(table[(name, kname)]) for kname in names}
         cells = [f"**{med:.0f}** ({rounds})" for med, rounds in meds.values()]
-        print(f"| {name} | " + " | ".join(cells) + f" | {meds['tma'][0] / meds['cutlass'][0]:.2f}x |")
+        print(f"| {name} | " + " | ".join(cells)
+              + "".join(f" | {meds[a][0] / meds[b][0]:.2f}x" for a, b in ratios) + " |")
+
 
 if __name__ == "__main__":
     main()
