@@ -166,7 +166,7 @@ def _lower_whole(b: GraphBuilder, region: Region, ep):
         rows = expert_parallel.receive(b, flight)
         received = val(rows)
     # the weights before the experts: lowering/weights_in_swiglu.py may move them into the activation
-    weights = _pair_weights(b, router) if region_forms.weighted_combine(router) else None
+    weights = _pair_weights(b, router, ones=False)
     h = _emit_experts(b, region, rows, gemm_offs, ep)
     y = expert_parallel.receive_back(b, expert_parallel.send_back(b, h, flight, ep)) if ep is not None else h
     if weights is None:  # weight 1: the backward is a gather, y is not kept
@@ -216,11 +216,14 @@ def _lower_chunked(b: GraphBuilder, region: Region, ep, sizes: list[int]):
     return h, b.fn(torch.cat, outs), val(rows)
 
 
-def _pair_weights(b: GraphBuilder, router) -> fx.Node:
-    """[T, K] weights for unpermute_combine (weight 1 per routed pair when the experts are unweighted)."""
+def _pair_weights(b: GraphBuilder, router, ones: bool = True) -> fx.Node | None:
+    """[T, K] weights for unpermute_combine; when the experts are unweighted, weight 1 per routed pair
+    (``ones``) or None (the combine is then ``unpermute_sum``)."""
     w = region_forms.combine_weights(b, router)
-    if w is None:  # built from ids: no symbolic sizes needed
-        w = b.fn(torch.ones_like, router.ids, dtype=torch.float32)
+    if w is None:
+        if not ones:
+            return None
+        w = b.fn(torch.ones_like, router.ids, dtype=torch.float32)   # built from ids: no symbolic sizes needed
     return w if val(w).dim() == 2 else b.method("reshape", w, -1, router.top_k)
 
 

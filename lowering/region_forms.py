@@ -36,14 +36,11 @@ def scale_rows(b: GraphBuilder, router: Router, rows: fx.Node, perm: fx.Node) ->
     return b.fn(operator.mul, rows, b.method("unsqueeze", b.fn(operator.getitem, w, perm), -1))
 
 
-def weighted_combine(router: Router) -> bool:
-    """The combine multiplies by routing weights (not for unweighted experts or weights on the input)."""
-    return router.weights is not None and not router.scale_input
-
-
 def combine_weights(b: GraphBuilder, router: Router) -> fx.Node | None:
     """The weights unpermute_combine multiplies by: None for 1 (unweighted, or weights on the input)."""
-    return pair_weights(b, router) if weighted_combine(router) else None
+    if router.weights is None or router.scale_input:
+        return None
+    return pair_weights(b, router)
 
 
 def keep_unrouted(b: GraphBuilder, router: Router, base: fx.Node, out: fx.Node) -> fx.Node:
