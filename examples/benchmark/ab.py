@@ -1,6 +1,6 @@
 """Helpers shared by the benchmarks: for the interleaved A/B ones (``gmm_ab.py``, ``fusion_ab.py``,
 ``quack_ab.py``, ``glue_ab.py``) and ``moe_kernels.py`` one argument parser, one header line, one timing
-loop, one attribute patch; for ``moe_layer.py`` and ``model_step.py`` one device/versions record; for
+loop, one attribute patch, one relative error; for ``moe_layer.py`` and ``model_step.py`` one device/versions record; for
 ``ep.py`` and ``model_step.py`` the interval arithmetic of profiler timelines (``merge``, ``length``,
 ``uncovered``)."""
 from __future__ import annotations
@@ -44,6 +44,12 @@ def interleave(fns: dict, rounds: int, warmup: int, rep: int) -> dict:
 def cell(values, fmt: str = ".0f") -> tuple[float, str]:
     """(median, "v1, v2, ...") of one row's rounds."""
     return statistics.median(values), ", ".join(format(v, fmt) for v in values)
+
+
+def rel_err(got, ref) -> float:
+    """|got - ref| / |ref| (Frobenius norms, fp32): the A/B scripts' check that a kernel computes the
+    reference's values before it is timed."""
+    return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def with_attr(mod, attr: str, value, fn: Callable) -> Callable:

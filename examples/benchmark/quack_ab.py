@@ -56,10 +56,6 @@ CONFIGS = {
 MAX_REL_ERR = 1e-2   # against the reference: bf16 outputs of fp32 accumulations in another order
 
 
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
 def gemm_config(cname: str):
     """quack's GemmConfig for a CONFIGS entry (sm90)."""
     from quack.gemm_config import GemmConfig
@@ -95,7 +91,7 @@ def products(t, k, e, h, i, g, spread=0.0):
 
 def gated_ab(layer, cfgs, rounds, spread, g) -> None:
     """--gated (module docstring): one layer's four products both ways, µs, and their sums."""
-    from ab import interleave, topk_offsets
+    from ab import interleave, rel_err, topk_offsets
     from quack.gemm_interface import gemm_dgated_tuned, gemm_gated_tuned, gemm_tuned
 
     from moe_compile.kernels import _quack, _triton_gmm, _triton_tma, cuda
@@ -173,7 +169,7 @@ def main():
     args = ap.parse_args()
     import quack
     import triton
-    from ab import interleave, with_attr
+    from ab import interleave, rel_err, with_attr
     from quack.gemm_interface import gemm_tuned
 
     from moe_compile.kernels import _quack, _triton_tma, cuda
