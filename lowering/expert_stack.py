@@ -31,7 +31,9 @@ not under FSDP2 (it owns the storage: ``rehome.fsdp_in_use``) and not in a multi
 would no longer run); then the graph reads the weights one by one as before, and the report says
 why. Per call, the wrapper checks that the Parameters are still where the stack is (else it stacks
 a copy, with a warning) and that none has a gradient hook (else it stacks them differentiably, so
-the hooks run).
+the hooks run). Gradients reach the Parameters through ``.backward()`` only: a backward restricted
+to named tensors (``torch.autograd.grad``, ``.backward(inputs=...)``) cannot reach them through the
+stack leaf, and the wrapper warns once when one runs through the graph (``expert_inputs.py``).
 """
 from __future__ import annotations
 

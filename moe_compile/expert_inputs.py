@@ -12,6 +12,13 @@ Per call and stack (Dynamo's inputs still include every Parameter, which is what
   stacked with ``torch.stack``, differentiably: each gets its gradient through autograd as usual, at
   the cost of a copy per step; a warning says so once per stack.
 
+A backward restricted to named tensors (``torch.autograd.grad``, ``.backward(inputs=...)``) does not
+accumulate into the stack leaf, so it cannot give those Parameters gradients (they are not autograd
+inputs of the graph; an edge per Parameter would cost the per-Parameter engine work this saves,
+~3.5 us each on a CPU): a pre-hook on the call's backward node sees such a backward pass and warns
+once per compiled graph, naming ``moe.stack_expert_params=False``, with which they are exact (~5 us
+per call while no such backward has run).
+
 The layout check costs one address read per Parameter (cached per set of addresses, as
 ``kernels/layout.strided_stack`` does) plus two hook-attribute reads; the full layout check runs once
 per set of addresses (e.g. once per block under ``compile_blocks``).
@@ -22,6 +29,7 @@ import itertools
 import logging
 import math
 import operator
+import sys
 
 import torch
 
@@ -34,6 +42,12 @@ _GRAD = operator.attrgetter("grad")
 _TENSOR_HOOKS = operator.attrgetter("_backward_hooks")
 _ACC_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
 _NONES = itertools.repeat(None)   # an endless None operand for map(operator.is_not, ...): a C-level scan
+
+
+def _compiled_autograd() -> bool:
+    """Compiled autograd traces node hooks into its graph: the named-inputs check stays out of it
+    (compiled autograd runs whole backwards)."""
+    return bool(getattr(sys.modules.get("torch._dynamo.compiled_autograd"), "compiled_autograd_enabled", False))
 
 
 class _HandOver:
@@ -126,17 +140,78 @@ class _Feed:
         return segs[0] if len(segs) == 1 else torch.cat(segs, dim=1)
 
 
+def _backward_node(outputs):
+    """The compiled call's backward node (AOTAutograd's ``CompiledFunctionBackward``), reached from
+    the first output that has a grad_fn, through at most a few view nodes; None if there is none."""
+    for out in outputs:
+        node = getattr(out, "grad_fn", None)
+        for _ in range(4):
+            if node is None:
+                break
+            if node.name().startswith("CompiledFunction"):
+                return node
+            nexts = node.next_functions
+            node = nexts[0][0] if nexts else None
+    return None
+
+
+def _restricted(acc) -> bool:
+    """During a backward: True if the engine will not accumulate into this leaf, i.e. the backward
+    delivers gradients only to the tensors it names (``.backward(inputs=...)``: False from the
+    engine; ``torch.autograd.grad``: the engine refuses leaf nodes while it captures)."""
+    try:
+        return not torch._C._will_engine_execute_node(acc)
+    except RuntimeError:
+        return True
+
+
+class _NamedInputsCheck:
+    """Pre-hook of a call's backward node: warns once per compiled graph when a backward that
+    delivers gradients only to named tensors runs through it. The stacked leaf is the only autograd
+    input of those Parameters here, so such a backward cannot reach them: ``torch.autograd.grad``
+    returns None for them (or raises 'not used in the graph') and ``.backward(inputs=[...])`` leaves
+    their ``.grad`` as it was. The engine does not say which tensors were named, so the warning
+    comes whenever such a backward passes (also when it named none of these Parameters)."""
+
+    __slots__ = ("owner", "accs")
+
+    def __init__(self, owner, accs):
+        self.owner, self.accs = owner, accs
+
+    def __call__(self, grad_outputs):
+        if not self.owner.named_warned and any(map(_restricted, self.accs)):
+            self.owner.named_warned = True
+            log.warning(
+                "moe_compile: a backward that delivers gradients only to the tensors it names "
+                "(torch.autograd.grad, or .backward(inputs=...)) ran through a compiled graph that takes "
+                "%s as stacked inputs (one autograd leaf per buffer): such a backward gives those expert "
+                "Parameters no gradient (torch.autograd.grad returns None for them or raises 'not used in "
+                "the graph'). If you need their gradients this way, compile with "
+                "options={\"moe.stack_expert_params\": False}; .backward() without inputs= is exact either way",
+                " and ".join(f.what for f in self.owner.feeds))
+        return None
+
+
 class StackedInputs:
     """The compiled graph called with Dynamo's inputs: kept ones passed on, stacks built per call."""
 
     def __init__(self, fn, plan: StackPlan):
         self.fn, self.keep = fn, plan.keep
         self.feeds = [_Feed(s, f"{len(s.flat_positions)} expert weights {tuple(s.shape)}") for s in plan.stacks]
+        self.named_warned = False
 
     def __call__(self, *args):  # Dynamo calls compiled graphs unboxed (one argument per input)
         new = [args[i] for i in self.keep]
-        new += [feed(args) for feed in self.feeds]
-        return self.fn(*new)
+        stacks = [feed(args) for feed in self.feeds]
+        out = self.fn(*new, *stacks)
+        if not self.named_warned and torch.is_grad_enabled() and not _compiled_autograd():
+            node = _backward_node(out)
+            if node is not None:   # the stack leaves' AccumulateGrad nodes are among its next functions
+                leaves = {id(s) for s in stacks if s.is_leaf and s.requires_grad}
+                accs = [n for n, _ in node.next_functions if id(getattr(n, "variable", None)) in leaves]
+                if accs:
+                    node.register_prehook(_NamedInputsCheck(self, accs))
+        return out
 
     def __getattr__(self, name):  # anything else Dynamo or Inductor read from the compiled function
         return getattr(self.__dict__["fn"], name)

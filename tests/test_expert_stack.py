@@ -185,3 +185,56 @@ def test_inference_after_training(mode):
             got, ref = compiled(x), model(x)
     assert _stacked(graphs)
     assert_close_rel(got, ref, FP32_REL, f"output under {mode.__name__}")
+
+
+def _named_warnings(caplog) -> int:
+    return sum("delivers gradients only to the tensors it names" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("how", ["autograd_grad", "backward_inputs"])
+def test_backward_to_named_tensors_warns_once(caplog, how):
+    """``torch.autograd.grad`` / ``.backward(inputs=...)`` cannot reach expert Parameters that were stacked
+    (the stack leaf is their only autograd input): the first such backward through the graph warns, with
+    the fix. What it does deliver (here the input's gradient, or the router's) matches eager."""
+    model = make_model(spelling="index_add", expert="swiglu", e=4, k=2)
+    ref = copy.deepcopy(model)
+    compiled = _compile(model)
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        compiled(make_input((3, 5, 16))).sum().backward()   # plain backward: exact, no warning
+        assert _named_warnings(caplog) == 0, caplog.text
+        model.zero_grad(set_to_none=True)
+        for step in range(2):
+            x = make_input((3, 5, 16), seed=step)
+            x_ref = x.detach().clone().requires_grad_()
+            if how == "autograd_grad":
+                (got,) = torch.autograd.grad(compiled(x).square().sum(), [x])
+                (want,) = torch.autograd.grad(ref(x_ref).square().sum(), [x_ref])
+            else:
+                gate, gate_ref = model.router.proj.weight, ref.router.proj.weight
+                compiled(x).square().sum().backward(inputs=[gate])
+                ref(x_ref).square().sum().backward(inputs=[gate_ref])
+                got, want = gate.grad, gate_ref.grad
+            assert_close_rel(got, want, STEPS_REL, f"step {step}: gradient of the named tensor")
+    assert _named_warnings(caplog) == 1, caplog.text
+    if how == "backward_inputs":
+        assert all(p.grad is None for p in _experts(model)), "backward(inputs=) must not touch other Parameters"
+
+
+def test_backward_to_expert_parameters_needs_unstacked_inputs(caplog):
+    """The fix the warning names: with ``moe.stack_expert_params=False`` ``torch.autograd.grad`` w.r.t. every
+    Parameter, experts included, matches eager; with stacking it warns (and torch reports the experts as
+    not used in the graph)."""
+    model = make_model(spelling="index_add", expert="swiglu", e=4, k=2)
+    ref = copy.deepcopy(model)
+    x = make_input((3, 5, 16))
+    want = torch.autograd.grad(ref(x.detach().clone()).square().sum(), list(ref.parameters()))
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        with pytest.raises(RuntimeError, match="not have been used in the graph"):
+            torch.autograd.grad(_compile(model)(x).square().sum(), list(model.parameters()))
+    assert _named_warnings(caplog) == 1, caplog.text
+    with records.recording() as graphs:
+        got = torch.autograd.grad(_compile(model, **{"moe.stack_expert_params": False})(x).square().sum(),
+                                  list(model.parameters()))
+    assert not _stacked(graphs)
+    for (name, _), g, w in zip(model.named_parameters(), got, want):
+        assert_close_rel(g, w, FP32_REL, f"grad of {name}")
