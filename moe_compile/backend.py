@@ -28,6 +28,7 @@ affected: the property returns their own attribute or raises AttributeError as b
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
@@ -357,10 +358,30 @@ def moe_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = Non
     graph) is raised to the user, not handed to Dynamo's ``suppress_errors`` (which the capture scope
     turns on only for frames Dynamo cannot trace)."""
     try:
-        return _moe_backend(gm, example_inputs, mode, options)
+        with _saved_tensor_hooks_deferred():
+            return _moe_backend(gm, example_inputs, mode, options)
     except Exception:
         _unsuppress()
         raise
+
+
+@contextlib.contextmanager
+def _saved_tensor_hooks_deferred():
+    """The passes evaluate ops on fake values (the lowering's ``GraphBuilder``, example values of
+    stacked inputs). Under a user's saved-tensor hooks, e.g. ``torch.utils.checkpoint``'s
+    non-reentrant mode, which counts the tensors its hooks see in the forward and again when it
+    recomputes, those evaluations would run the hooks at compile time, as if the compiled call had
+    saved them (the first call's count then differs from the recompute's: CheckpointError). torch's
+    own tracing defers them the same way (``aot_autograd``: ``_disable_saved_tensors_hooks_during_tracing``)."""
+    set_tracing = getattr(torch._C._autograd, "_saved_tensors_hooks_set_tracing", None)
+    if set_tracing is None:
+        yield
+        return
+    prior = set_tracing(True)
+    try:
+        yield
+    finally:
+        set_tracing(prior)
 
 
 def _unsuppress() -> None:

@@ -217,8 +217,11 @@ def _rehome(state) -> None:
     gm, example_inputs, notes, stacked = state
     from moe_compile.lowering.expert_stack import rehome_groups
     from moe_compile.lowering.rehome import rehome_expert_weights
+    from moe_compile.passes.checkpoint_bodies import checkpoint_bodies
 
     notes += rehome_groups(stacked) + rehome_expert_weights(gm, example_inputs)
+    for b in checkpoint_bodies(gm, example_inputs):   # their placeholders' values: the caller's inputs
+        notes += rehome_expert_weights(b.body, list(b.example_inputs))
 
 
 PASSES: tuple[Pass, ...] = (
@@ -315,50 +318,66 @@ _REWRITES = ("lower", "swiglu", "weights_in_swiglu", "router_topk")   # dynamo p
 
 
 def run_dynamo_stage(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.GraphModule, list[RegionRecord]]:
-    """The dynamo stage on a copy of ``gm``: (the graph to compile, one record per MoE region)."""
+    """The dynamo stage on a copy of ``gm``: (the graph to compile, one record per MoE region).
+
+    The passes run on the graph and, as graphs of their own, on the bodies of its
+    ``torch.utils.checkpoint`` regions (``passes/checkpoint_bodies.py``), which the copy holds: a
+    rewrite there is compiled with the rest. A failure anywhere compiles ``gm`` unchanged."""
     from moe_compile import debug
-    from moe_compile.passes.legality import Refusal
+    from moe_compile.passes.checkpoint_bodies import checkpoint_bodies
 
     passes = enabled("dynamo", config)
     if not any(p.name.endswith("_regions") for p in passes):
         return gm, []
     t0 = time.perf_counter()
-    s = DynamoState(copy_graph_module(gm), example_inputs, config)
+    top = DynamoState(copy_graph_module(gm), example_inputs, config)
+    states = [top] + [DynamoState(b.body, list(b.example_inputs), config)
+                      for b in checkpoint_bodies(top.gm, example_inputs)]
     verbose = config.debug or log.isEnabledFor(logging.DEBUG)
-    graphs = [("dynamo graph", s.gm.print_readable(print_output=False))] if verbose else []
-    try:
-        for p in passes:
-            if p.name in _REWRITES and not s.accepted:
-                continue
-            p.run(s)
-            if verbose and p.name in _REWRITES:
-                graphs.append((f"after {p.name}", s.gm.print_readable(print_output=False)))
-    except Exception as exc:
-        from moe_compile.lowering.graph_edit import InvalidSetup
+    graphs = [("dynamo graph", top.gm.print_readable(print_output=False))] if verbose else []
+    for s in states:
+        try:
+            for p in passes:
+                if p.name in _REWRITES and not s.accepted:
+                    continue
+                p.run(s)
+                if verbose and p.name in _REWRITES:
+                    graphs.append((f"after {p.name}", s.gm.print_readable(print_output=False)))
+        except Exception as exc:
+            from moe_compile.lowering.graph_edit import InvalidSetup
 
-        if config.strict or isinstance(exc, InvalidSetup):
-            raise
-        log.warning("moe_compile: lowering failed (%s: %s); the graph is compiled unchanged", type(exc).__name__, exc)
-        from moe_compile.passes import reasons
+            if config.strict or isinstance(exc, InvalidSetup):
+                raise
+            log.warning("moe_compile: lowering failed (%s: %s); the graph is compiled unchanged",
+                        type(exc).__name__, exc)
+            from moe_compile.passes import reasons
 
-        detail = {"error": f"{type(exc).__name__}: {exc}"}
-        failed = [RegionRecord(r.module, r.form, REFUSED, reasons.message("lowering_error", detail), (), r.where,
-                               r.router.num_experts, r.router.top_k, code="lowering_error",
-                               fix=reasons.fix("lowering_error")) for r in s.accepted]
-        return gm, s.errors + [_refused_record(r) for r in s.refused] + s.unclaimed + failed
-    records = s.errors + [_refused_record(r) for r in s.refused if isinstance(r, Refusal)] + s.unclaimed
-    if not s.accepted:
+            detail = {"error": f"{type(exc).__name__}: {exc}"}
+            failed = [RegionRecord(r.module, r.form, REFUSED, reasons.message("lowering_error", detail), (), r.where,
+                                   r.router.num_experts, r.router.top_k, code="lowering_error",
+                                   fix=reasons.fix("lowering_error")) for t in states for r in t.accepted]
+            return gm, [rec for t in states for rec in _not_rewritten(t)] + failed
+    records = [rec for s in states for rec in _not_rewritten(s)]
+    if not any(s.accepted for s in states):
         return gm, records
-    notes = tuple(s.graph_notes)
-    alive = set(s.gm.graph.nodes)
-    for r in s.accepted:
-        nodes = _with_fused(s.region_nodes.get(id(r), alive) & alive)
-        records.append(RegionRecord(r.module, r.form, REWRITTEN, "", _ops_used(s.gm, nodes), r.where,
-                                    r.router.num_experts, r.router.top_k,
-                                    s.region_notes.get(id(r), ()) + notes + _list_weight_note(s.gm, nodes)))
+    for s in states:
+        notes = tuple(s.graph_notes)
+        alive = set(s.gm.graph.nodes)
+        for r in s.accepted:
+            nodes = _with_fused(s.region_nodes.get(id(r), alive) & alive)
+            records.append(RegionRecord(r.module, r.form, REWRITTEN, "", _ops_used(s.gm, nodes), r.where,
+                                        r.router.num_experts, r.router.top_k,
+                                        s.region_notes.get(id(r), ()) + notes + _list_weight_note(s.gm, nodes)))
     if verbose:
         debug.log_rewrite(graphs, records, time.perf_counter() - t0, loud=config.debug)
-    return s.gm, records
+    return top.gm, records
+
+
+def _not_rewritten(s: DynamoState) -> list[RegionRecord]:
+    """A state's records of what it did not rewrite: finder errors, refusals, unclaimed MoE-like code."""
+    from moe_compile.passes.legality import Refusal
+
+    return s.errors + [_refused_record(r) for r in s.refused if isinstance(r, Refusal)] + s.unclaimed
 
 
 def _refused_record(r) -> RegionRecord:

@@ -1,0 +1,63 @@
+"""checkpoint_bodies: the graphs of ``torch.utils.checkpoint`` regions inside a Dynamo graph.
+
+Dynamo traces ``torch.utils.checkpoint.checkpoint(fn, *args)`` (reentrant or not) into one
+higher-order op whose first argument is a subgraph holding ``fn``'s body; transformers' activation
+checkpointing puts every decoder layer, MoE block included, in one::
+
+    wrap_body_0 = self.wrap_body_0
+    out = torch.ops.higher_order.tag_activation_checkpoint(wrap_body_0, x, w_router, w1_0, ..., use_reentrant=False)
+
+    class wrap_body_0:   # placeholder i <- operand i of the call
+        def forward(self, x, w_router, w1_0, ...): ... router, per-expert loop ...
+
+The dynamo stage runs its passes on each body as on a graph of its own (moe_compile/pipeline.py);
+AOTAutograd inlines the body with recompute tags, so the ops a rewrite puts there are recomputed in
+the backward like the code they replace. Finds only: returns ``CheckpointBody`` records (the body,
+the example values of its placeholders: the caller's real inputs where an operand is one of its
+placeholders, else the operand's fake value), edits nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+
+from .normalize import canon
+
+HOPS = ("tag_activation_checkpoint",)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointBody:
+    name: str                  # the subgraph's attribute on the outer GraphModule
+    body: fx.GraphModule
+    example_inputs: tuple      # one per placeholder of ``body``
+
+
+def checkpoint_bodies(gm: fx.GraphModule, example_inputs) -> list[CheckpointBody]:
+    """One record per distinct checkpoint body called from ``gm``'s graph, then the bodies nested in
+    each (a checkpoint inside a checkpointed function), outermost first."""
+    out = []
+    for b in _bodies(gm, example_inputs):
+        out += [b, *checkpoint_bodies(b.body, b.example_inputs)]
+    return out
+
+
+def _bodies(gm: fx.GraphModule, example_inputs) -> list[CheckpointBody]:
+    outer = dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs))
+    out, seen = [], set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or canon(node) not in HOPS or not node.args:
+            continue
+        sub = node.args[0]
+        if not isinstance(sub, fx.Node) or sub.op != "get_attr" or sub.target in seen:
+            continue
+        body = getattr(gm, sub.target, None)
+        operands = node.args[1:]
+        if not isinstance(body, fx.GraphModule) or len(body.graph.find_nodes(op="placeholder")) != len(operands):
+            continue
+        seen.add(sub.target)
+        values = tuple(outer[a] if a in outer else a.meta.get("example_value") if isinstance(a, fx.Node) else a
+                       for a in operands)
+        out.append(CheckpointBody(sub.target, body, values))
+    return out

@@ -1,0 +1,140 @@
+"""torch.utils.checkpoint around a module compiled with backend="moe" (how transformers' gradient
+checkpointing wraps each decoder layer, and how ``compile_blocks`` models train with it): outputs and
+every gradient match eager over several steps, reentrant and non-reentrant, and the region is rewritten.
+
+Non-reentrant checkpointing counts the tensors its saved-tensor hooks see in the forward and again when
+it recomputes the forward in the backward; the backend compiles inside the first forward, so its passes'
+evaluations on fake values must not reach those hooks (moe_compile/backend.py,
+``_saved_tensor_hooks_deferred``): they did, and the first step raised CheckpointError."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.utils.checkpoint as checkpoint
+
+from helpers import FP32_REL, HF_FP32_REL, assert_close_rel, check_compiled, make_input, make_model
+from moe_compile import records
+
+# a few SGD steps of fp32 training (each step's gradients differ by ~1e-7, carried into the next
+# step's weights): 10x FP32_REL, as tests/test_expert_stack.py
+STEPS_REL = 10 * FP32_REL
+LR = 0.05
+
+
+@pytest.mark.parametrize("reentrant,inductor", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("expert", ["swiglu", "stacked_chunk"])
+def test_checkpointed_compiled_module_trains_like_eager(reentrant, inductor, expert):
+    torch._dynamo.reset()
+    model = make_model(spelling="index_add", expert=expert, e=4, k=2)
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="moe", options={"moe.inductor": inductor})
+    opt, opt_ref = torch.optim.SGD(model.parameters(), lr=LR), torch.optim.SGD(ref.parameters(), lr=LR)
+    with records.recording() as graphs:
+        for step in range(3):
+            x = make_input((3, 5, 16), seed=step)
+            x_ref = x.detach().clone().requires_grad_()
+            out = checkpoint.checkpoint(compiled, x, use_reentrant=reentrant)
+            out_ref = checkpoint.checkpoint(ref, x_ref, use_reentrant=reentrant)
+            assert_close_rel(out.detach(), out_ref.detach(), STEPS_REL, f"step {step}: output")
+            out.square().sum().backward()
+            out_ref.square().sum().backward()
+            assert_close_rel(x.grad, x_ref.grad, STEPS_REL, f"step {step}: input gradient")
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                assert_close_rel(p.grad, q.grad, STEPS_REL, f"step {step}: grad of {name}")
+            opt.step()
+            opt_ref.step()
+            opt.zero_grad(set_to_none=True)
+            opt_ref.zero_grad(set_to_none=True)
+    rewritten = [r for g in graphs for r in g if r.status == records.REWRITTEN]
+    assert rewritten, "the MoE region was not rewritten"
+
+
+class _Checkpointed(torch.nn.Module):
+    """torch.utils.checkpoint inside the compiled module: Dynamo traces the region as a
+    ``tag_activation_checkpoint`` subgraph, the MoE layer inside it."""
+
+    def __init__(self, inner, reentrant):
+        super().__init__()
+        self.inner, self.reentrant = inner, reentrant
+
+    def forward(self, x):
+        return checkpoint.checkpoint(self.inner, x, use_reentrant=self.reentrant) * 2.0
+
+
+@pytest.mark.parametrize("reentrant,inductor", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("expert", ["swiglu", "stacked_chunk"])
+def test_moe_inside_a_checkpoint_region_is_rewritten(reentrant, inductor, expert):
+    """The passes run on the checkpoint body as on a graph of their own (passes/checkpoint_bodies.py):
+    rewritten (one region, the body's ops in its record), outputs and every gradient as eager."""
+    model = _Checkpointed(make_model(spelling="index_add", expert=expert, e=4, k=2), reentrant)
+    with records.recording() as graphs:
+        check_compiled(model, (make_input((3, 5, 16)),), expect_rewritten=1, inductor=inductor, fresh_inputs=2)
+    (rec,) = [r for g in graphs for r in g]
+    assert rec.status == records.REWRITTEN and "route_permute" in rec.ops, rec
+
+
+# ----------------------------------------------------------------------------- Hugging Face model
+transformers = pytest.importorskip("transformers")
+
+
+def _qwen3(layers=2):
+    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=32, intermediate_size=32, max_position_embeddings=64,
+                                      use_cache=False, decoder_sparse_step=1, mlp_only_layers=[])
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM._from_config(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("gate.weight"):
+                p.normal_(0.0, 0.5)
+    return model.train()
+
+
+@pytest.mark.parametrize("how", ["whole", "blocks"])
+def test_hf_gradient_checkpointing_is_rewritten(how):
+    """transformers' gradient checkpointing (each decoder layer in torch.utils.checkpoint) with a
+    whole-model compile or ``compile_blocks``: every MoE layer rewritten, the loss and every gradient
+    as eager's. Before the passes ran on checkpoint bodies nothing was rewritten ("no MoE layer was
+    found")."""
+    import moe_compile
+
+    torch._dynamo.reset()
+    eager = _qwen3()
+    model = copy.deepcopy(eager)
+    model.gradient_checkpointing_enable()
+    opts = {"moe.inductor": False}
+    with records.recording() as graphs:
+        if how == "whole":
+            run = torch.compile(model, backend="moe", options=opts)
+        else:
+            moe_compile.compile_blocks(model, options=opts)
+            run = model
+        ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+        out = run(input_ids=ids, labels=ids).loss
+        out.backward()
+    want = eager(input_ids=ids, labels=ids).loss
+    want.backward()
+    rewritten = [r for g in graphs for r in g if r.status == records.REWRITTEN]
+    assert len(rewritten) == (2 if how == "whole" else 1), [(r.status, r.module, r.code) for g in graphs for r in g]
+    assert_close_rel(out.detach(), want.detach(), HF_FP32_REL, "loss")
+    for (n, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+        assert_close_rel(p.grad, q.grad, HF_FP32_REL, f"gradient of {n}")
+
+
+def test_modulelist_experts_inside_a_checkpoint_region_are_rehomed():
+    """After compiling, the ModuleList expert weights the checkpoint body reads are moved into one
+    buffer per linear pair (as outside checkpoints: lowering/rehome.py), so the grouped GEMMs read one
+    3-D tensor; same Parameter objects, and training still matches eager (the test above)."""
+    inner = make_model(spelling="index_add", expert="swiglu", e=4, k=2)
+    model = _Checkpointed(inner, reentrant=False)
+    ids = [id(p) for p in model.parameters()]
+    torch._dynamo.reset()
+    torch.compile(model, backend="moe", options={"moe.inductor": False})(make_input((3, 5, 16))).sum().backward()
+    experts = inner.experts.experts
+    for name in ("w1", "w2"):
+        storages = {getattr(e, name).weight.untyped_storage().data_ptr() for e in experts}
+        assert len(storages) == 1, f"{name}: the experts' weights are not in one buffer"
+    assert [id(p) for p in model.parameters()] == ids
