@@ -63,6 +63,10 @@ GPU waited; the N largest launch sites are printed.
 without torchrun it is a one-rank group, which still runs FSDP2's all-gather / free / reduce-scatter
 path and so shows its memory behaviour on one GPU). Tokens and figures are per rank; rank 0 prints.
 
+--act-ckpt: transformers' activation checkpointing (``gradient_checkpointing_enable``, non-reentrant)
+on every decoder layer: each layer's forward runs again in the backward ("moe layers" then counts
+the recomputed calls too).
+
 Run on a GPU with a fresh Inductor cache (``TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)``); the table is printed last.
 """
 from __future__ import annotations
@@ -459,6 +463,8 @@ def run_variant(name, form, variant, args, device, dtype) -> dict:
     seq = args.seq or (TINY_SHAPE["seq"] if args.tiny else spec.seq)
     torch._dynamo.reset()  # torch 2.11 reuses a code object's compiled entry across backends otherwise
     model = build(name, form, args.tiny, layers, device, dtype)
+    if args.act_ckpt:   # transformers' activation checkpointing: each decoder layer in torch.utils.checkpoint
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     sharded = shard(model) if args.fsdp else None
     params = [p for p in model.parameters() if p.requires_grad]
     fused = device == "cuda" or hasattr(torch._C._VariableFunctions, "_fused_adamw_")
@@ -560,6 +566,8 @@ def main(argv=None):
     ap.add_argument("--per-block", action="store_true", help="moe_compile.compile_blocks (one compile per layer)")
     ap.add_argument("--eager-loss", action="store_true",
                     help="with --per-block: leave model.loss_function eager (compile_blocks(loss=False))")
+    ap.add_argument("--act-ckpt", action="store_true",
+                    help="model.gradient_checkpointing_enable() (non-reentrant): every decoder layer recomputed in the backward")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--seq", type=int, default=None)
@@ -641,7 +649,8 @@ def _run_all(args, device, dtype, results):
 
 def print_table(results, info, args):
     print(f"\n## {info['device']}: " + ", ".join(f"{k} {v}" for k, v in info.items() if k != "device")
-          + f" ({'per-block' if args.per_block else 'whole-model'} compile{', FSDP2' if args.fsdp else ''})")
+          + f" ({'per-block' if args.per_block else 'whole-model'} compile{', FSDP2' if args.fsdp else ''}"
+          + f"{', activation checkpointing' if args.act_ckpt else ''})")
     print("| model | form | variant | layers | tokens | step ms | tokens/s | TFLOP/s | host ms | peak GiB | compile s "
           "| regions rewritten | moe layers | loss | " + " | ".join(f"{p} ms" for p in PART_NAMES) + " | SM MHz |")
     print("|---" * (15 + len(PART_NAMES)) + "|")

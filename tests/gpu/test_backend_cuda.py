@@ -83,3 +83,56 @@ def test_stacked_experts_train_cuda(cudagraphs, set_to_none):
         _train(model, ref, compiled, steps=3, set_to_none=set_to_none, shape=(4, 9, 64))
     assert _stacked(graphs)
     assert _handed_over(model) or not set_to_none
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("inside,reentrant", [(True, False), (True, True), (False, False)])
+@pytest.mark.parametrize("expert", ["swiglu", "stacked_chunk"])
+def test_activation_checkpoint_cuda(expert, inside, reentrant, dtype, monkeypatch):
+    """torch.utils.checkpoint inside the compiled module (the rewrite runs in the checkpoint body and
+    the backward recomputes its ops) or around it, Inductor and the CUDA kernels: outputs and every
+    gradient as eager, the region rewritten, and bf16 on Hopper through the TMA grouped GEMM (for
+    ModuleList experts too: the body's weights are re-homed into one buffer)."""
+    import torch.utils.checkpoint as checkpoint
+
+    from moe_compile.kernels import _triton_tma
+
+    tma_calls = []
+    real = _triton_tma.grouped_mm
+    monkeypatch.setattr(_triton_tma, "grouped_mm", lambda *a: tma_calls.append(1) or real(*a))
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return checkpoint.checkpoint(self.inner, x, use_reentrant=reentrant) * 2.0
+
+    inner = make_model(dtype, h=64, i=48, e=8, k=2, spelling="index_add", expert=expert).cuda()
+    x = make_input((37, 64), dtype).cuda().detach().requires_grad_()
+    if inside:
+        check_compiled(Checkpointed(inner), [x], expect_rewritten=1, inductor=True, fresh_inputs=2)
+    else:   # around: the compiled module is the checkpointed function
+        import copy
+
+        from helpers import BF16_GRAD_REL, BF16_REL, FP32_REL, assert_close_rel
+
+        torch._dynamo.reset()
+        ref = copy.deepcopy(inner)
+        compiled = torch.compile(inner, backend="moe")
+        low = dtype == torch.bfloat16
+        for step in range(2):
+            xs = make_input((37, 64), dtype, seed=step).cuda().detach().requires_grad_()
+            xr = xs.detach().clone().requires_grad_()
+            out = checkpoint.checkpoint(compiled, xs, use_reentrant=reentrant)
+            want = checkpoint.checkpoint(ref, xr, use_reentrant=reentrant)
+            assert_close_rel(out.detach(), want.detach(), BF16_REL if low else FP32_REL, f"step {step}: output")
+            out.float().square().sum().backward()
+            want.float().square().sum().backward()
+            for (n, p), q in zip(inner.named_parameters(), ref.parameters()):
+                assert_close_rel(p.grad, q.grad, BF16_GRAD_REL if low else FP32_REL, f"step {step}: grad of {n}")
+            inner.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+    sm90 = torch.cuda.get_device_capability()[0] == 9
+    assert bool(tma_calls) == (sm90 and dtype == torch.bfloat16), len(tma_calls)
