@@ -17,6 +17,9 @@ code from ``reasons.REASONS``, the filled message and the fix. The rules::
                         Function, a detach trick) would train with another gradient
     input_weights       weights that scale the expert input reach it through views and casts only;
                         for dense experts, the expert maps the zero rows of unselected pairs to zero
+    autocast_gemms      every expert GEMM computes in its operands' dtype: a product whose output
+                        dtype differs from an operand's ran under torch.autocast, whose casts the
+                        rewritten grouped GEMMs (custom ops, which autocast passes through) would drop
 """
 from __future__ import annotations
 
@@ -243,4 +246,27 @@ def _has_bias(n: fx.Node) -> bool:
     return canon(n) == "linear" and (n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")) is not None
 
 
-RULES = (expert_operands, input_2d, accumulator, expert_parallel, weights_path, input_weights)
+_GEMMS = {"linear", "matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum", "_grouped_mm", "grouped_mm",
+          "transformers::grouped_mm_fallback"}
+
+
+def autocast_gemms(region: Region) -> Finding | None:
+    """Under ``torch.autocast`` a product of fp32 operands runs in bf16 / fp16 (Dynamo's recorded
+    values show it: the output dtype differs from an operand's; without autocast a product's dtype is
+    its operands'). The grouped GEMMs that would replace it are custom ops, which autocast leaves
+    alone: they would compute in fp32, other values than eager's and far slower, so the region is
+    refused until the rewrite reproduces the casts."""
+    for n in region.nodes:
+        op = canon(n) or ""
+        out = val(n)
+        if op not in _GEMMS or not isinstance(out, torch.Tensor):
+            continue
+        ins = [v for v in (val(a) for a in n.all_input_nodes) if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        other = sorted({str(v.dtype).removeprefix("torch.") for v in ins if v.dtype != out.dtype})
+        if other:
+            return Finding.of("autocast_gemm", n, node=n.name, op=op, out=str(out.dtype).removeprefix("torch."),
+                              ins="/".join(other))
+    return None
+
+
+RULES = (expert_operands, input_2d, accumulator, expert_parallel, weights_path, input_weights, autocast_gemms)
