@@ -387,3 +387,21 @@ class WithExtra(nn.Module):
 
     def forward(self, x):
         return x + self.mlp(x) + self.extra(x)
+
+
+def tiny_qwen3_moe(layers: int):
+    """A tiny transformers Qwen3-MoE causal LM in training mode (4 experts, top-2, every layer MoE),
+    its router weights drawn wider than the default init so that routing is not near-uniform."""
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=32, intermediate_size=32, max_position_embeddings=64,
+                                      use_cache=False, decoder_sparse_step=1, mlp_only_layers=[])
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM._from_config(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("gate.weight"):
+                p.normal_(0.0, 0.5)
+    return model.train()

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.utils.checkpoint as checkpoint
 
-from helpers import FP32_REL, HF_FP32_REL, assert_close_rel, check_compiled, make_input, make_model
+from helpers import FP32_REL, HF_FP32_REL, assert_close_rel, check_compiled, make_input, make_model, tiny_qwen3_moe
 from moe_compile import records
 
 # a few SGD steps of fp32 training (each step's gradients differ by ~1e-7, carried into the next
@@ -79,20 +79,6 @@ def test_moe_inside_a_checkpoint_region_is_rewritten(reentrant, inductor, expert
 transformers = pytest.importorskip("transformers")
 
 
-def _qwen3(layers=2):
-    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                                      num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-                                      moe_intermediate_size=32, intermediate_size=32, max_position_embeddings=64,
-                                      use_cache=False, decoder_sparse_step=1, mlp_only_layers=[])
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM._from_config(cfg)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("gate.weight"):
-                p.normal_(0.0, 0.5)
-    return model.train()
-
-
 @pytest.mark.parametrize("how", ["whole", "blocks"])
 def test_hf_gradient_checkpointing_is_rewritten(how):
     """transformers' gradient checkpointing (each decoder layer in torch.utils.checkpoint) with a
@@ -102,7 +88,7 @@ def test_hf_gradient_checkpointing_is_rewritten(how):
     import moe_compile
 
     torch._dynamo.reset()
-    eager = _qwen3()
+    eager = tiny_qwen3_moe(2)
     model = copy.deepcopy(eager)
     model.gradient_checkpointing_enable()
     opts = {"moe.inductor": False}

@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters as dynamo_counters
 
 import moe_compile
 from moe_compile.kernels.runtime_ops import count_calls
-from helpers import FP32_REL, HF_FP32_REL, assert_close_rel
+from helpers import FP32_REL, HF_FP32_REL, assert_close_rel, tiny_qwen3_moe
 
 OPTS = {"moe.inductor": False}
 # three AdamW steps of fp32 training, compiled vs eager: each step's gradients differ by ~1e-7
@@ -120,26 +120,12 @@ def test_loop_blocks_train_like_eager_and_share_the_first_layout(caplog):
 transformers = pytest.importorskip("transformers")
 
 
-def _qwen3(layers):
-    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                                      num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-                                      moe_intermediate_size=32, intermediate_size=32, max_position_embeddings=64,
-                                      use_cache=False, decoder_sparse_step=1, mlp_only_layers=[])
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM._from_config(cfg)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("gate.weight"):
-                p.normal_(0.0, 0.5)
-    return model.train()
-
-
 @pytest.mark.parametrize("loss", [True, False])
 def test_hf_blocks_match_eager_every_layer_rewritten(loss, caplog):
     """One graph for the 4 blocks, one for the loss function (loss=True: the default); the loss and
     every gradient as eager's; the loss graph (no MoE in it by construction) warns nothing."""
     torch._dynamo.reset()   # the other parametrization's graphs would serve these blocks
-    eager = _qwen3(4)
+    eager = tiny_qwen3_moe(4)
     model = copy.deepcopy(eager)
     graphs0 = dynamo_counters["stats"]["unique_graphs"]
     caplog.set_level(logging.WARNING, logger="moe_compile")
@@ -168,9 +154,9 @@ def test_compile_loss_only_where_there_is_a_settable_loss_function(caplog):
 
     caplog.set_level(logging.WARNING)
     assert not compile_loss(LoopLM(), options=OPTS)
-    assert not compile_loss(_qwen3(1).model, options=OPTS)
+    assert not compile_loss(tiny_qwen3_moe(1).model, options=OPTS)
     assert caplog.text == "", caplog.text
-    model = _qwen3(1)
+    model = tiny_qwen3_moe(1)
     assert compile_loss(model, options=OPTS)
     first = model.loss_function
     assert not compile_loss(model, options=OPTS) and model.loss_function is first
@@ -183,7 +169,7 @@ def test_compiled_loss_pickles_as_the_eager_loss_and_ignores_dynamic(caplog):
     import io
     import pickle
 
-    eager = _qwen3(1)
+    eager = tiny_qwen3_moe(1)
     model = copy.deepcopy(eager)
     caplog.set_level(logging.WARNING, logger="moe_compile")
     moe_compile.compile_blocks(model, backend=moe_compile.moe_backend, options=OPTS, dynamic=False)
