@@ -45,7 +45,7 @@ import torch.fx as fx
 from moe_compile.passes.normalize import arg, canon
 
 from .graph_edit import GraphBuilder, eliminate_dead_code
-from .rehome import _params, _placeholder_of, _rehome, fsdp_in_use
+from .rehome import _params, _placeholder_of, _rehome, cast_dtype, fsdp_in_use, uncast
 
 OPS = torch.ops.moe_compile
 
@@ -82,6 +82,7 @@ class _Candidate:
     params: tuple[tuple[torch.Tensor, ...], ...]
     nk: bool                                   # operands are [N, K] weights used as W.T
     offsets: fx.Node
+    dtype: object = None                       # each operand is cast to this dtype (torch.autocast)
 
 
 def why_not_stacked() -> str | None:
@@ -101,22 +102,22 @@ def _candidate(node: fx.Node, index: dict, example_inputs) -> _Candidate | None:
         if node.args[3]:
             return None  # biases: stays a list (the bias gradients have no stacked form yet)
         segments = (tuple(node.args[1]),)
-        transposed = arg(node, 4, "transposed", False)
-        if transposed:
-            nk = all(w.op == "placeholder" for w in segments[0])
-        else:
-            nk = all(canon(w) == "t" for w in segments[0])
-            if not nk and not all(w.op == "placeholder" for w in segments[0]):
-                return None
     elif op == "grouped_mm_list_cat":
         segments = (tuple(node.args[1]), tuple(node.args[2]))
-        transposed = arg(node, 4, "transposed", False)
-        nk = all(w.op == "placeholder" for s in segments for w in s) if transposed \
-            else all(canon(w) == "t" for s in segments for w in s)
-        if not nk:
-            return None
     else:
         return None
+    dtypes = {cast_dtype(w) for s in segments for w in s}
+    if len(dtypes) != 1:
+        return None  # some weights cast and others not
+    bases = [uncast(w) for s in segments for w in s]
+    if arg(node, 4, "transposed", False):
+        nk = all(w.op == "placeholder" for w in bases)
+        if not nk and op == "grouped_mm_list_cat":
+            return None
+    else:
+        nk = all(canon(w) == "t" for w in bases)
+        if not nk and (op == "grouped_mm_list_cat" or not all(w.op == "placeholder" for w in bases)):
+            return None
     phs = tuple(tuple(_placeholder_of(w) for w in s) for s in segments)
     params = tuple(_params(list(s), index, example_inputs) for s in segments)
     if any(p is None for p in params):
@@ -126,16 +127,24 @@ def _candidate(node: fx.Node, index: dict, example_inputs) -> _Candidate | None:
            for s in params for p in s):
         return None
     offsets = node.args[3] if op == "grouped_mm_list_cat" else node.args[2]
-    return _Candidate(node, segments, phs, tuple(tuple(s) for s in params), nk, offsets)
+    return _Candidate(node, segments, phs, tuple(tuple(s) for s in params), nk, offsets, dtypes.pop())
+
+
+def _chain(w: fx.Node, ph: fx.Node) -> list[fx.Node]:
+    """The nodes from the op's operand ``w`` down to its placeholder ``ph``: [w, (.t()), ph]."""
+    out = [w]
+    while out[-1] is not ph:
+        out.append(out[-1].args[0])
+    return out
 
 
 def _only_used_by(c: _Candidate) -> bool:
-    """Every weight placeholder feeds this op alone (directly, or through a ``.t()`` used only here)."""
+    """Every weight placeholder feeds this op alone (directly, or through a ``.t()`` and / or a cast
+    used only here)."""
     for seg_w, seg_ph in zip(c.weights, c.placeholders):
         for w, ph in zip(seg_w, seg_ph):
-            if set(ph.users) != {w if w is not ph else c.node}:
-                return False
-            if w is not ph and set(w.users) != {c.node}:
+            chain = _chain(w, ph)
+            if set(w.users) != {c.node} or any(set(lower.users) != {upper} for upper, lower in zip(chain, chain[1:])):
                 return False
     return True
 
@@ -222,15 +231,15 @@ def stack_expert_params(gm: fx.GraphModule, example_inputs, may_move: bool = Tru
         s.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}  # a parameter: static for CUDA graphs
         s._dynamo_source = None
         b = GraphBuilder(gm.graph, c.node.prev, mode, c.node)
-        w = b.method("transpose", s, 1, 2) if c.nk else s
+        w = b.method("to", s, c.dtype) if c.dtype is not None else s   # under autocast: the stack, cast once
+        w = b.method("transpose", w, 1, 2) if c.nk else w
         new = b.fn(OPS.grouped_mm.default, c.node.args[0], w, c.offsets, None)
         c.node.replace_all_uses_with(new)
         gm.graph.erase_node(c.node)
         for seg_w, seg_ph in zip(c.weights, c.placeholders):
             for w_node, ph in zip(seg_w, seg_ph):
-                if w_node is not ph:
-                    gm.graph.erase_node(w_node)
-                gm.graph.erase_node(ph)
+                for n in _chain(w_node, ph):
+                    gm.graph.erase_node(n)
         stacks.append(Stack(tuple(tuple(index[p] for p in seg) for seg in c.placeholders), rows, shape))
         # the compile's example input is the fake value: AOTAutograd would give a real tensor it has
         # not seen from Dynamo sizes of its own (symbols with no source, which break Dynamo's guards)

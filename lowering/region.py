@@ -52,22 +52,39 @@ def _stacked(b: GraphBuilder, nodes: tuple[fx.Node, ...], layout: str):
     return b.method("transpose", src, 1, 2) if layout == "nk" else src
 
 
+def _cast(b: GraphBuilder, node: fx.Node, dtype) -> fx.Node:
+    """``node.to(dtype)`` where its value is a floating tensor of another dtype (the cast torch.autocast
+    applies to a product's operands), else ``node``."""
+    v = val(node)
+    if dtype is None or not isinstance(v, torch.Tensor) or not v.is_floating_point() or v.dtype == dtype:
+        return node
+    return b.method("to", node, dtype)
+
+
 def _emit_linear(b: GraphBuilder, region: Region, h: fx.Node, step, offs: fx.Node, ep) -> fx.Node:
+    """One linear step over all experts. Under torch.autocast (``step.dtype``, the dtype the product
+    ran in, differs from its operands'; legality: bias-free, not expert-parallel) its operands are
+    cast to that dtype first, as autocast casts a linear's: the input rows and each weight tensor once
+    (a weight list per expert; ``lowering/expert_stack.py`` turns those casts into one of the stack)."""
     w_slot, b_slot, layout = step.linear
     ws = region.experts.slots[w_slot]
     bs = region.experts.slots[b_slot] if b_slot is not None else None
     if ep is not None:  # every expert's weight (and bias) is a view of this rank's local shard
         ws = (expert_parallel.local_operand(b, stacked_source(ws)),)
         bs = (expert_parallel.local_operand(b, stacked_source(bs)),) if bs is not None else None
+    cd = step.dtype
+    h = _cast(b, h, cd)
     if len(ws) == 1 and val(ws[0]).dim() == 3:      # one weight for all experts (grouped_regions)
-        w3 = ws[0] if layout == "kn" else b.method("transpose", ws[0], 1, 2)
-        return b.fn(OPS.grouped_mm.default, h, w3, offs, bs[0] if bs is not None else None)
+        w3 = _cast(b, ws[0], cd)
+        w3 = w3 if layout == "kn" else b.method("transpose", w3, 1, 2)
+        return b.fn(OPS.grouped_mm.default, h, w3, offs, _cast(b, bs[0], cd) if bs is not None else None)
     w3 = _stacked(b, ws, layout)
     b3 = _stacked(b, bs, layout) if bs is not None else None
     if w3 is not None and (bs is None or b3 is not None):
-        return b.fn(OPS.grouped_mm.default, h, w3, offs, b3)
+        return b.fn(OPS.grouped_mm.default, h, _cast(b, w3, cd), offs, _cast(b, b3, cd) if b3 is not None else None)
     # nn.Linear weights [N, K] go in as they are (transposed=True): no per-expert view in the graph
-    return b.fn(OPS.grouped_mm_list.default, h, list(ws), offs, list(bs) if bs is not None else [], layout == "nk")
+    return b.fn(OPS.grouped_mm_list.default, h, [_cast(b, w, cd) for w in ws], offs,
+                [_cast(b, x, cd) for x in bs] if bs is not None else [], layout == "nk")
 
 
 def _is_list_linear(region: Region, step) -> bool:
@@ -98,6 +115,8 @@ def _sibling_linears(region: Region) -> dict[int, int]:
 
 def _emit_sibling_linears(b: GraphBuilder, region: Region, h: fx.Node, si, sj, offs: fx.Node):
     ws_a, ws_b = list(region.experts.slots[si.linear[0]]), list(region.experts.slots[sj.linear[0]])
+    cd = si.dtype if si.dtype == sj.dtype else None    # under autocast, as _emit_linear
+    h, ws_a, ws_b = _cast(b, h, cd), [_cast(b, w, cd) for w in ws_a], [_cast(b, w, cd) for w in ws_b]
     y = b.fn(OPS.grouped_mm_list_cat.default, h, ws_a, ws_b, offs, True)  # [N, K] weights as they are
     na = val(ws_a[0]).shape[0]
     return (b.fn(operator.getitem, y, (slice(None), slice(None, na))),
@@ -169,6 +188,11 @@ def _lower_whole(b: GraphBuilder, region: Region, ep):
     weights = _pair_weights(b, router, ones=False)
     h = _emit_experts(b, region, rows, gemm_offs, ep)
     y = expert_parallel.receive_back(b, expert_parallel.send_back(b, h, flight, ep)) if ep is not None else h
+    wide = region.combine.dtype
+    if ep is None and val(y).dtype != wide and torch.promote_types(val(y).dtype, wide) == wide:
+        # expert rows narrower than the output they are summed into (bf16 products under autocast
+        # into an fp32 accumulator): weighted and summed in the output's dtype, as the model does
+        y = b.method("to", y, wide)
     if weights is None:  # weight 1: the backward is a gather, y is not kept
         return h, b.fn(OPS.unpermute_sum.default, y, perm, inv, offs, router.top_k), received
     return h, b.fn(OPS.unpermute_combine.default, y, inv, weights, offs), received

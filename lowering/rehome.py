@@ -33,7 +33,21 @@ from moe_compile.kernels.layout import even_step
 from moe_compile.passes.normalize import arg, canon
 
 
+def cast_dtype(n: fx.Node):
+    """The dtype of a ``w.to(dtype)`` node (the lowering's cast of a weight under torch.autocast), else None."""
+    if canon(n) == "to" and isinstance(n.args[0], fx.Node) and len(n.args) == 2 and isinstance(n.args[1], torch.dtype) \
+            and not n.kwargs:
+        return n.args[1]
+    return None
+
+
+def uncast(n: fx.Node) -> fx.Node:
+    """The weight under such a cast (the node itself if it is none)."""
+    return n.args[0] if cast_dtype(n) is not None else n
+
+
 def _placeholder_of(n: fx.Node) -> fx.Node | None:
+    n = uncast(n)
     if n.op == "placeholder":
         return n
     if canon(n) in ("t", "transpose") and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder":
@@ -43,8 +57,8 @@ def _placeholder_of(n: fx.Node) -> fx.Node | None:
 
 def _nk_use(node: fx.Node) -> bool:
     """The op uses nn.Linear weights [N, K] as W.T: passed as they are with ``transposed=True``,
-    or as ``W.t()`` views."""
-    ws = (*node.args[1], *node.args[2])
+    or as ``W.t()`` views (either one cast under autocast)."""
+    ws = [uncast(w) for w in (*node.args[1], *node.args[2])]
     if arg(node, 4, "transposed", False):
         return all(w.op == "placeholder" for w in ws)
     return all(canon(w) == "t" for w in ws)

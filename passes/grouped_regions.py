@@ -192,7 +192,9 @@ class Finder:
             g.note("weights_before_last_op", n)
         enc_args = self._enc(g, n.args if args is None else args)
         enc_kw = tuple(sorted((k, self._enc(g, v)) for k, v in n.kwargs.items())) if args is None else ()
-        g.steps.append(Step(n.op, n.target, enc_args, enc_kw, linear))
+        v = val(n)
+        dtype = v.dtype if linear is not None and isinstance(v, torch.Tensor) else None
+        g.steps.append(Step(n.op, n.target, enc_args, enc_kw, linear, dtype))
         g.step_of[n] = len(g.steps) - 1
         g.last = len(g.steps) - 1
         self.set(n, kind, g)
@@ -221,7 +223,8 @@ class Finder:
             g.note("bias_not_per_expert", n, node=bias2d.name)
             return False
         g.slots.append((bias2d,))
-        g.steps[i] = Step(st.op, st.target, st.args, st.kwargs, (st.linear[0], len(g.slots) - 1, st.linear[2]))
+        g.steps[i] = Step(st.op, st.target, st.args, st.kwargs, (st.linear[0], len(g.slots) - 1, st.linear[2]),
+                          st.dtype)
         g.step_of[n] = i
         self.set(n, "rows", g)
         return True

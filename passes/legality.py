@@ -17,9 +17,9 @@ code from ``reasons.REASONS``, the filled message and the fix. The rules::
                         Function, a detach trick) would train with another gradient
     input_weights       weights that scale the expert input reach it through views and casts only;
                         for dense experts, the expert maps the zero rows of unselected pairs to zero
-    autocast_gemms      every expert GEMM computes in its operands' dtype: a product whose output
-                        dtype differs from an operand's ran under torch.autocast, whose casts the
-                        rewritten grouped GEMMs (custom ops, which autocast passes through) would drop
+    autocast_gemms      under torch.autocast (a product whose output dtype differs from an
+                        operand's) the lowering casts the grouped GEMMs' operands as autocast does,
+                        for bias-free linears outside expert parallelism; other such regions are refused
 """
 from __future__ import annotations
 
@@ -253,9 +253,11 @@ _GEMMS = {"linear", "matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum
 def autocast_gemms(region: Region) -> Finding | None:
     """Under ``torch.autocast`` a product of fp32 operands runs in bf16 / fp16 (Dynamo's recorded
     values show it: the output dtype differs from an operand's; without autocast a product's dtype is
-    its operands'). The grouped GEMMs that would replace it are custom ops, which autocast leaves
-    alone: they would compute in fp32, other values than eager's and far slower, so the region is
-    refused until the rewrite reproduces the casts."""
+    its operands'). The grouped GEMMs that replace it are custom ops, which autocast leaves alone, so
+    the lowering casts their operands as autocast would (``Step.dtype``, ``lowering/region.py``).
+    Refused where that is not done yet: a linear with a bias (autocast casts F.linear's bias, while
+    ``x @ W + b`` adds it after the product, in the wider dtype) and expert-parallel regions."""
+    mismatch = None
     for n in region.nodes:
         op = canon(n) or ""
         out = val(n)
@@ -264,9 +266,18 @@ def autocast_gemms(region: Region) -> Finding | None:
         ins = [v for v in (val(a) for a in n.all_input_nodes) if isinstance(v, torch.Tensor) and v.is_floating_point()]
         other = sorted({str(v.dtype).removeprefix("torch.") for v in ins if v.dtype != out.dtype})
         if other:
-            return Finding.of("autocast_gemm", n, node=n.name, op=op, out=str(out.dtype).removeprefix("torch."),
-                              ins="/".join(other))
-    return None
+            mismatch = (n, op, str(out.dtype).removeprefix("torch."), "/".join(other))
+            break
+    if mismatch is None:
+        return None
+    n, op, out, ins = mismatch
+    from .region import ep_marker
+
+    biased = any(st.linear is not None and st.linear[1] is not None for st in region.experts.steps)
+    if not biased and all(ep_marker(slot) is None for slot in region.experts.slots):
+        return None
+    why = "its linears have biases" if biased else "its experts are sharded over ranks (expert parallelism)"
+    return Finding.of("autocast_gemm", n, node=n.name, op=op, out=out, ins=ins, why=why)
 
 
 RULES = (expert_operands, input_2d, accumulator, expert_parallel, weights_path, input_weights, autocast_gemms)

@@ -21,6 +21,7 @@ After lowering (``lowering/region.py``)::
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from .loop_dataflow import Analysis, analyze
@@ -83,8 +84,13 @@ def _build_steps(a: Analysis, nodes: list[fx.Node]):
             lin = (args[1][1], None if b is None else _slot_of(args, kwargs, "bias", 2), layout)
             if n in bias_of:
                 lin = (lin[0], enc(a.bias_adds[bias_of[n]][1])[1], layout)
-        steps.append(Step(n.op, n.target, args, kwargs, lin))
+        steps.append(Step(n.op, n.target, args, kwargs, lin, _dtype(n) if lin is not None else None))
     return steps, operands
+
+
+def _dtype(n: fx.Node):
+    v = val(n)
+    return v.dtype if isinstance(v, torch.Tensor) else None
 
 
 def _form(a: Analysis, s: Storage, nodes) -> str:

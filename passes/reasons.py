@@ -123,12 +123,11 @@ REASONS: dict[str, Reason] = {
         "`{acc}` is both overwritten (`out[idx] = expert(...)`) and added to at {at}: which expert's rows survive "
         "depends on the order", "write every expert's rows the same way: `out[idx] = ...` (top-1) or `out[idx] += ...`"),
     "autocast_gemm": Reason(
-        "the expert GEMM `{node}` ({op}) at {at} computes in {out} on {ins} operands: torch.autocast casts them "
-        "(mixed precision with {ins} weights). The rewritten grouped GEMMs do not reproduce autocast's casts yet, "
-        "so the region is compiled as written (stock speed, eager's numerics)",
-        "to have it rewritten, keep the experts' weights in the compute dtype instead of autocasting them: "
-        "model.to(torch.bfloat16) (or the expert modules alone), with an optimizer that keeps fp32 state if you "
-        "need one"),
+        "the expert GEMM `{node}` ({op}) at {at} computes in {out} on {ins} operands (torch.autocast casts them) "
+        "and {why}: the rewrite reproduces autocast's casts only for bias-free linears on one rank, so the "
+        "region is compiled as written (stock speed, eager's numerics)",
+        "keep the experts' weights in the compute dtype instead of autocasting them (model.to(torch.bfloat16), "
+        "or the expert modules alone), or run the experts without biases"),
     "dense_input_nonzero": Reason(
         "the dense experts' input is scaled by the routing weights, and `{node}` ({op}) at {at} can make an "
         "unselected pair's zero row nonzero (a bias, a constant, an activation with f(0) != 0): leaving those "

@@ -59,6 +59,8 @@ class Step:
     args: tuple
     kwargs: tuple             # sorted (key, value) pairs
     linear: tuple | None      # (weight slot, bias slot or None, layout "nk" | "kn") for linears
+    dtype: object = None      # linears: the dtype the product computed in (Dynamo's recorded value), which
+                              # torch.autocast makes differ from the operands'
 
 
 @dataclass(frozen=True)
