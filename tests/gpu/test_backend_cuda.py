@@ -136,3 +136,42 @@ def test_activation_checkpoint_cuda(expert, inside, reentrant, dtype, monkeypatc
             ref.zero_grad(set_to_none=True)
     sm90 = torch.cuda.get_device_capability()[0] == 9
     assert bool(tma_calls) == (sm90 and dtype == torch.bfloat16), len(tma_calls)
+
+
+@pytest.mark.parametrize("expert", ["swiglu", "stacked_chunk"])
+def test_autocast_fp32_weights_cuda(expert, monkeypatch):
+    """torch.autocast(bf16) over fp32 expert weights on CUDA, Inductor: rewritten with autocast's casts
+    (the stacked or 3-D weights cast once), the grouped GEMMs in bf16 (the TMA kernel on Hopper), the
+    outputs and every fp32 gradient as eager's under autocast."""
+    import copy
+
+    from helpers import BF16_GRAD_REL, BF16_REL, assert_close_rel
+    from moe_compile import records
+    from moe_compile.kernels import _triton_tma
+
+    tma_calls = []
+    real = _triton_tma.grouped_mm
+    monkeypatch.setattr(_triton_tma, "grouped_mm", lambda *a: tma_calls.append(a[0].dtype) or real(*a))
+    model = make_model(torch.float32, h=64, i=48, e=8, k=2, spelling="index_add", expert=expert).cuda()
+    ref = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="moe")
+    with records.recording() as graphs:
+        for step in range(2):
+            x = make_input((37, 64), seed=step).cuda().detach().requires_grad_()
+            xr = x.detach().clone().requires_grad_()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out, want = compiled(x), ref(xr)
+            out.float().square().sum().backward()
+            want.float().square().sum().backward()
+            assert out.dtype == want.dtype
+            assert_close_rel(out.detach(), want.detach(), BF16_REL, f"step {step}: output")
+            assert_close_rel(x.grad, xr.grad, BF16_GRAD_REL, f"step {step}: input gradient")
+            for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+                assert p.grad.dtype == torch.float32
+                assert_close_rel(p.grad, q.grad, BF16_GRAD_REL, f"step {step}: grad of {n}")
+            model.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+    assert [r.status for g in graphs for r in g] == [records.REWRITTEN]
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert tma_calls and set(tma_calls) == {torch.bfloat16}, tma_calls
