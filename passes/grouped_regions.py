@@ -224,7 +224,7 @@ class Finder:
             return False
         g.slots.append((bias2d,))
         g.steps[i] = Step(st.op, st.target, st.args, st.kwargs, (st.linear[0], len(g.slots) - 1, st.linear[2]),
-                          st.dtype)
+                          st.dtype, bias_after=True)
         g.step_of[n] = i
         self.set(n, "rows", g)
         return True

@@ -18,8 +18,8 @@ code from ``reasons.REASONS``, the filled message and the fix. The rules::
     input_weights       weights that scale the expert input reach it through views and casts only;
                         for dense experts, the expert maps the zero rows of unselected pairs to zero
     autocast_gemms      under torch.autocast (a product whose output dtype differs from an
-                        operand's) the lowering casts the grouped GEMMs' operands as autocast does,
-                        for bias-free linears outside expert parallelism; other such regions are refused
+                        operand's) the lowering casts the grouped GEMMs' operands as autocast does;
+                        refused: a bias added after the product, expert parallelism
 """
 from __future__ import annotations
 
@@ -254,9 +254,10 @@ def autocast_gemms(region: Region) -> Finding | None:
     """Under ``torch.autocast`` a product of fp32 operands runs in bf16 / fp16 (Dynamo's recorded
     values show it: the output dtype differs from an operand's; without autocast a product's dtype is
     its operands'). The grouped GEMMs that replace it are custom ops, which autocast leaves alone, so
-    the lowering casts their operands as autocast would (``Step.dtype``, ``lowering/region.py``).
-    Refused where that is not done yet: a linear with a bias (autocast casts F.linear's bias, while
-    ``x @ W + b`` adds it after the product, in the wider dtype) and expert-parallel regions."""
+    the lowering casts their operands as autocast would (``Step.dtype``, ``lowering/region.py``; an
+    F.linear's own bias is cast with them). Refused where that is not done yet: a bias added after
+    the product (``x @ W + b``, which autocast leaves in the wider dtype: the sum is promoted) and
+    expert-parallel regions."""
     mismatch = None
     for n in region.nodes:
         op = canon(n) or ""
@@ -273,10 +274,10 @@ def autocast_gemms(region: Region) -> Finding | None:
     n, op, out, ins = mismatch
     from .region import ep_marker
 
-    biased = any(st.linear is not None and st.linear[1] is not None for st in region.experts.steps)
+    biased = any(st.linear is not None and st.linear[1] is not None and st.bias_after for st in region.experts.steps)
     if not biased and all(ep_marker(slot) is None for slot in region.experts.slots):
         return None
-    why = "its linears have biases" if biased else "its experts are sharded over ranks (expert parallelism)"
+    why = "a bias is added after the product" if biased else "its experts are sharded over ranks (expert parallelism)"
     return Finding.of("autocast_gemm", n, node=n.name, op=op, out=out, ins=ins, why=why)
 
 

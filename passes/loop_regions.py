@@ -84,7 +84,8 @@ def _build_steps(a: Analysis, nodes: list[fx.Node]):
             lin = (args[1][1], None if b is None else _slot_of(args, kwargs, "bias", 2), layout)
             if n in bias_of:
                 lin = (lin[0], enc(a.bias_adds[bias_of[n]][1])[1], layout)
-        steps.append(Step(n.op, n.target, args, kwargs, lin, _dtype(n) if lin is not None else None))
+        steps.append(Step(n.op, n.target, args, kwargs, lin, _dtype(n) if lin is not None else None,
+                          n in bias_of))
     return steps, operands
 
 

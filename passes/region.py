@@ -61,6 +61,7 @@ class Step:
     linear: tuple | None      # (weight slot, bias slot or None, layout "nk" | "kn") for linears
     dtype: object = None      # linears: the dtype the product computed in (Dynamo's recorded value), which
                               # torch.autocast makes differ from the operands'
+    bias_after: bool = False  # the bias slot is added after the product (``x @ W + b``), not F.linear's own
 
 
 @dataclass(frozen=True)
