@@ -76,15 +76,13 @@ def test_moe_inside_a_checkpoint_region_is_rewritten(reentrant, inductor, expert
 
 
 # ----------------------------------------------------------------------------- Hugging Face model
-transformers = pytest.importorskip("transformers")
-
-
 @pytest.mark.parametrize("how", ["whole", "blocks"])
 def test_hf_gradient_checkpointing_is_rewritten(how):
     """transformers' gradient checkpointing (each decoder layer in torch.utils.checkpoint) with a
     whole-model compile or ``compile_blocks``: every MoE layer rewritten, the loss and every gradient
     as eager's. Before the passes ran on checkpoint bodies nothing was rewritten ("no MoE layer was
     found")."""
+    pytest.importorskip("transformers")
     import moe_compile
 
     torch._dynamo.reset()
