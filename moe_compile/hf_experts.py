@@ -108,10 +108,19 @@ def _install() -> None:
         setattr(cls, attr, _cache[key])
 
 
+def _autocast(module) -> bool:
+    """torch.autocast is on for the device of ``module``'s weights. The eager experts' products then
+    run in the autocast dtype, while the grouped substitutes' ``torch._grouped_mm`` (or transformers'
+    fallback) runs in the weights' dtype: substituting would change the values, so the original code
+    is traced (it graph-breaks, and the backend reports that MoE code with its fix)."""
+    p = next(iter(module.parameters()), None)
+    return p is not None and torch.is_autocast_enabled(p.device.type)
+
+
 def _declared_grouped(self, *args, **kwargs):
     """ExpertsInterface["eager"] inside the scope: the experts' declared grouped implementation
-    while Dynamo traces, their own eager forward otherwise."""
-    if torch.compiler.is_compiling():
+    while Dynamo traces (not under torch.autocast: ``_autocast``), their own eager forward otherwise."""
+    if torch.compiler.is_compiling() and not _autocast(self):
         return _interface[0]["grouped_mm"](self, *args, **kwargs)
     return type(self).forward.__wrapped__(self, *args, **kwargs)
 
@@ -151,7 +160,7 @@ def _when_compiling(grouped, always: bool = False):
     where ``grouped`` returns NotImplemented or outside a trace."""
     def make(original):
         def forward(self, *args, **kwargs):
-            if always or torch.compiler.is_compiling():
+            if (always or torch.compiler.is_compiling()) and not _autocast(self):
                 out = grouped(self, *args, **kwargs)
                 if out is not NotImplemented:
                     return out

@@ -14,8 +14,10 @@ import pytest
 import torch
 import torch.utils.checkpoint as checkpoint
 
-from helpers import FP32_REL, HF_FP32_REL, assert_close_rel, check_compiled, make_input, make_model, tiny_qwen3_moe
+from helpers import (BF16_GRAD_REL, BF16_REL, FP32_REL, HF_FP32_REL, assert_close_rel, check_compiled, make_input,
+                     make_model, tiny_qwen3_moe)
 from moe_compile import records
+from test_autocast import gemm_dtypes  # noqa: F401  (a fixture: the dtypes the grouped GEMMs ran with)
 
 # a few SGD steps of fp32 training (each step's gradients differ by ~1e-7, carried into the next
 # step's weights): 10x FP32_REL, as tests/test_expert_stack.py
@@ -122,3 +124,28 @@ def test_modulelist_experts_inside_a_checkpoint_region_are_rehomed():
         storages = {getattr(e, name).weight.untyped_storage().data_ptr() for e in experts}
         assert len(storages) == 1, f"{name}: the experts' weights are not in one buffer"
     assert [id(p) for p in model.parameters()] == ids
+
+
+@pytest.mark.parametrize("inductor", [False, True])
+def test_checkpoint_and_autocast_together(inductor, gemm_dtypes):  # noqa: F811
+    """Gradient checkpointing and bf16 autocast over fp32 weights together (Hugging Face Trainer's usual
+    setup): the rewrite inside the checkpoint body casts as autocast does (tests/test_autocast.py), the
+    recompute in the backward too; every grouped GEMM in bf16, the outputs and every gradient as
+    eager's within the bf16 bounds."""
+    torch._dynamo.reset()
+    inner = make_model(spelling="index_add", expert="swiglu", e=4, k=2)
+    ref = copy.deepcopy(inner)
+    compiled = torch.compile(_Checkpointed(inner, reentrant=False), backend="moe", options={"moe.inductor": inductor})
+    with records.recording() as graphs:
+        x = make_input((3, 5, 16))
+        x_ref = x.detach().clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, want = compiled(x), _Checkpointed(ref, reentrant=False)(x_ref)
+        got.float().square().sum().backward()
+        want.float().square().sum().backward()
+    assert [r.status for g in graphs for r in g] == [records.REWRITTEN]
+    assert gemm_dtypes and all(d == (torch.bfloat16, torch.bfloat16) for d in gemm_dtypes), gemm_dtypes
+    assert_close_rel(got.detach(), want.detach(), BF16_REL, "output")
+    for (n, p), q in zip(inner.named_parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.float32
+        assert_close_rel(p.grad, q.grad, BF16_GRAD_REL, f"gradient of {n}")

@@ -114,3 +114,29 @@ def test_bf16_weights_under_autocast_cast_nothing(gemm_dtypes):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert_close_rel(p.grad, q.grad, BF16_GRAD_REL, f"grad of {name}")
     assert gemm_dtypes and all(d == (torch.bfloat16, torch.bfloat16) for d in gemm_dtypes), gemm_dtypes
+
+
+def test_hf_eager_experts_under_autocast_are_not_substituted():
+    """transformers' eager experts (F.linear per expert: bf16 under autocast) are traced as their
+    declared grouped implementation only without autocast (moe_compile/hf_experts.py): that one's
+    torch._grouped_mm runs in the weights' dtype, other values than the eager loop's. Under autocast the
+    loop is traced as written, its graph break reported (break_expert_hit_hf), and it runs as eager."""
+    pytest.importorskip("transformers")
+    from helpers import HF_FP32_REL, tiny_qwen3_moe
+
+    torch._dynamo.reset()
+    eager = tiny_qwen3_moe(2)
+    eager.set_experts_implementation("eager")
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
+    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with records.recording() as graphs:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = compiled(input_ids=ids, labels=ids).loss
+        got.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = eager(input_ids=ids, labels=ids).loss
+    want.backward()
+    recs = [r for g in graphs for r in g]
+    assert recs and all((r.status, r.code) == (records.REFUSED, "break_expert_hit_hf") for r in recs), recs
+    assert_close_rel(got.detach(), want.detach(), HF_FP32_REL, "loss")
