@@ -28,7 +28,6 @@ affected: the property returns their own attribute or raises AttributeError as b
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import sys
@@ -357,31 +356,19 @@ def moe_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = Non
     raise with ``moe.strict``. An error that remains (bad options, Inductor failing on the original
     graph) is raised to the user, not handed to Dynamo's ``suppress_errors`` (which the capture scope
     turns on only for frames Dynamo cannot trace)."""
+    # the passes evaluate ops on fake values (the lowering's GraphBuilder, stacked inputs' example
+    # values): under a user's saved-tensor hooks (torch.utils.checkpoint's non-reentrant mode counts
+    # the tensors they see in the forward and again when it recomputes) they would run the hooks at
+    # compile time, as if the compiled call had saved those tensors (CheckpointError on the first
+    # step); deferred as AOTAutograd's own tracing does (present in torch 2.11 and 2.13)
+    from torch._dynamo.utils import _disable_saved_tensors_hooks_during_tracing
+
     try:
-        with _saved_tensor_hooks_deferred():
+        with _disable_saved_tensors_hooks_during_tracing():
             return _moe_backend(gm, example_inputs, mode, options)
     except Exception:
         _unsuppress()
         raise
-
-
-@contextlib.contextmanager
-def _saved_tensor_hooks_deferred():
-    """The passes evaluate ops on fake values (the lowering's ``GraphBuilder``, example values of
-    stacked inputs). Under a user's saved-tensor hooks, e.g. ``torch.utils.checkpoint``'s
-    non-reentrant mode, which counts the tensors its hooks see in the forward and again when it
-    recomputes, those evaluations would run the hooks at compile time, as if the compiled call had
-    saved them (the first call's count then differs from the recompute's: CheckpointError). torch's
-    own tracing defers them the same way (``aot_autograd``: ``_disable_saved_tensors_hooks_during_tracing``)."""
-    set_tracing = getattr(torch._C._autograd, "_saved_tensors_hooks_set_tracing", None)
-    if set_tracing is None:
-        yield
-        return
-    prior = set_tracing(True)
-    try:
-        yield
-    finally:
-        set_tracing(prior)
 
 
 def _unsuppress() -> None:

@@ -40,7 +40,7 @@ from . import grouped_routing as route
 from . import grouped_rows as rows
 from .grouped_combine import pair_op
 from .grouped_state import CASTS, DONE, FLATTEN, GMM_OPS, ROW_KINDS, GRole, Group
-from .normalize import canon, common_module, module_path, shape, val, where_in_user_code
+from .normalize import canon, common_module, dtype_of, module_path, shape, val, where_in_user_code
 from .region import Candidate, ExpertMLP, Finding, Region, ReplaceOutput, Router, Step
 
 _R = route
@@ -192,9 +192,7 @@ class Finder:
             g.note("weights_before_last_op", n)
         enc_args = self._enc(g, n.args if args is None else args)
         enc_kw = tuple(sorted((k, self._enc(g, v)) for k, v in n.kwargs.items())) if args is None else ()
-        v = val(n)
-        dtype = v.dtype if linear is not None and isinstance(v, torch.Tensor) else None
-        g.steps.append(Step(n.op, n.target, enc_args, enc_kw, linear, dtype))
+        g.steps.append(Step(n.op, n.target, enc_args, enc_kw, linear, dtype_of(n) if linear is not None else None))
         g.step_of[n] = len(g.steps) - 1
         g.last = len(g.steps) - 1
         self.set(n, kind, g)

@@ -31,6 +31,7 @@ import torch.fx as fx
 from . import reasons
 from .normalize import canon, val, where_in_user_code
 from .region import AccumulateInPlace, Candidate, Finding, Region, ReplaceOutput
+from .unclaimed import MATMULS
 
 
 @dataclass(frozen=True)
@@ -246,10 +247,6 @@ def _has_bias(n: fx.Node) -> bool:
     return canon(n) == "linear" and (n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")) is not None
 
 
-_GEMMS = {"linear", "matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum", "_grouped_mm", "grouped_mm",
-          "transformers::grouped_mm_fallback"}
-
-
 def autocast_gemms(region: Region) -> Finding | None:
     """Under ``torch.autocast`` a product of fp32 operands runs in bf16 / fp16 (Dynamo's recorded
     values show it: the output dtype differs from an operand's; without autocast a product's dtype is
@@ -262,7 +259,7 @@ def autocast_gemms(region: Region) -> Finding | None:
     for n in region.nodes:
         op = canon(n) or ""
         out = val(n)
-        if op not in _GEMMS or not isinstance(out, torch.Tensor):
+        if op not in MATMULS or not isinstance(out, torch.Tensor):
             continue
         ins = [v for v in (val(a) for a in n.all_input_nodes) if isinstance(v, torch.Tensor) and v.is_floating_point()]
         other = sorted({str(v.dtype).removeprefix("torch.") for v in ins if v.dtype != out.dtype})

@@ -21,12 +21,11 @@ After lowering (``lowering/region.py``)::
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from .loop_dataflow import Analysis, analyze
 from .loop_roles import Contrib, RowFn, Rows, Storage, TokMask
-from .normalize import canon, common_module, module_path, val, where_in_user_code
+from .normalize import canon, common_module, dtype_of, module_path, val, where_in_user_code
 from .region import AccumulateInPlace, Candidate, ExpertMLP, Finding, Region, Router, Step
 
 
@@ -84,14 +83,9 @@ def _build_steps(a: Analysis, nodes: list[fx.Node]):
             lin = (args[1][1], None if b is None else _slot_of(args, kwargs, "bias", 2), layout)
             if n in bias_of:
                 lin = (lin[0], enc(a.bias_adds[bias_of[n]][1])[1], layout)
-        steps.append(Step(n.op, n.target, args, kwargs, lin, _dtype(n) if lin is not None else None,
+        steps.append(Step(n.op, n.target, args, kwargs, lin, dtype_of(n) if lin is not None else None,
                           n in bias_of))
     return steps, operands
-
-
-def _dtype(n: fx.Node):
-    v = val(n)
-    return v.dtype if isinstance(v, torch.Tensor) else None
 
 
 def _form(a: Analysis, s: Storage, nodes) -> str:

@@ -114,6 +114,11 @@ def shape(n: Any) -> tuple | None:
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
+def dtype_of(n: Any) -> torch.dtype | None:
+    v = val(n)
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
 ROUTE_OUTPUTS = {"perm": 0, "inv": 1, "offsets": 2}   # moe_compile.route_permute's outputs, by index
 
 

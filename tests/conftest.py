@@ -34,3 +34,25 @@ def no_compile_cache():
 
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         yield
+
+
+@pytest.fixture
+def gemm_dtypes(monkeypatch):
+    """The (input, weight) dtypes every grouped GEMM of the compiled graphs ran with, on the CPU
+    (3-D and stacked weights: grouped_mm; per-expert lists, e.g. with biases: grouped_mm_list[_cat])."""
+    import torch
+
+    from moe_compile.kernels import reference, registry
+
+    registry.implementation("grouped_mm", torch.empty(0))   # load the CPU providers first
+    seen = []
+
+    def spy(op):
+        def run(x, w, *args, **kwargs):
+            seen.append((x.dtype, (w[0] if isinstance(w, (list, tuple)) else w).dtype))
+            return getattr(reference, op)(x, w, *args, **kwargs)
+        return run
+
+    for op in ("grouped_mm", "grouped_mm_list", "grouped_mm_list_cat"):
+        monkeypatch.setitem(registry._IMPLS, (op, "cpu"), spy(op))
+    return seen

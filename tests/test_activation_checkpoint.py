@@ -5,7 +5,7 @@ every gradient match eager over several steps, reentrant and non-reentrant, and 
 Non-reentrant checkpointing counts the tensors its saved-tensor hooks see in the forward and again when
 it recomputes the forward in the backward; the backend compiles inside the first forward, so its passes'
 evaluations on fake values must not reach those hooks (moe_compile/backend.py,
-``_saved_tensor_hooks_deferred``): they did, and the first step raised CheckpointError."""
+``moe_backend`` defers them as AOTAutograd's tracing does): they did, and the first step raised CheckpointError."""
 from __future__ import annotations
 
 import copy
@@ -17,7 +17,6 @@ import torch.utils.checkpoint as checkpoint
 from helpers import (BF16_GRAD_REL, BF16_REL, FP32_REL, HF_FP32_REL, assert_close_rel, check_compiled, make_input,
                      make_model, tiny_qwen3_moe)
 from moe_compile import records
-from test_autocast import gemm_dtypes  # noqa: F401  (a fixture: the dtypes the grouped GEMMs ran with)
 
 # a few SGD steps of fp32 training (each step's gradients differ by ~1e-7, carried into the next
 # step's weights): 10x FP32_REL, as tests/test_expert_stack.py
@@ -127,7 +126,7 @@ def test_modulelist_experts_inside_a_checkpoint_region_are_rehomed():
 
 
 @pytest.mark.parametrize("inductor", [False, True])
-def test_checkpoint_and_autocast_together(inductor, gemm_dtypes):  # noqa: F811
+def test_checkpoint_and_autocast_together(inductor, gemm_dtypes):
     """Gradient checkpointing and bf16 autocast over fp32 weights together (Hugging Face Trainer's usual
     setup): the rewrite inside the checkpoint body casts as autocast does (tests/test_autocast.py), the
     recompute in the backward too; every grouped GEMM in bf16, the outputs and every gradient as

@@ -15,7 +15,6 @@ import torch
 
 from helpers import BF16_GRAD_REL, BF16_REL, assert_close_rel, make_input, make_model
 from moe_compile import records
-from moe_compile.kernels import reference, registry
 
 # compiled vs eager, both computing the experts in bf16 under autocast: the rounding points differ
 # (one rounding per fused op vs per eager op, fp32 accumulation either way), so values agree to a few
@@ -29,24 +28,6 @@ def _step(fn, x):
         out = fn(x)
     out.float().square().sum().backward()
     return out.detach()
-
-
-@pytest.fixture
-def gemm_dtypes(monkeypatch):
-    """The (input, weight) dtypes every grouped GEMM of the compiled graphs ran with, on the CPU
-    (3-D and stacked weights: grouped_mm; per-expert lists, e.g. with biases: grouped_mm_list[_cat])."""
-    registry.implementation("grouped_mm", torch.empty(0))   # load the CPU providers first
-    seen = []
-
-    def spy(op):
-        def run(x, w, *args, **kwargs):
-            seen.append((x.dtype, (w[0] if isinstance(w, (list, tuple)) else w).dtype))
-            return getattr(reference, op)(x, w, *args, **kwargs)
-        return run
-
-    for op in ("grouped_mm", "grouped_mm_list", "grouped_mm_list_cat"):
-        monkeypatch.setitem(registry._IMPLS, (op, "cpu"), spy(op))
-    return seen
 
 
 @pytest.mark.parametrize("expert", ["swiglu", "stacked_chunk", "gelu_seq"])
