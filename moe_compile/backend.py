@@ -341,7 +341,11 @@ def _compile_rewritten(gm, example_inputs, config: MoEConfig, inductor_options: 
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
+    from .checkpoint_cudagraphs import without_cudagraphs_under_checkpoint
+    from .records import current_session
+
     patches = {**inductor_defaults(records), **list_mode_options(config.mode), **inductor_options}
+    patches = without_cudagraphs_under_checkpoint(patches, current_session())   # torch #154306
     key = "post_grad_custom_post_pass"
     user = patches[key] if key in patches else getattr(torch._inductor.config, key)
     patches[key] = _with_user_passes(hook, user)

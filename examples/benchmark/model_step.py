@@ -24,11 +24,12 @@ Forms: ``hf`` = the transformers model as is (3-D expert parameters, experts_imp
 nn.Linear modules called in a ``torch.where`` + ``index_add_`` loop (``LoopExperts``; same router,
 same weights, same function). Variants: ``eager``; ``inductor`` (stock ``torch.compile``; on the loop
 form only with --slow: it graph-breaks in every expert); ``moe`` (``backend="moe"``); ``moe_cg``
-(``backend="moe"`` with ``options={"triton.cudagraphs": True}``, what ``mode="reduce-overhead"`` sets).
+(``backend="moe"`` with ``options={"triton.cudagraphs": True}``, what ``mode="reduce-overhead"`` sets);
+``inductor_cg`` (stock torch.compile with the same option; not in the default set, name it).
 
 Step: ``opt.zero_grad(set_to_none=True)``, ``model(input_ids, labels=input_ids).loss`` (transformers'
 shifted cross-entropy, in the compiled graph), ``.backward()``, fused AdamW ``opt.step()`` (eager).
-bf16 parameters (fp32 on CPU), random fan-in-scaled init of all-zero router weights, uniform random
+bf16 parameters (fp32 on CPU and under --autocast), random fan-in-scaled init of all-zero router weights, uniform random
 tokens, a new batch every step; every variant starts from the same weights and sees the same batches.
 
 Columns: tokens/s and model TFLOP/s per step (FLOPs by NeMo Automodel's formula, ``examples/flops.py``:
@@ -40,7 +41,7 @@ compile s = first step - median step; "regions rewritten" = MoE regions the back
 compiling (``moe_compile.counters``; one per layer for a whole-model compile, one per block class with
 --per-block); "moe layers" = calls of ``moe_compile::route_permute`` per
 forward in the profiled steps (the number of MoE layers running rewritten code: every MoE layer for
-``moe``, 0 for eager and stock compile; "-" for ``moe_cg``, whose graph replays call no host op); loss = the first step's loss (all variants start alike).
+``moe``, 0 for eager and stock compile; "-" for the CUDA-graph variants, whose graph replays call no host op); loss = the first step's loss (all variants start alike).
 
 Time split (``--profile-steps`` steps under torch.profiler, ms per step). ONE rule, the same for every
 variant: a GPU kernel (on CPU: a leaf CPU op) belongs to the first part in ``PARTS`` whose pattern
@@ -62,6 +63,16 @@ GPU waited; the N largest launch sites are printed.
 --fsdp: ``fully_shard`` on every decoder layer, then on the model (FSDP2 over all ranks; launched
 without torchrun it is a one-rank group, which still runs FSDP2's all-gather / free / reduce-scatter
 path and so shows its memory behaviour on one GPU). Tokens and figures are per rank; rank 0 prints.
+
+--autocast: mixed precision as Hugging Face's Trainer runs it with ``bf16=True`` and as the plain
+PyTorch AMP recipe does: fp32 parameters (and fp32 AdamW state), the forward under
+``torch.autocast(device, torch.bfloat16)``, the backward and optimizer step outside it. Products of
+fp32 weights then run in bf16 where autocast casts them (nn.Linear, matmul, bmm); transformers' 3-D
+``grouped_mm`` experts are not autocast (``torch._grouped_mm`` is not on autocast's lists, and under
+torch.compile transformers falls back to its own fp32 loop for non-bf16 weights), so in the ``hf``
+form the expert GEMMs run in fp32 in every variant, backend="moe" included (it computes what eager
+computes); the ``loop`` form's nn.Linear experts run in bf16. Twice the parameter bytes of a bf16
+run: use fewer --layers for the large models.
 
 --act-ckpt: transformers' activation checkpointing (``gradient_checkpointing_enable``, non-reentrant)
 on every decoder layer: each layer's forward runs again in the backward ("moe layers" then counts
@@ -146,6 +157,7 @@ MODELS = {
 TINY_SHAPE = dict(layers=2, batch=2, seq=64)
 FORMS = ("hf", "loop")
 VARIANTS = ("eager", "inductor", "moe", "moe_cg")
+EXTRA_VARIANTS = ("inductor_cg",)   # run only when named
 SLOW = ("loop_inductor",)
 
 
@@ -409,11 +421,11 @@ def shard(model: nn.Module) -> int:
 
 
 def compile_model(model, variant: str, per_block: bool, moe_options: dict, device: str, loss: bool = True):
-    backend = {"eager": None, "inductor": "inductor", "moe": "moe", "moe_cg": "moe"}[variant]
+    backend = {"eager": None, "inductor": "inductor", "inductor_cg": "inductor", "moe": "moe", "moe_cg": "moe"}[variant]
     if backend is None:
         return model
     options = dict(moe_options) if backend == "moe" else {}
-    if variant == "moe_cg":
+    if variant.endswith("_cg"):
         options["triton.cudagraphs"] = True
     if device == "cpu" and options.get("moe.inductor", True):
         options["cpp.enable_kernel_profile"] = True  # CPU: Inductor's kernels show up in the time split
@@ -454,6 +466,11 @@ def _timed_steps(step, steps, device):
 CLOCKS = None   # ab.GpuClocks on a GPU while main() runs: SM clock, power, throttle of each timed window
 
 
+def _autocast(args, device):
+    """The forward's context: torch.autocast to bf16 under --autocast, else nothing."""
+    return torch.autocast(device, dtype=torch.bfloat16) if args.autocast else contextlib.nullcontext()
+
+
 def run_variant(name, form, variant, args, device, dtype) -> dict:
     import moe_compile
 
@@ -478,7 +495,8 @@ def run_variant(name, form, variant, args, device, dtype) -> dict:
         ids = batches[next(it) % len(batches)]
         opt.zero_grad(set_to_none=True)
         torch.compiler.cudagraph_mark_step_begin()
-        loss = fn(input_ids=ids, labels=ids).loss
+        with _autocast(args, device):
+            loss = fn(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         losses.append(loss.detach().clone())
@@ -550,7 +568,7 @@ def run_variant(name, form, variant, args, device, dtype) -> dict:
             for site, (ms, n) in causes[:args.gaps]:
                 print(f"#   {ms:7.3f} ({n:6.1f})  {site[:160]}")
         # CUDA-graph replays call no host op: the count is only meaningful without graphs
-        row["moe_layers"] = None if variant == "moe_cg" else route_permute_calls(events) // args.profile_steps
+        row["moe_layers"] = None if variant.endswith("_cg") else route_permute_calls(events) // args.profile_steps
     del model, fn, opt, params, batches, losses
     return row
 
@@ -560,7 +578,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--forms", nargs="+", default=list(FORMS), choices=FORMS)
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + EXTRA_VARIANTS)
     ap.add_argument("--slow", action="store_true", help=f"also run {SLOW} (stock Inductor on the expert loop)")
     ap.add_argument("--tiny", action="store_true", help="small widths, 2 layers, 2 x 64 tokens: a CPU check")
     ap.add_argument("--per-block", action="store_true", help="moe_compile.compile_blocks (one compile per layer)")
@@ -568,6 +586,8 @@ def main(argv=None):
                     help="with --per-block: leave model.loss_function eager (compile_blocks(loss=False))")
     ap.add_argument("--act-ckpt", action="store_true",
                     help="model.gradient_checkpointing_enable() (non-reentrant): every decoder layer recomputed in the backward")
+    ap.add_argument("--autocast", action="store_true",
+                    help="fp32 parameters, the forward under torch.autocast(bfloat16): HF Trainer's bf16=True (see above)")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--seq", type=int, default=None)
@@ -590,7 +610,7 @@ def main(argv=None):
     args.profile_steps = args.profile_steps if args.profile_steps is not None else (2 if args.tiny else 3)
     args.moe_options = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in args.moe_option)}
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = torch.bfloat16 if device == "cuda" and not args.autocast else torch.float32
     if args.fsdp:
         import torch.distributed as dist
 
@@ -607,8 +627,10 @@ def main(argv=None):
     for name in args.models:
         layers = args.layers or (TINY_SHAPE["layers"] if args.tiny else MODELS[name].layers)
         n = param_count(name, args.tiny, layers)
+        per = 16 if dtype == torch.float32 else 8   # weight + gradient + two AdamW moments (fp32 moments)
         print(f"# {name}: {MODELS[name].label}, {layers} layers, {n / 1e6:.1f} M parameters, "
-              f"~{n * 8 / 2 ** 30:.1f} GiB of bf16 weights + gradients + AdamW state", flush=True)
+              f"~{n * per / 2 ** 30:.1f} GiB of {'fp32' if per == 16 else 'bf16'} weights + gradients + AdamW state",
+              flush=True)
     results = []
     global CLOCKS
     with GpuClocks(torch.cuda.current_device()) if device == "cuda" else contextlib.nullcontext() as CLOCKS:
@@ -629,7 +651,7 @@ def _run_all(args, device, dtype, results):
                 if f"{form}_{variant}" in SLOW and not args.slow:
                     continue
                 row = dict(model=name, form=form, variant=variant)
-                if variant == "moe_cg" and device != "cuda":
+                if variant.endswith("_cg") and device != "cuda":
                     row["error"] = "skipped: CUDA graphs need a GPU"
                 else:
                     try:
@@ -650,7 +672,8 @@ def _run_all(args, device, dtype, results):
 def print_table(results, info, args):
     print(f"\n## {info['device']}: " + ", ".join(f"{k} {v}" for k, v in info.items() if k != "device")
           + f" ({'per-block' if args.per_block else 'whole-model'} compile{', FSDP2' if args.fsdp else ''}"
-          + f"{', activation checkpointing' if args.act_ckpt else ''})")
+          + f"{', activation checkpointing' if args.act_ckpt else ''}"
+          + f"{', fp32 parameters under torch.autocast(bfloat16)' if args.autocast else ''})")
     print("| model | form | variant | layers | tokens | step ms | tokens/s | TFLOP/s | host ms | peak GiB | compile s "
           "| regions rewritten | moe layers | loss | " + " | ".join(f"{p} ms" for p in PART_NAMES) + " | SM MHz |")
     print("|---" * (15 + len(PART_NAMES)) + "|")
