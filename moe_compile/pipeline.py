@@ -98,10 +98,13 @@ def _check(s: DynamoState) -> None:
 
 def _lower(s: DynamoState) -> None:
     from moe_compile.lowering.region import lower_region
+    from moe_compile.passes.autocast import narrowed_product, wide_experts_note
 
+    autocast = narrowed_product(s.gm.graph.nodes)   # read before any region is lowered
     for region in s.accepted:
+        wide = wide_experts_note(region, autocast)
         before = set(s.gm.graph.nodes)
-        s.region_notes[id(region)] = lower_region(s.gm, region, s.config.ep_overlap_chunks)
+        s.region_notes[id(region)] = lower_region(s.gm, region, s.config.ep_overlap_chunks) + ((wide,) if wide else ())
         s.region_nodes[id(region)] = set(s.gm.graph.nodes) - before
 
 

@@ -29,9 +29,9 @@ import torch
 import torch.fx as fx
 
 from . import reasons
+from .autocast import narrowed_product
 from .normalize import canon, val, where_in_user_code
 from .region import AccumulateInPlace, Candidate, Finding, Region, ReplaceOutput
-from .unclaimed import MATMULS
 
 
 @dataclass(frozen=True)
@@ -255,27 +255,17 @@ def autocast_gemms(region: Region) -> Finding | None:
     F.linear's own bias is cast with them). Refused where that is not done yet: a bias added after
     the product (``x @ W + b``, which autocast leaves in the wider dtype: the sum is promoted) and
     expert-parallel regions."""
-    mismatch = None
-    for n in region.nodes:
-        op = canon(n) or ""
-        out = val(n)
-        if op not in MATMULS or not isinstance(out, torch.Tensor):
-            continue
-        ins = [v for v in (val(a) for a in n.all_input_nodes) if isinstance(v, torch.Tensor) and v.is_floating_point()]
-        other = sorted({str(v.dtype).removeprefix("torch.") for v in ins if v.dtype != out.dtype})
-        if other:
-            mismatch = (n, op, str(out.dtype).removeprefix("torch."), "/".join(other))
-            break
+    mismatch = narrowed_product(region.nodes)
     if mismatch is None:
         return None
-    n, op, out, ins = mismatch
     from .region import ep_marker
 
     biased = any(st.linear is not None and st.linear[1] is not None and st.bias_after for st in region.experts.steps)
     if not biased and all(ep_marker(slot) is None for slot in region.experts.slots):
         return None
     why = "a bias is added after the product" if biased else "its experts are sharded over ranks (expert parallelism)"
-    return Finding.of("autocast_gemm", n, node=n.name, op=op, out=out, ins=ins, why=why)
+    n = mismatch.node
+    return Finding.of("autocast_gemm", n, node=n.name, op=mismatch.op, out=mismatch.out, ins=mismatch.ins, why=why)
 
 
 RULES = (expert_operands, input_2d, accumulator, expert_parallel, weights_path, input_weights, autocast_gemms)

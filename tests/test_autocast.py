@@ -7,6 +7,7 @@ eager's and, on a GPU, fp32 GEMMs. A bias added after the product under autocast
 (``autocast_gemm``)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 
@@ -124,3 +125,38 @@ def test_hf_eager_experts_under_autocast_are_not_substituted(monkeypatch):
     recs = [r for g in graphs for r in g]
     assert recs and all((r.status, r.code) == (records.REFUSED, "break_expert_hit_hf") for r in recs), recs
     assert_close_rel(got.detach(), want.detach(), HF_FP32_REL, "loss")
+
+
+@pytest.mark.parametrize("impl,autocast", [("grouped_mm", True), ("batched_mm", True), ("grouped_mm", False)])
+def test_hf_grouped_experts_under_autocast_stay_fp32_with_a_note(impl, autocast):
+    """transformers' 3-D experts under autocast over fp32 weights: ``grouped_mm`` calls
+    torch._grouped_mm (under torch.compile its fp32 fallback), which autocast passes through, so its
+    expert GEMMs compute in fp32 in eager; the rewrite computes them in fp32 too (the values and
+    every gradient as eager's) and its record says so, with how to get bf16 GEMMs (3x slower per step
+    on a Qwen3-shaped model, docs/benchmarks.md). ``batched_mm`` (torch.bmm, which autocast casts)
+    and runs without autocast get no such note."""
+    pytest.importorskip("transformers")
+    from helpers import tiny_qwen3_moe
+
+    torch._dynamo.reset()
+    eager = tiny_qwen3_moe(2)
+    eager.set_experts_implementation(impl)
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
+    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
+    with records.recording() as graphs:
+        with ctx():
+            got = compiled(input_ids=ids, labels=ids).loss
+        got.backward()
+    with ctx():
+        want = eager(input_ids=ids, labels=ids).loss
+    want.backward()
+    recs = [r for g in graphs for r in g]
+    assert len(recs) == 2 and all(r.status == records.REWRITTEN for r in recs), recs
+    noted = [any("compute in float32, as in eager" in n and "torch.autocast" in n for n in r.notes) for r in recs]
+    assert noted == [impl == "grouped_mm" and autocast] * 2, [r.notes for r in recs]
+    # the attention and router products run in bf16 under autocast in both: the bf16 bounds apply
+    assert_close_rel(got.detach(), want.detach(), BF16_REL, "loss")
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert_close_rel(p.grad, q.grad, BF16_GRAD_REL, f"grad of {name}")
