@@ -12,7 +12,7 @@ ran under autocast, whether the context was entered inside the compiled code or 
                               through, and fall back to fp32 ``mm(out=)`` loops under torch.compile)
 
 Graph before and after: unchanged (a check). The note tells a user why the grouped GEMMs of an
-autocast run are fp32 ones (docs/benchmarks.md, section 0: 2.4x the step time of the plain
+autocast run are fp32 ones (docs/benchmarks.md, section 0: 2.2x the step time of the plain
 nn.Linear loop of the same experts, which autocast casts to bf16, on a Qwen3-30B-A3B-shaped model)
 and what makes them bf16, without changing what is computed.
 """
