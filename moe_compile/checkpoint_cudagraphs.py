@@ -14,7 +14,7 @@ docs/benchmarks.md). A whole-model compile is not affected: its checkpoints are 
 So a graph that Dynamo hands to the backend while a checkpoint's saved-tensor hooks are active is
 compiled without CUDA graphs, with one warning naming the ways out; the rest of the model keeps them.
 A whole-model compile keeps CUDA graphs with checkpointing, but is not the faster choice on a
-GPU-bound step (docs/benchmarks.md, section 0: per-layer compiles without CUDA graphs 1.24x it).
+GPU-bound step (docs/benchmarks.md, section 0: per-layer compiles without CUDA graphs 1.28x it).
 Detection: the top saved-tensor hooks are torch.utils.checkpoint's (``_checkpoint_hook`` in the
 forward, ``_recomputation_hook`` when a recomputation compiles), read with torch's own accessor
 (``ignore_is_tracing=True``: the backend defers hooks while it traces). Re-check when torch closes
@@ -52,7 +52,7 @@ def without_cudagraphs_under_checkpoint(patches: dict, session) -> dict:
                       "torch's CUDA graphs fail when the backward recomputes a graph called inside a "
                       "checkpoint (pytorch/pytorch#154306; stock torch.compile raises there). The rest of "
                       "the model keeps them. A GPU-bound step loses little (4 Qwen3-30B-A3B layers on an H200: "
-                      "87 ms per layer-compile without CUDA graphs, 108 ms whole-model with them). To keep CUDA "
+                      "85 ms per layer-compile without CUDA graphs, 108 ms whole-model with them). To keep CUDA "
                       "graphs with checkpointing, compile the whole model (its checkpoints are then inside the "
                       "graph); to silence this, leave CUDA graphs off (no mode=\"reduce-overhead\").")
     return {**patches, _KEY: False}
