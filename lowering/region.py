@@ -24,6 +24,7 @@ the region, and no unbacked symbol it introduced, is left in the graph.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -74,6 +75,9 @@ def _emit_linear(b: GraphBuilder, region: Region, h: fx.Node, step, offs: fx.Nod
         bs = (expert_parallel.local_operand(b, stacked_source(bs)),) if bs is not None else None
     cd = step.dtype
     h = _cast(b, h, cd)
+    if bs is not None and step.bias_after and ep is None and _promoted(step, bs):
+        y = _emit_linear(b, region, h, dataclasses.replace(step, linear=(w_slot, None, layout)), offs, ep)
+        return _add_group_bias(b, y, bs, offs, step.sum_dtype)
     if len(ws) == 1 and val(ws[0]).dim() == 3:      # one weight for all experts (grouped_regions)
         w3 = _cast(b, ws[0], cd)
         w3 = w3 if layout == "kn" else b.method("transpose", w3, 1, 2)
@@ -85,6 +89,34 @@ def _emit_linear(b: GraphBuilder, region: Region, h: fx.Node, step, offs: fx.Nod
     # nn.Linear weights [N, K] go in as they are (transposed=True): no per-expert view in the graph
     return b.fn(OPS.grouped_mm_list.default, h, [_cast(b, w, cd) for w in ws], offs,
                 [_cast(b, x, cd) for x in bs] if bs is not None else [], layout == "nk")
+
+
+def _promoted(step, bs) -> bool:
+    """``x @ W + b`` whose sum is not computed in the product's dtype: a bias wider than the product
+    (torch.autocast's bf16 product plus an fp32 bias) is added in the wider dtype, and the sum stays
+    there (out of place) or is rounded back (``add_``). The grouped GEMM's bias epilogue would add it
+    to the fp32 accumulator before the product's own rounding, and return the product's dtype."""
+    bias_dtype = getattr(val(bs[0]), "dtype", None)
+    return bias_dtype is not None and (bias_dtype != step.dtype or step.sum_dtype not in (None, step.dtype))
+
+
+def _add_group_bias(b: GraphBuilder, y: fx.Node, bs: tuple, offs: fx.Node, sum_dtype) -> fx.Node:
+    """y + bias[group of each row] computed as torch computes ``y + b`` of mixed dtypes (in the
+    promoted dtype, then ``sum_dtype``); rows past the last group get no bias (they are zero rows
+    that no combine reads). The row's group: ``searchsorted(offsets, row, right=True)``, on the
+    device, sizes taken from ``y`` (no host sync, no symbolic size to build)."""
+    bias = bs[0] if len(bs) == 1 and val(bs[0]).dim() == 2 else _stacked(b, bs, "kn")
+    if bias is None:
+        bias = b.fn(torch.stack, list(bs))                       # per-expert [N] biases: one [E, N] tensor
+    e = val(bias).shape[0]
+    rows = b.fn(torch.ones_like, b.fn(operator.getitem, y, (slice(None), 0)), dtype=val(offs).dtype)
+    rows = b.method("sub", b.method("cumsum", rows, 0, dtype=val(offs).dtype), 1)   # 0, 1, ..., M - 1
+    group = b.fn(torch.searchsorted, offs, rows, right=True)                   # [M] in [0, E]
+    inside = b.method("unsqueeze", b.fn(operator.lt, group, e), 1)
+    per_row = b.method("index_select", bias, 0, b.method("clamp", group, max=e - 1))
+    per_row = b.fn(torch.where, inside, per_row, 0.0)
+    out = b.fn(operator.add, y, per_row)                                       # torch's promotion, as eager's
+    return b.method("to", out, sum_dtype) if sum_dtype is not None and val(out).dtype != sum_dtype else out
 
 
 def _is_list_linear(region: Region, step) -> bool:

@@ -222,7 +222,7 @@ class Finder:
             return False
         g.slots.append((bias2d,))
         g.steps[i] = Step(st.op, st.target, st.args, st.kwargs, (st.linear[0], len(g.slots) - 1, st.linear[2]),
-                          st.dtype, bias_after=True)
+                          st.dtype, bias_after=True, sum_dtype=dtype_of(n))
         g.step_of[n] = i
         self.set(n, "rows", g)
         return True

@@ -19,7 +19,7 @@ code from ``reasons.REASONS``, the filled message and the fix. The rules::
                         for dense experts, the expert maps the zero rows of unselected pairs to zero
     autocast_gemms      under torch.autocast (a product whose output dtype differs from an
                         operand's) the lowering casts the grouped GEMMs' operands as autocast does;
-                        refused: a bias added after the product, expert parallelism
+                        refused: expert parallelism
 """
 from __future__ import annotations
 
@@ -252,18 +252,17 @@ def autocast_gemms(region: Region) -> Finding | None:
     values show it: the output dtype differs from an operand's; without autocast a product's dtype is
     its operands'). The grouped GEMMs that replace it are custom ops, which autocast leaves alone, so
     the lowering casts their operands as autocast would (``Step.dtype``, ``lowering/region.py``; an
-    F.linear's own bias is cast with them). Refused where that is not done yet: a bias added after
-    the product (``x @ W + b``, which autocast leaves in the wider dtype: the sum is promoted) and
-    expert-parallel regions."""
+    F.linear's own bias is cast with them; a bias added after the product, ``x @ W + b``, is added
+    to the narrow product in the sum's dtype, ``Step.sum_dtype``, as torch promotes it). Refused where
+    that is not done yet: expert-parallel regions."""
     mismatch = narrowed_product(region.nodes)
     if mismatch is None:
         return None
     from .region import ep_marker
 
-    biased = any(st.linear is not None and st.linear[1] is not None and st.bias_after for st in region.experts.steps)
-    if not biased and all(ep_marker(slot) is None for slot in region.experts.slots):
+    if all(ep_marker(slot) is None for slot in region.experts.slots):
         return None
-    why = "a bias is added after the product" if biased else "its experts are sharded over ranks (expert parallelism)"
+    why = "its experts are sharded over ranks (expert parallelism)"
     n = mismatch.node
     return Finding.of("autocast_gemm", n, node=n.name, op=mismatch.op, out=mismatch.out, ins=mismatch.ins, why=why)
 

@@ -84,7 +84,7 @@ def _build_steps(a: Analysis, nodes: list[fx.Node]):
             if n in bias_of:
                 lin = (lin[0], enc(a.bias_adds[bias_of[n]][1])[1], layout)
         steps.append(Step(n.op, n.target, args, kwargs, lin, dtype_of(n) if lin is not None else None,
-                          n in bias_of))
+                          n in bias_of, dtype_of(bias_of[n]) if n in bias_of else None))
     return steps, operands
 
 

@@ -62,6 +62,8 @@ class Step:
     dtype: object = None      # linears: the dtype the product computed in (Dynamo's recorded value), which
                               # torch.autocast makes differ from the operands'
     bias_after: bool = False  # the bias slot is added after the product (``x @ W + b``), not F.linear's own
+    sum_dtype: object = None  # bias_after: the dtype of the sum (the product's, or the bias's when that is
+                              # wider and the add is not in place: torch's type promotion, under autocast)
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@ Trainer's bf16=True does): the expert products run in bf16 in eager. The grouped
 them are custom ops, which autocast passes through, so the lowering casts their operands as autocast
 would (``Step.dtype``, lowering/region.py) and the stacking casts the stacked weights once
 (lowering/expert_stack.py). Before that, the rewrite computed the experts in fp32: other values than
-eager's and, on a GPU, fp32 GEMMs. A bias added after the product under autocast stays refused
-(``autocast_gemm``)."""
+eager's and, on a GPU, fp32 GEMMs. A bias added after the product is added after the bf16 GEMM in
+the dtype torch promotes the sum to (lowering/region.py, ``_add_group_bias``)."""
 from __future__ import annotations
 
 import contextlib
@@ -61,24 +61,70 @@ def test_fp32_weights_under_autocast_compute_in_bf16(expert, inductor, gemm_dtyp
     assert gemm_dtypes and all(d == (torch.bfloat16, torch.bfloat16) for d in gemm_dtypes), gemm_dtypes
 
 
-def test_bias_after_the_product_under_autocast_is_refused_and_runs_as_written(caplog):
-    """``x @ W[e] + b[e]`` (GPT-OSS's experts) under autocast: the sum is promoted to fp32, which the
-    grouped GEMM's bias epilogue would not reproduce: refused once with the reason, compiled as written."""
+@pytest.mark.parametrize("inductor", [False, True])
+def test_bias_after_the_product_under_autocast_is_added_in_the_promoted_dtype(inductor, gemm_dtypes):
+    """``x @ W[e] + b[e]`` (GPT-OSS's experts) under autocast: the product runs in bf16 and the fp32
+    bias is added in fp32 (torch's promotion), so the sum is fp32. The rewrite runs the grouped GEMM
+    in bf16 without its bias epilogue (which would add before rounding and return bf16) and adds each
+    row's expert bias after it in fp32: rewritten, the outputs and every gradient as eager's."""
     torch._dynamo.reset()
     model = make_model(spelling="index_add", expert="gptoss", e=4, k=2)
     ref = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
-    with records.recording() as graphs, caplog.at_level(logging.WARNING, logger="moe_compile"):
-        x = make_input((3, 5, 16))
-        x_ref = x.detach().clone().requires_grad_()
-        got, want = _step(compiled, x), _step(ref, x_ref)
-    assert_close_rel(got, want, AS_WRITTEN_REL, "output")
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert_close_rel(p.grad, q.grad, AS_WRITTEN_REL, f"grad of {name}")
+    compiled = torch.compile(model, backend="moe", options={"moe.inductor": inductor})
+    with records.recording() as graphs:
+        for step in range(2):
+            x = make_input((3, 5, 16), seed=step)
+            x_ref = x.detach().clone().requires_grad_()
+            got, want = _step(compiled, x), _step(ref, x_ref)
+            assert got.dtype == want.dtype
+            assert_close_rel(got, want, BF16_REL, f"step {step}: output")
+            assert_close_rel(x.grad, x_ref.grad, BF16_GRAD_REL, f"step {step}: input gradient")
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                assert p.grad.dtype == torch.float32
+                assert_close_rel(p.grad, q.grad, BF16_GRAD_REL, f"step {step}: grad of {name}")
+            model.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
     recs = [r for g in graphs for r in g]
-    assert [(r.status, r.code) for r in recs] == [(records.REFUSED, "autocast_gemm")], recs
-    assert "added after the product" in recs[0].reason and "bfloat16 on float32 operands" in recs[0].reason
-    assert sum("autocast_gemm" in r.getMessage() for r in caplog.records) == 1, caplog.text
+    assert [r.status for r in recs] == [records.REWRITTEN], [(r.status, r.code, r.reason) for r in recs]
+    assert gemm_dtypes and all(d == (torch.bfloat16, torch.bfloat16) for d in gemm_dtypes), gemm_dtypes
+
+
+def test_hf_gpt_oss_batched_experts_under_autocast(gemm_dtypes):
+    """transformers' GPT-OSS with ``batched_mm`` experts under autocast over fp32 weights: torch.bmm
+    runs in bf16 and ``out.add_(bias)`` adds the fp32 bias in fp32 and rounds the sum back to bf16 (in
+    place). Rewritten, its grouped GEMMs in bf16, the loss and every gradient as eager's."""
+    transformers = pytest.importorskip("transformers")
+    from helpers import BF16_REL as LOSS_REL
+
+    cfg = transformers.GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                    num_experts_per_tok=2, sliding_window=8, max_position_embeddings=64,
+                                    use_cache=False)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    eager = transformers.GptOssForCausalLM._from_config(cfg).train()
+    with torch.no_grad():
+        for n, p in eager.named_parameters():
+            if n.endswith(("router.weight", "bias")):
+                p.normal_(0.0, 0.5)   # routing away from ties; biases that matter
+    eager.set_experts_implementation("batched_mm")
+    model = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
+    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with records.recording() as graphs:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = compiled(input_ids=ids, labels=ids).loss
+        got.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = eager(input_ids=ids, labels=ids).loss
+    want.backward()
+    recs = [r for g in graphs for r in g]
+    assert len(recs) == 2 and all(r.status == records.REWRITTEN for r in recs), recs
+    assert gemm_dtypes and all(d == (torch.bfloat16, torch.bfloat16) for d in gemm_dtypes), gemm_dtypes
+    assert_close_rel(got.detach(), want.detach(), LOSS_REL, "loss")
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert_close_rel(p.grad, q.grad, BF16_GRAD_REL, f"grad of {name}")
 
 
 def test_bf16_weights_under_autocast_cast_nothing(gemm_dtypes):
