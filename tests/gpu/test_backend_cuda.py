@@ -138,11 +138,12 @@ def test_activation_checkpoint_cuda(expert, inside, reentrant, dtype, monkeypatc
     assert bool(tma_calls) == (sm90 and dtype == torch.bfloat16), len(tma_calls)
 
 
-@pytest.mark.parametrize("expert", ["swiglu", "stacked_chunk"])
+@pytest.mark.parametrize("expert", ["swiglu", "stacked_chunk", "gptoss"])
 def test_autocast_fp32_weights_cuda(expert, monkeypatch):
     """torch.autocast(bf16) over fp32 expert weights on CUDA, Inductor: rewritten with autocast's casts
     (the stacked or 3-D weights cast once), the grouped GEMMs in bf16 (the TMA kernel on Hopper), the
-    outputs and every fp32 gradient as eager's under autocast."""
+    outputs and every fp32 gradient as eager's under autocast; GPT-OSS's ``x @ W[e] + b[e]`` with each
+    row's fp32 bias added after the bf16 GEMM (lowering/region.py, ``_add_group_bias``)."""
     import copy
 
     from helpers import BF16_GRAD_REL, BF16_REL, assert_close_rel
