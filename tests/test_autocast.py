@@ -7,7 +7,6 @@ eager's and, on a GPU, fp32 GEMMs. A bias added after the product is added after
 the dtype torch promotes the sum to (lowering/region.py, ``_add_group_bias``)."""
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 
@@ -31,12 +30,33 @@ def _step(fn, x):
     return out.detach()
 
 
-@pytest.mark.parametrize("expert", ["swiglu", "stacked_chunk", "gelu_seq"])
+def _hf_step(eager, autocast=True):
+    """A copy of the transformers model ``eager`` compiled (``moe.inductor=False``) and ``eager`` itself,
+    one batch each under CPU autocast (or not): (the copy, its loss, eager's loss, the region records);
+    the gradients are in both models."""
+    model = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
+    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with records.recording() as graphs:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            got = compiled(input_ids=ids, labels=ids).loss
+        got.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        want = eager(input_ids=ids, labels=ids).loss
+    want.backward()
+    return model, got.detach(), want.detach(), [r for g in graphs for r in g]
+
+
+@pytest.mark.parametrize("expert", ["swiglu", "stacked_chunk", "gelu_seq", "gptoss"])
 @pytest.mark.parametrize("inductor", [False, True])
 def test_fp32_weights_under_autocast_compute_in_bf16(expert, inductor, gemm_dtypes):
     """Rewritten (bias-free ModuleList weights stacked, their stack cast once; nn.Linear biases cast
     with the weights, as autocast casts F.linear's), every grouped GEMM in bf16, the outputs and every
-    gradient (fp32, as the Parameters) as eager's under autocast, over two steps."""
+    gradient (fp32, as the Parameters) as eager's under autocast, over two steps. GPT-OSS's
+    ``x @ W[e] + b[e]``: the bf16 product plus the fp32 bias is an fp32 sum (torch's promotion); the
+    rewrite runs the grouped GEMM in bf16 without its bias epilogue (which would add before rounding
+    and return bf16) and adds each row's expert bias after it in fp32."""
     torch._dynamo.reset()
     model = make_model(spelling="index_add", expert=expert, e=4, k=2)
     ref = copy.deepcopy(model)
@@ -61,34 +81,6 @@ def test_fp32_weights_under_autocast_compute_in_bf16(expert, inductor, gemm_dtyp
     assert gemm_dtypes and all(d == (torch.bfloat16, torch.bfloat16) for d in gemm_dtypes), gemm_dtypes
 
 
-@pytest.mark.parametrize("inductor", [False, True])
-def test_bias_after_the_product_under_autocast_is_added_in_the_promoted_dtype(inductor, gemm_dtypes):
-    """``x @ W[e] + b[e]`` (GPT-OSS's experts) under autocast: the product runs in bf16 and the fp32
-    bias is added in fp32 (torch's promotion), so the sum is fp32. The rewrite runs the grouped GEMM
-    in bf16 without its bias epilogue (which would add before rounding and return bf16) and adds each
-    row's expert bias after it in fp32: rewritten, the outputs and every gradient as eager's."""
-    torch._dynamo.reset()
-    model = make_model(spelling="index_add", expert="gptoss", e=4, k=2)
-    ref = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="moe", options={"moe.inductor": inductor})
-    with records.recording() as graphs:
-        for step in range(2):
-            x = make_input((3, 5, 16), seed=step)
-            x_ref = x.detach().clone().requires_grad_()
-            got, want = _step(compiled, x), _step(ref, x_ref)
-            assert got.dtype == want.dtype
-            assert_close_rel(got, want, BF16_REL, f"step {step}: output")
-            assert_close_rel(x.grad, x_ref.grad, BF16_GRAD_REL, f"step {step}: input gradient")
-            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-                assert p.grad.dtype == torch.float32
-                assert_close_rel(p.grad, q.grad, BF16_GRAD_REL, f"step {step}: grad of {name}")
-            model.zero_grad(set_to_none=True)
-            ref.zero_grad(set_to_none=True)
-    recs = [r for g in graphs for r in g]
-    assert [r.status for r in recs] == [records.REWRITTEN], [(r.status, r.code, r.reason) for r in recs]
-    assert gemm_dtypes and all(d == (torch.bfloat16, torch.bfloat16) for d in gemm_dtypes), gemm_dtypes
-
-
 def test_hf_gpt_oss_batched_experts_under_autocast(gemm_dtypes):
     """transformers' GPT-OSS with ``batched_mm`` experts under autocast over fp32 weights: torch.bmm
     runs in bf16 and ``out.add_(bias)`` adds the fp32 bias in fp32 and rounds the sum back to bf16 (in
@@ -108,21 +100,10 @@ def test_hf_gpt_oss_batched_experts_under_autocast(gemm_dtypes):
             if n.endswith(("router.weight", "bias")):
                 p.normal_(0.0, 0.5)   # routing away from ties; biases that matter
     eager.set_experts_implementation("batched_mm")
-    model = copy.deepcopy(eager)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
-    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    with records.recording() as graphs:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            got = compiled(input_ids=ids, labels=ids).loss
-        got.backward()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        want = eager(input_ids=ids, labels=ids).loss
-    want.backward()
-    recs = [r for g in graphs for r in g]
+    model, got, want, recs = _hf_step(eager)
     assert len(recs) == 2 and all(r.status == records.REWRITTEN for r in recs), recs
     assert gemm_dtypes and all(d == (torch.bfloat16, torch.bfloat16) for d in gemm_dtypes), gemm_dtypes
-    assert_close_rel(got.detach(), want.detach(), LOSS_REL, "loss")
+    assert_close_rel(got, want, LOSS_REL, "loss")
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         assert_close_rel(p.grad, q.grad, BF16_GRAD_REL, f"grad of {name}")
 
@@ -155,22 +136,11 @@ def test_hf_eager_experts_under_autocast_are_not_substituted(monkeypatch):
 
     # the frame Dynamo gives up on here is recorded process-wide for explain(); keep it to this test
     monkeypatch.setattr(backend, "_skipped", {})
-    torch._dynamo.reset()
     eager = tiny_qwen3_moe(2)
     eager.set_experts_implementation("eager")
-    model = copy.deepcopy(eager)
-    compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
-    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    with records.recording() as graphs:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            got = compiled(input_ids=ids, labels=ids).loss
-        got.backward()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        want = eager(input_ids=ids, labels=ids).loss
-    want.backward()
-    recs = [r for g in graphs for r in g]
+    _, got, want, recs = _hf_step(eager)
     assert recs and all((r.status, r.code) == (records.REFUSED, "break_expert_hit_hf") for r in recs), recs
-    assert_close_rel(got.detach(), want.detach(), HF_FP32_REL, "loss")
+    assert_close_rel(got, want, HF_FP32_REL, "loss")
 
 
 @pytest.mark.parametrize("impl,autocast", [("grouped_mm", True), ("batched_mm", True), ("grouped_mm", False)])
@@ -178,31 +148,19 @@ def test_hf_grouped_experts_under_autocast_stay_fp32_with_a_note(impl, autocast)
     """transformers' 3-D experts under autocast over fp32 weights: ``grouped_mm`` calls
     torch._grouped_mm (under torch.compile its fp32 fallback), which autocast passes through, so its
     expert GEMMs compute in fp32 in eager; the rewrite computes them in fp32 too (the values and
-    every gradient as eager's) and its record says so, with how to get bf16 GEMMs (the step took 2.2x
-    the nn.Linear loop's under autocast on a Qwen3-shaped model, docs/benchmarks.md). ``batched_mm`` (torch.bmm, which autocast casts)
-    and runs without autocast get no such note."""
+    every gradient as eager's) and its record says so, with how to get bf16 GEMMs (the step took
+    2.2x the nn.Linear loop's under autocast on a Qwen3-shaped model, docs/benchmarks.md).
+    ``batched_mm`` (torch.bmm, which autocast casts) and runs without autocast get no such note."""
     pytest.importorskip("transformers")
     from helpers import tiny_qwen3_moe
 
-    torch._dynamo.reset()
     eager = tiny_qwen3_moe(2)
     eager.set_experts_implementation(impl)
-    model = copy.deepcopy(eager)
-    compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
-    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
-    with records.recording() as graphs:
-        with ctx():
-            got = compiled(input_ids=ids, labels=ids).loss
-        got.backward()
-    with ctx():
-        want = eager(input_ids=ids, labels=ids).loss
-    want.backward()
-    recs = [r for g in graphs for r in g]
+    model, got, want, recs = _hf_step(eager, autocast)
     assert len(recs) == 2 and all(r.status == records.REWRITTEN for r in recs), recs
     noted = [any("compute in float32, as in eager" in n and "torch.autocast" in n for n in r.notes) for r in recs]
     assert noted == [impl == "grouped_mm" and autocast] * 2, [r.notes for r in recs]
     # the attention and router products run in bf16 under autocast in both: the bf16 bounds apply
-    assert_close_rel(got.detach(), want.detach(), BF16_REL, "loss")
+    assert_close_rel(got, want, BF16_REL, "loss")
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         assert_close_rel(p.grad, q.grad, BF16_GRAD_REL, f"grad of {name}")
