@@ -42,8 +42,9 @@ from .common import check as _check
 EP_EXPERTS_ERROR = (
     "moe_compile.ep_experts: these experts are sharded over an expert-parallel mesh by "
     "moe_compile.parallelize_experts; run the model through torch.compile(model, backend=\"moe\"), which "
-    "rewrites the MoE layer into expert-parallel dispatch/combine (moe_compile.explain(model, inputs) says "
-    "why a layer was not rewritten)")
+    "rewrites the MoE layer into expert-parallel dispatch/combine. If it already does, this layer was refused: "
+    "the WARNING logged when it compiled, or moe_compile.explain(model, inputs), says why (e.g. autocast_gemm: "
+    "torch.autocast over fp32 expert weights)")
 
 
 def _ep_size(group_name: str) -> int:

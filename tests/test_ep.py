@@ -611,7 +611,7 @@ def test_ep_region_under_autocast_is_refused_loudly(mesh1):
         with records.recording() as graphs:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 if autocast:
-                    with pytest.raises(RuntimeError, match="ep_experts"):
+                    with pytest.raises(RuntimeError, match="ep_experts: .*this layer was refused.*autocast_gemm"):
                         compiled(x, torch.zeros(4))
                 else:
                     compiled(x, torch.zeros(4))
