@@ -64,9 +64,10 @@ def _cast(b: GraphBuilder, node: fx.Node, dtype) -> fx.Node:
 
 def _emit_linear(b: GraphBuilder, region: Region, h: fx.Node, step, offs: fx.Node, ep) -> fx.Node:
     """One linear step over all experts. Under torch.autocast (``step.dtype``, the dtype the product
-    ran in, differs from its operands'; legality: bias-free, not expert-parallel) its operands are
-    cast to that dtype first, as autocast casts a linear's: the input rows and each weight tensor once
-    (a weight list per expert; ``lowering/expert_stack.py`` turns those casts into one of the stack)."""
+    ran in, differs from its operands'; legality: not expert-parallel) its operands are cast to that
+    dtype first, as autocast casts a linear's: the input rows and each weight tensor once (a weight
+    list per expert; ``lowering/expert_stack.py`` turns those casts into one of the stack). A bias
+    added after the product in a wider dtype is added after the GEMM (``_add_group_bias``)."""
     w_slot, b_slot, layout = step.linear
     ws = region.experts.slots[w_slot]
     bs = region.experts.slots[b_slot] if b_slot is not None else None

@@ -100,7 +100,7 @@ def _lower(s: DynamoState) -> None:
     from moe_compile.lowering.region import lower_region
     from moe_compile.passes.autocast import narrowed_product, wide_experts_note
 
-    autocast = narrowed_product(s.gm.graph.nodes)   # read before any region is lowered
+    autocast = narrowed_product(s.gm.graph.nodes) if s.accepted else None   # read before any region is lowered
     for region in s.accepted:
         wide = wide_experts_note(region, autocast)
         before = set(s.gm.graph.nodes)

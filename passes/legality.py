@@ -262,9 +262,8 @@ def autocast_gemms(region: Region) -> Finding | None:
 
     if all(ep_marker(slot) is None for slot in region.experts.slots):
         return None
-    why = "its experts are sharded over ranks (expert parallelism)"
     n = mismatch.node
-    return Finding.of("autocast_gemm", n, node=n.name, op=mismatch.op, out=mismatch.out, ins=mismatch.ins, why=why)
+    return Finding.of("autocast_gemm", n, node=n.name, op=mismatch.op, out=mismatch.out, ins=mismatch.ins)
 
 
 RULES = (expert_operands, input_2d, accumulator, expert_parallel, weights_path, input_weights, autocast_gemms)

@@ -468,11 +468,6 @@ def _timed_steps(step, steps, device):
 CLOCKS = None   # ab.GpuClocks on a GPU while main() runs: SM clock, power, throttle of each timed window
 
 
-def _autocast(args, device):
-    """The forward's context: torch.autocast to bf16 under --autocast, else nothing."""
-    return torch.autocast(device, dtype=torch.bfloat16) if args.autocast else contextlib.nullcontext()
-
-
 def run_variant(name, form, variant, args, device, dtype) -> dict:
     import moe_compile
 
@@ -497,7 +492,7 @@ def run_variant(name, form, variant, args, device, dtype) -> dict:
         ids = batches[next(it) % len(batches)]
         opt.zero_grad(set_to_none=True)
         torch.compiler.cudagraph_mark_step_begin()
-        with _autocast(args, device):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=args.autocast):
             loss = fn(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
