@@ -4,21 +4,19 @@ The same movement as ``ep.ep_plan`` / ``ep_dispatch`` / ``ep_combine`` with the 
 transport (``ep_transport.padded_layout``: fixed-size chunks per peer, device-side gathers, no host
 sync), written with functional collectives (``torch.distributed._functional_collectives``) instead of
 opaque custom ops. The expert-parallel lowering emits these functions; AOTAutograd traces them into
-ATen gathers and ``_c10d_functional.all_to_all_single`` + ``wait_tensor`` nodes and differentiates
+row gathers and ``_c10d_functional.all_to_all_single`` + ``wait_tensor`` nodes and differentiates
 them (the backward of an equal-split all-to-all is an all-to-all), and the post_grad stage's
-``ep_overlap`` pass moves each collective to right after its inputs and each wait to right before its
-first use, so a chunk's all-to-all runs under another chunk's expert GEMMs.
+``ep_overlap`` pass (``lowering/overlap.py``) orders them so that a chunk's all-to-all runs under
+another chunk's expert GEMMs.
 
     plan(offsets[E] i32, E, group, N) -> plan[2, ep, E_local] i64, recv_offsets[E_local] i32
     dispatch(xp[N, H], plan, group) -> [ep*N, H]     combine(y[ep*N, H2], plan, group) -> [N, H2]
     (each in two halves: send_rows / receive_rows and send_back / receive_back around a layout, so
     a lowering can put other work between an all-to-all and the gather that needs its result)
 
-Each gather's gradient is the inverse gather (``_Gather``): every layout map is one-to-one on its
-valid rows, so the gradient of ``t[idx] where ok`` is ``g[inv_idx] where inv_ok``, not ATen's
-``index_add`` (an atomic scatter: ~1 ms per call at Qwen3's widths on an H200, 32768-65536 rows of
-2048 bf16 per call). The same values; only a -0.0 gradient row stays -0.0 where index_add into zeros
-gave +0.0.
+The layout maps and the gathers are ops of their own (``ep_rows``: ``ep_layout``, ``gather_rows``,
+whose gradient is the inverse gather): opaque to Inductor, so it cannot fuse them across a wait and
+undo the schedule.
 
 Every rank must route the same N rows: ``plan`` exchanges N with the counts and asserts it on the
 device (no host sync, no extra collective).
@@ -28,23 +26,8 @@ from __future__ import annotations
 import torch
 import torch.distributed._functional_collectives as fc
 
-from .ep_transport import padded_layout, resolve_group, rows_where
-
-
-class _Gather(torch.autograd.Function):
-    """``rows_where(ok, t, idx)``; its gradient ``rows_where(inv_ok, g, inv_idx)``. Exact because the
-    map is a bijection between t's rows where ``inv_ok`` and the output rows where ``ok``
-    (``idx[inv_idx[i]] == i`` there); t's other rows feed nothing and get zero."""
-
-    @staticmethod
-    def forward(ctx, t, ok, idx, inv_ok, inv_idx):
-        ctx.save_for_backward(inv_ok, inv_idx)
-        return rows_where(ok, t, idx)
-
-    @staticmethod
-    def backward(ctx, grad):
-        inv_ok, inv_idx = ctx.saved_tensors
-        return rows_where(inv_ok, grad, inv_idx), None, None, None, None
+from . import ep_rows
+from .ep_transport import PaddedLayout, resolve_group
 
 
 def _ep(group_name: str) -> int:
@@ -66,29 +49,29 @@ def plan(offsets: torch.Tensor, num_experts: int, group_name: str, rows: int) ->
 
 def layout(plan: torch.Tensor, n: int):
     """The gathers of one exchange (``ep_transport.PaddedLayout``), computed once for both directions."""
-    return padded_layout(plan, n)
+    return PaddedLayout(*ep_rows.ep_layout(plan, n))
 
 
 def send_rows(xp: torch.Tensor, lay, group_name: str) -> torch.Tensor:
     """Pack [N, H] rows into one [N, H] chunk per peer and start the all-to-all (async until used)."""
-    return fc.all_to_all_single_autograd(_Gather.apply(xp, lay.pack_ok, lay.pack_src, lay.unpack_ok, lay.unpack_src),
+    return fc.all_to_all_single_autograd(ep_rows.gather_rows(xp, lay.pack_ok, lay.pack_src, lay.unpack_ok, lay.unpack_src),
                                          None, None, group_name)
 
 
 def receive_rows(received: torch.Tensor, lay) -> torch.Tensor:
     """The received per-peer chunks -> [ep*N, H] rows of this rank's experts, expert-major."""
-    return _Gather.apply(received, lay.out_ok, lay.src, lay.recv_ok, lay.dest)
+    return ep_rows.gather_rows(received, lay.out_ok, lay.src, lay.recv_ok, lay.dest)
 
 
 def send_back(y: torch.Tensor, lay, group_name: str) -> torch.Tensor:
     """Expert-major rows back into per-peer chunks, all-to-all to where they came from (async)."""
-    return fc.all_to_all_single_autograd(_Gather.apply(y, lay.recv_ok, lay.dest, lay.out_ok, lay.src),
+    return fc.all_to_all_single_autograd(ep_rows.gather_rows(y, lay.recv_ok, lay.dest, lay.out_ok, lay.src),
                                          None, None, group_name)
 
 
 def receive_back(returned: torch.Tensor, lay) -> torch.Tensor:
     """The returned chunks -> [N, H2] in xp's row order (rows that were not sent: zero)."""
-    return _Gather.apply(returned, lay.unpack_ok, lay.unpack_src, lay.pack_ok, lay.pack_src)
+    return ep_rows.gather_rows(returned, lay.unpack_ok, lay.unpack_src, lay.pack_ok, lay.pack_src)
 
 
 def dispatch(xp: torch.Tensor, plan: torch.Tensor, group_name: str) -> torch.Tensor:

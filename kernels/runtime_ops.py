@@ -34,13 +34,13 @@ import logging
 
 import torch
 
-from . import activation_ops, gemm_ops, routing_ops
+from . import activation_ops, ep_rows, gemm_ops, routing_ops
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "moe_compile_rt"
-# every op of a rewritten region's forward and backward; the expert-parallel ops (ep.py) keep their
-# custom-op path (collectives inside, scheduled by lowering/overlap.py by target)
+# every op of a rewritten region's forward and backward; the opaque expert-parallel ops (ep.py) keep
+# their custom-op path (they run outside compiled graphs)
 OPS = {
     "route_permute": routing_ops.route_permute,
     "permute_rows": routing_ops.permute_rows,
@@ -59,6 +59,8 @@ OPS = {
     "swiglu_backward": activation_ops.swiglu_backward,
     "weighted_swiglu": activation_ops.weighted_swiglu,
     "weighted_swiglu_backward": activation_ops.weighted_swiglu_backward,
+    "ep_layout": ep_rows.ep_layout,
+    "gather_rows": ep_rows.gather_rows,
 }
 
 _LIB = torch.library.Library(NAMESPACE, "DEF")  # noqa: TOR901 (kept alive: owns the registrations)

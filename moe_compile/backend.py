@@ -222,16 +222,25 @@ def _note_break(exc: BaseException) -> None:
         pass
 
 
-def inductor_defaults(records) -> dict:
+def inductor_defaults(records, gm: torch.fx.GraphModule | None = None) -> dict:
     """Inductor settings this backend changes for one graph (the user's options override them).
 
     ``size_asserts=False`` when a rewritten region reads per-expert parameter lists (ModuleList
     experts): Inductor then checks the size and stride of every one of them on every call, forward
     and backward (2 x 384 checks for a 128-expert SwiGLU layer; 1.4 ms of a 7.4 ms host-bound step
     on an H200 host, docs/benchmarks.md). Dynamo's guards already check every graph input's sizes
-    and strides before the compiled code runs."""
-    listy = any(r.status == "rewritten" and any(o.startswith("grouped_mm_list") for o in r.ops) for r in records)
-    return {"size_asserts": False} if listy else {}
+    and strides before the compiled code runs.
+
+    ``reorder_for_peak_memory=False`` when the graph moves rows across expert-parallel ranks: that
+    Inductor pass moved every ``wait_tensor`` up to right after its all-to-all, undoing the
+    ``ep_overlap`` schedule (lowering/overlap.py), so no expert GEMM ran under any all-to-all."""
+    patches = {}
+    if any(r.status == "rewritten" and any(o.startswith("grouped_mm_list") for o in r.ops) for r in records):
+        patches["size_asserts"] = False
+    if gm is not None and any(getattr(n.target, "__module__", None) == "moe_compile.kernels.ep_traceable"
+                              for n in gm.graph.nodes if n.op == "call_function"):
+        patches["reorder_for_peak_memory"] = False
+    return patches
 
 
 class _PostGradPass(CustomGraphPass):
@@ -344,7 +353,7 @@ def _compile_rewritten(gm, example_inputs, config: MoEConfig, inductor_options: 
     from .checkpoint_cudagraphs import without_cudagraphs_under_checkpoint
     from .records import current_session
 
-    patches = {**inductor_defaults(records), **list_mode_options(config.mode), **inductor_options}
+    patches = {**inductor_defaults(records, gm), **list_mode_options(config.mode), **inductor_options}
     patches = without_cudagraphs_under_checkpoint(patches, current_session())   # torch #154306
     key = "post_grad_custom_post_pass"
     user = patches[key] if key in patches else getattr(torch._inductor.config, key)

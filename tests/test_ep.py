@@ -369,6 +369,20 @@ def test_traced_gathers_take_the_inverse_gather_as_gradient(case, monkeypatch):
                 assert torch.equal(got, want), (case, ep, n, name, (got - want).abs().max())
 
 
+def test_ep_rows_ops_pass_opcheck():
+    """The movement's opaque ops (kernels/ep_rows.py): schema, fake and autograd registration agree with
+    what they compute (the gradient's values: test_traced_gathers_take_the_inverse_gather_as_gradient)."""
+    from moe_compile.kernels import ep_rows
+
+    gen = torch.Generator().manual_seed(0)
+    lay = padded_layout(_random_plan(gen, 2, 3, 7, "random"), 7)
+    t = torch.randn(7, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    torch.library.opcheck(ep_rows.gather_rows, (t, lay.pack_ok, lay.pack_src, lay.unpack_ok, lay.unpack_src))
+    plan = _random_plan(gen, 2, 3, 7, "random")
+    torch.library.opcheck(ep_rows.ep_layout, (plan, 7))
+    assert all(torch.equal(a, b) for a, b in zip(ep_rows.ep_layout(plan, 7), padded_layout(plan, 7)))
+
+
 def test_ep_experts_eager_raises_and_has_the_global_shape():
     with pytest.raises(RuntimeError, match=r'ep_experts: .*parallelize_experts.*backend="moe".*explain'):
         OPS.ep_experts(torch.zeros(2, 3, 4), 4, "any group")

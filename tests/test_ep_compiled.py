@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -417,6 +418,52 @@ def body_schedule(rank, ep):
 
 def test_ep2_all_to_all_overlaps_expert_gemms():
     run_distributed(body_schedule, 2)
+
+
+def _schedule_in_code(code: str) -> tuple[bool, bool]:
+    """In Inductor's generated code: (some expert GEMM is launched between an all-to-all and its wait,
+    the waits come in the order the all-to-alls were issued). NCCL runs a group's collectives one after
+    another, so waiting for a later one first also waits for every earlier one (e.g. a chunk's tiny
+    count exchange issued after the previous chunk's rows)."""
+    lines = code.splitlines()
+    starts = {}
+    for i, line in enumerate(lines):
+        m = re.match(r"\s*(buf\d+) = torch\.ops\._c10d_functional\.all_to_all_single\.default\(", line)
+        if m:
+            starts[m.group(1)] = i
+    waits = {b: next(j for j in range(i + 1, len(lines)) if f"wait_tensor.default({b})" in lines[j])
+             for b, i in starts.items()}
+    overlapped = any(any("grouped_mm" in lines[j] for j in range(starts[b] + 1, waits[b])) for b in starts)
+    issued = sorted(starts, key=starts.get)
+    return overlapped, sorted(issued, key=waits.get) == issued
+
+
+def body_inductor_schedule(rank, ep):
+    """The schedule survives Inductor: in the code it generates (CPU here; the same scheduler on the
+    GPU), forward and backward each launch expert GEMMs while an all-to-all is in flight, and wait
+    for the all-to-alls in the order they were issued. Before,
+    Inductor's peak-memory reordering and its fusion of gathers across the wait put every wait right
+    after its all-to-all (2 x H200: exposed communication = all communication)."""
+    import moe_compile
+    from torch._inductor.utils import run_and_get_code
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+    torch.manual_seed(0)
+    model = moe_compile.parallelize_experts(LoopMoE(h=16, i=8, e=2 * ep), mesh)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="moe", options={"moe.ep_overlap_chunks": 2})
+    _, codes = run_and_get_code(lambda: compiled(torch.randn(16, 16), torch.zeros(16, 2 * ep)).sum().backward())
+    codes = [c for c in codes if "all_to_all_single" in c]
+    assert len(codes) == 2, f"expected a forward and a backward graph with all-to-alls, got {len(codes)}"
+    for name, code in zip(("forward", "backward"), codes):
+        overlapped, fifo = _schedule_in_code(code)
+        assert overlapped, f"{name}: Inductor runs no expert GEMM while an all-to-all is in flight"
+        assert fifo, f"{name}: a wait for a later all-to-all comes before the wait for an earlier one"
+
+
+def test_ep2_overlap_survives_inductor():
+    run_distributed(body_inductor_schedule, 2)
 
 
 @pytest.mark.slow
