@@ -2,7 +2,7 @@
 
 Legend as in ``ep_transport`` (ep ranks, E_local experts per rank, N routed rows per rank).
 
-    ep_layout(plan[2, ep, E_local] i64, n) -> ep_transport.PaddedLayout's eight tensors, in its order
+    ep_layout(plan[3, ep, E_local] i64, n) -> GatherLayout's four tensors, in its order
     gather_rows(t[M, H], ok[R] bool, idx[R] i64, inv_ok[M] bool, inv_idx[M] i64) -> [R, H]
         out[r] = t[idx[r]] where ok[r], else 0 (a select: inf/nan in unused rows of t stay out)
         gradient: gather_rows(g, inv_ok, inv_idx, ok, idx)
@@ -21,32 +21,67 @@ where ``lowering/overlap.py`` puts them.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .common import check
-from .ep_transport import padded_layout
 from .registry import implementation
 
 
+class GatherLayout(NamedTuple):
+    """The exchange's two row maps over [ep*N] rows, each the other's inverse on its valid rows.
+
+    mine_src/mine_ok: expert-major row p of this rank's experts is all-gathered row mine_src[p]
+    (rank s's xp row i at s*N + i) where mine_ok[p] (p < the rows received), else zero.
+    back_src/back_ok: all-gathered row r is expert-major row back_src[r] where back_ok[r] (r is a row
+    of one of this rank's experts), else not this rank's.
+
+    Worked example (ep=2, E_local=2, N=3; this is rank 0; plan from ep_traceable.plan)::
+
+        rank 0 xp: a(e0) b(e1) c(e2)      rank 1 xp: d(e1) e(e1) f(e3)      gathered: a b c d e f
+        plan[1] (received counts) = [[1, 1], [0, 2]], plan[2] (their starts) = [[0, 1], [0, 0]]
+        expert-major: e0: a; e1: b, d, e  ->  mine_src = [0, 1, 3, 4, -, -], mine_ok = [1, 1, 1, 1, 0, 0]
+        back_src = [0, 1, -, 2, 3, -], back_ok = [1, 1, 0, 1, 1, 0]
+    """
+    mine_src: torch.Tensor
+    mine_ok: torch.Tensor
+    back_src: torch.Tensor
+    back_ok: torch.Tensor
+
+
+def gather_layout(plan: torch.Tensor, n: int) -> GatherLayout:
+    """``GatherLayout`` from the plan: static shapes, device-side arithmetic, deterministic."""
+    recv, starts = plan[1], plan[2]                       # [ep, E_local]: rows from rank s for my expert j
+    ep, e_local = recv.shape
+    rows = ep * n
+    p = torch.arange(rows, device=plan.device)
+    block_ends = recv.t().reshape(-1).cumsum(0)            # blocks (j, s), expert-major then source
+    block = torch.searchsorted(block_ends, p, right=True)  # [ep*N] in [0, E_local*ep]
+    mine_ok = block < e_local * ep
+    block = block.clamp(max=e_local * ep - 1)
+    j, s = block // ep, block % ep
+    first = block_ends[block] - recv[s, j]
+    mine_src = torch.where(mine_ok, s * n + starts[s, j] + p - first, 0)
+    # the inverse, by a scatter with distinct targets: invalid p write past the end (dropped with it)
+    back = torch.full((2 * rows,), -1, dtype=torch.int64, device=plan.device)
+    back.scatter_(0, torch.where(mine_ok, mine_src, rows + p), p)
+    back = back[:rows]
+    return GatherLayout(mine_src, mine_ok, back.clamp(min=0), back >= 0)
+
+
 @torch.library.custom_op("moe_compile::ep_layout", mutates_args=())
-def ep_layout(plan: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                  torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    check(plan.dim() == 3 and plan.shape[0] == 2 and plan.dtype == torch.int64, "ep_layout",
-          f"plan must be int64 [2, ep, E_local] (ep_traceable.plan), got {plan.dtype} {tuple(plan.shape)}")
-    return tuple(t.contiguous() for t in padded_layout(plan, n))
+def ep_layout(plan: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    check(plan.dim() == 3 and plan.shape[0] == 3 and plan.dtype == torch.int64, "ep_layout",
+          f"plan must be int64 [3, ep, E_local] (ep_traceable.plan), got {plan.dtype} {tuple(plan.shape)}")
+    return tuple(gather_layout(plan, n))
 
 
 @ep_layout.register_fake
 def _(plan, n):
     rows = plan.shape[1] * n
-
-    def idx(m):
-        return plan.new_empty(m, dtype=torch.int64)
-
-    def ok(m):
-        return plan.new_empty(m, dtype=torch.bool)
-
-    return idx(rows), ok(rows), idx(n), ok(n), idx(rows), ok(rows), idx(rows), ok(rows)
+    return (plan.new_empty(rows, dtype=torch.int64), plan.new_empty(rows, dtype=torch.bool),
+            plan.new_empty(rows, dtype=torch.int64), plan.new_empty(rows, dtype=torch.bool))
 
 
 def _check_gather(t, ok, idx, inv_ok, inv_idx):

@@ -12,9 +12,10 @@ this module at three points, so the chain it emits becomes::
     y = ep_traceable.combine(h, plan, group)                  <- combine(): back in xp's order, [N, H]
     out = unpermute_combine(y, inv, w, offs)
 
-The movement is the PaddedAllToAll transport written with functional collectives (traced by
-AOTAutograd into all_to_all_single + wait_tensor nodes, differentiated by it); the opaque
-``moe_compile.ep_*`` ops of kernels/ep.py do the same movement outside a compiled graph.
+The movement is written with functional collectives (kernels/ep_traceable.py: an all-gather of the
+rows and a reduce-scatter of the results, traced by AOTAutograd into collectives + wait_tensor nodes,
+differentiated by it); the opaque ``moe_compile.ep_*`` ops of kernels/ep.py do the same movement
+outside a compiled graph (padded all-to-all).
 
 ``passes/legality.expert_parallel`` has checked that every expert weight and bias of the region is
 such a marker, over one group, for the router's E.
@@ -60,7 +61,7 @@ def layout(region: Region) -> EPLayout | None:
 
 @dataclass(frozen=True)
 class InFlight:
-    """One direction of an exchange started but not received: the all-to-all result and the layout."""
+    """One direction of an exchange started but not received: the collective's result and the layout."""
     sent: fx.Node
     layout: fx.Node
 
@@ -68,7 +69,7 @@ class InFlight:
 def dispatch(b, xp: fx.Node, offs: fx.Node, ep: EPLayout):
     """Start sending rows to the ranks that own their experts: (InFlight, group offsets of the rows
     this rank will receive, the plan). ``receive`` finishes it. Emitted as traceable code
-    (``kernels/ep_traceable.py``): the compiler sees the all-to-alls and the post_grad stage's
+    (``kernels/ep_traceable.py``): the compiler sees the collectives and the post_grad stage's
     ``ep_overlap`` pass schedules them."""
     n = val(xp).shape[0]
     planned = b.fn(ep_traceable.plan, offs, ep.num_experts, ep.group_name, n)
@@ -99,12 +100,12 @@ def describe(ep: EPLayout, received, chunks: int) -> str:
 
     size = dist.get_world_size(resolve_group(ep.group_name))
     if chunks > 1:
-        overlap = f"overlap: all-to-alls issued early and waited late (ep_overlap), {chunks} token chunks"
+        overlap = f"overlap: collectives issued early and waited late (ep_overlap), {chunks} token chunks"
     else:
-        overlap = ("one token chunk, no overlap (moe.ep_overlap_chunks > 1 splits the tokens so all-to-alls "
+        overlap = ("one token chunk, no overlap (moe.ep_overlap_chunks > 1 splits the tokens so collectives "
                    "can run under another chunk's GEMMs)")
     return (f"expert parallel: ep={size} ranks, {ep.num_experts // size} of {ep.num_experts} experts per rank, "
-            f"transport padded all-to-all (functional collectives, sync-free), receive capacity "
+            f"transport all-gather / reduce-scatter (functional collectives, sync-free), receive capacity "
             f"{received.shape[0]} rows per chunk (every rank's rows: dropless), {overlap}")
 
 

@@ -1,10 +1,11 @@
-"""schedule_collectives: issue every all-to-all as early as possible, wait for each as late as possible.
+"""schedule_collectives: issue every collective as early as possible, wait for each as late as possible.
 
 A post_grad pass (``pipeline.PASSES``: ``ep_overlap``) over each forward and backward ATen graph.
 AOTAutograd traces the expert-parallel movement (``kernels/ep_traceable.py``) into
-``_c10d_functional.all_to_all_single`` (async: it returns at once; NCCL runs the collectives of a
-group one after another, in issue order, on its own stream) and ``wait_tensor`` (the compute stream
-waits there until the rows arrived).
+``_c10d_functional`` collectives (the counts' ``all_to_all_single``, the rows'
+``all_gather_into_tensor`` and ``reduce_scatter_tensor``: async, they return at once; NCCL runs the
+collectives of a group one after another, in issue order, on its own stream) and ``wait_tensor``
+(the compute stream waits there until the rows arrived).
 
 The graph is re-listed by a list scheduler; among the nodes whose inputs are all placed it takes:
 
@@ -36,7 +37,7 @@ import heapq
 import torch
 import torch.fx as fx
 
-_COLLECTIVES = {"all_to_all_single"}
+_COLLECTIVES = {"all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor"}
 _WAITS = {"wait_tensor"}
 _ORDERED_FREELY = {"_assert_async"}   # side effects that only need their inputs (a device-side check)
 

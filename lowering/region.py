@@ -178,7 +178,7 @@ def _anchor(g: fx.Graph, region: Region) -> fx.Node:
 def lower_region(gm: fx.GraphModule, region: Region, ep_chunks: int = 1) -> tuple[str, ...]:
     """Rewrite ``region`` in ``gm`` (in place), then lint and recompile; returns notes on how.
     ``ep_chunks``: an expert-parallel region's tokens are split into this many chunks, whose
-    all-to-alls the post_grad ``ep_overlap`` pass overlaps with the other chunks' expert GEMMs."""
+    collectives the post_grad ``ep_overlap`` pass overlaps with the other chunks' expert GEMMs."""
     g = gm.graph
     anchor = _anchor(g, region)
     b = GraphBuilder(g, anchor, GraphBuilder.fake_mode_of(region.x, "lower_region"), anchor)
@@ -243,11 +243,11 @@ def _chunks(region: Region, ep, ep_chunks: int) -> list[int]:
 
 
 def _lower_chunked(b: GraphBuilder, region: Region, ep, sizes: list[int]):
-    """The whole chain per chunk of tokens, in three phases so that each all-to-all has another
+    """The whole chain per chunk of tokens, in three phases so that each collective has another
     chunk's expert GEMMs to hide under (lowering/overlap.py then issues it early, waits late)::
 
-        for each chunk: route_permute, permute_rows, plan, send rows          (all-to-all started)
-        for each chunk: receive rows, expert GEMMs, send results back        (all-to-all started)
+        for each chunk: route_permute, permute_rows, plan, send rows          (all-gather started)
+        for each chunk: receive rows, expert GEMMs, send results back        (reduce-scatter started)
         for each chunk: receive results, unpermute_combine;  cat"""
     router = region.router
     t, k = val(region.x).shape[0], router.top_k

@@ -376,7 +376,7 @@ def _between(graph, is_start, is_end, is_work) -> bool:
 
 
 def body_schedule(rank, ep):
-    """After the ep_overlap pass, each direction of the training step has an all-to-all in flight
+    """After the ep_overlap pass, each direction of the training step has a collective in flight
     while another chunk's expert GEMMs run (forward: grouped_mm; backward: its dgrad / wgrad), and
     the backward moves rows with gathers only (no index_add: an atomic scatter on the GPU)."""
     import moe_compile
@@ -412,36 +412,41 @@ def body_schedule(rank, ep):
                 and any(s in str(n.target) for s in ("index_add", "index_put", "index_select_backward", "scatter_add"))]
     assert not scatters, f"the movement's backward scatters rows ({scatters}): its gathers' gradients are gathers"
     for name, graph in zip(("forward", "backward"), graphs):
-        assert _between(graph, lambda n: op(n) == "all_to_all_single", lambda n: op(n) == "wait_tensor", gemm), \
-            f"{name}: no expert GEMM runs while an all-to-all is in flight"
+        assert _between(graph, lambda n: op(n) in ROW_COLLECTIVES, lambda n: op(n) == "wait_tensor", gemm), \
+            f"{name}: no expert GEMM runs while a collective is in flight"
 
 
 def test_ep2_all_to_all_overlaps_expert_gemms():
     run_distributed(body_schedule, 2)
 
 
+ROW_COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor")   # kernels/ep_traceable.py
+
+
 def _schedule_in_code(code: str) -> tuple[bool, bool]:
-    """In Inductor's generated code: (some expert GEMM is launched between an all-to-all and its wait,
-    the waits come in the order the all-to-alls were issued). NCCL runs a group's collectives one after
-    another, so waiting for a later one first also waits for every earlier one (e.g. a chunk's tiny
-    count exchange issued after the previous chunk's rows)."""
+    """In Inductor's generated code: (some expert GEMM is launched between a collective that moves rows
+    and its wait, the waits come in the order the collectives were issued). NCCL runs a group's
+    collectives one after another, so waiting for a later one first also waits for every earlier one
+    (e.g. a chunk's tiny count exchange issued after the previous chunk's rows)."""
     lines = code.splitlines()
-    starts = {}
+    starts, rows = {}, set()
     for i, line in enumerate(lines):
-        m = re.match(r"\s*(buf\d+) = torch\.ops\._c10d_functional\.all_to_all_single\.default\(", line)
-        if m:
+        m = re.match(r"\s*(buf\d+) = torch\.ops\._c10d_functional\.(\w+)\.default\(", line)
+        if m and m.group(2) != "wait_tensor":
             starts[m.group(1)] = i
+            if m.group(2) in ROW_COLLECTIVES:
+                rows.add(m.group(1))
     waits = {b: next(j for j in range(i + 1, len(lines)) if f"wait_tensor.default({b})" in lines[j])
              for b, i in starts.items()}
-    overlapped = any(any("grouped_mm" in lines[j] for j in range(starts[b] + 1, waits[b])) for b in starts)
+    overlapped = any(any("grouped_mm" in lines[j] for j in range(starts[b] + 1, waits[b])) for b in rows)
     issued = sorted(starts, key=starts.get)
     return overlapped, sorted(issued, key=waits.get) == issued
 
 
 def body_inductor_schedule(rank, ep):
     """The schedule survives Inductor: in the code it generates (CPU here; the same scheduler on the
-    GPU), forward and backward each launch expert GEMMs while an all-to-all is in flight, and wait
-    for the all-to-alls in the order they were issued. Before,
+    GPU), forward and backward each launch expert GEMMs while rows are in flight, and wait for the
+    collectives in the order they were issued. Before,
     Inductor's peak-memory reordering and its fusion of gathers across the wait put every wait right
     after its all-to-all (2 x H200: exposed communication = all communication)."""
     import moe_compile
@@ -454,12 +459,12 @@ def body_inductor_schedule(rank, ep):
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="moe", options={"moe.ep_overlap_chunks": 2})
     _, codes = run_and_get_code(lambda: compiled(torch.randn(16, 16), torch.zeros(16, 2 * ep)).sum().backward())
-    codes = [c for c in codes if "all_to_all_single" in c]
-    assert len(codes) == 2, f"expected a forward and a backward graph with all-to-alls, got {len(codes)}"
+    codes = [c for c in codes if "_c10d_functional" in c]
+    assert len(codes) == 2, f"expected a forward and a backward graph with collectives, got {len(codes)}"
     for name, code in zip(("forward", "backward"), codes):
         overlapped, fifo = _schedule_in_code(code)
-        assert overlapped, f"{name}: Inductor runs no expert GEMM while an all-to-all is in flight"
-        assert fifo, f"{name}: a wait for a later all-to-all comes before the wait for an earlier one"
+        assert overlapped, f"{name}: Inductor runs no expert GEMM while rows are in flight"
+        assert fifo, f"{name}: a wait for a later collective comes before the wait for an earlier one"
 
 
 def test_ep2_overlap_survives_inductor():
