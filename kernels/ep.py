@@ -43,8 +43,7 @@ EP_EXPERTS_ERROR = (
     "moe_compile.ep_experts: these experts are sharded over an expert-parallel mesh by "
     "moe_compile.parallelize_experts; run the model through torch.compile(model, backend=\"moe\"), which "
     "rewrites the MoE layer into expert-parallel dispatch/combine. If it already does, this layer was refused: "
-    "the WARNING logged when it compiled, or moe_compile.explain(model, inputs), says why (e.g. autocast_gemm: "
-    "torch.autocast over fp32 expert weights)")
+    "the WARNING logged when it compiled, or moe_compile.explain(model, inputs), says why")
 
 
 def _ep_size(group_name: str) -> int:

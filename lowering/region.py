@@ -64,7 +64,7 @@ def _cast(b: GraphBuilder, node: fx.Node, dtype) -> fx.Node:
 
 def _emit_linear(b: GraphBuilder, region: Region, h: fx.Node, step, offs: fx.Node, ep) -> fx.Node:
     """One linear step over all experts. Under torch.autocast (``step.dtype``, the dtype the product
-    ran in, differs from its operands'; legality: not expert-parallel) its operands are cast to that
+    ran in, differs from its operands') its operands are cast to that
     dtype first, as autocast casts a linear's: the input rows and each weight tensor once (a weight
     list per expert; ``lowering/expert_stack.py`` turns those casts into one of the stack). A bias
     added after the product in a wider dtype is added after the GEMM (``_add_group_bias``)."""
@@ -76,7 +76,7 @@ def _emit_linear(b: GraphBuilder, region: Region, h: fx.Node, step, offs: fx.Nod
         bs = (expert_parallel.local_operand(b, stacked_source(bs)),) if bs is not None else None
     cd = step.dtype
     h = _cast(b, h, cd)
-    if bs is not None and step.bias_after and ep is None and _promoted(step, bs):
+    if bs is not None and step.bias_after and _promoted(step, bs):
         y = _emit_linear(b, region, h, dataclasses.replace(step, linear=(w_slot, None, layout)), offs, ep)
         return _add_group_bias(b, y, bs, offs, step.sum_dtype)
     if len(ws) == 1 and val(ws[0]).dim() == 3:      # one weight for all experts (grouped_regions)
@@ -221,14 +221,21 @@ def _lower_whole(b: GraphBuilder, region: Region, ep):
     weights = _pair_weights(b, router, ones=False)
     h = _emit_experts(b, region, rows, gemm_offs, ep)
     y = expert_parallel.receive_back(b, expert_parallel.send_back(b, h, flight, ep)) if ep is not None else h
-    wide = region.combine.dtype
-    if ep is None and val(y).dtype != wide and torch.promote_types(val(y).dtype, wide) == wide:
-        # expert rows narrower than the output they are summed into (bf16 products under autocast
-        # into an fp32 accumulator): weighted and summed in the output's dtype, as the model does
-        y = b.method("to", y, wide)
+    y = _widen(b, region, y)
     if weights is None:  # weight 1: the backward is a gather, y is not kept
         return h, b.fn(OPS.unpermute_sum.default, y, perm, inv, offs, router.top_k), received
     return h, b.fn(OPS.unpermute_combine.default, y, inv, weights, offs), received
+
+
+def _widen(b: GraphBuilder, region: Region, y: fx.Node) -> fx.Node:
+    """Expert rows narrower than the output they are summed into (bf16 products under autocast into
+    an fp32 accumulator) are weighted and summed in the output's dtype, as the model does. Under
+    expert parallelism after the rows came back: they travel in the product's dtype (the cast
+    commutes with moving rows)."""
+    wide = region.combine.dtype
+    if val(y).dtype != wide and torch.promote_types(val(y).dtype, wide) == wide:
+        return b.method("to", y, wide)
+    return y
 
 
 def _chunks(region: Region, ep, ep_chunks: int) -> list[int]:
@@ -268,7 +275,8 @@ def _lower_chunked(b: GraphBuilder, region: Region, ep, sizes: list[int]):
         rows = expert_parallel.receive(b, flight)
         h = _emit_experts(b, region, rows, gemm_offs, ep)
         back.append(expert_parallel.send_back(b, h, flight, ep))
-    outs = [b.fn(OPS.unpermute_combine.default, expert_parallel.receive_back(b, flight), inv, w_c, offs)
+    outs = [b.fn(OPS.unpermute_combine.default, _widen(b, region, expert_parallel.receive_back(b, flight)), inv, w_c,
+                 offs)
             for flight, (inv, offs, *_), w_c in zip(back, sent, parts["w"])]
     return h, b.fn(torch.cat, outs), val(rows)
 

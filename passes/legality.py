@@ -17,9 +17,10 @@ code from ``reasons.REASONS``, the filled message and the fix. The rules::
                         Function, a detach trick) would train with another gradient
     input_weights       weights that scale the expert input reach it through views and casts only;
                         for dense experts, the expert maps the zero rows of unselected pairs to zero
-    autocast_gemms      under torch.autocast (a product whose output dtype differs from an
-                        operand's) the lowering casts the grouped GEMMs' operands as autocast does;
-                        refused: expert parallelism
+
+Under torch.autocast (a product whose output dtype differs from an operand's) there is nothing to
+refuse: the lowering casts the grouped GEMMs' operands as autocast does (``Step.dtype``), with or
+without expert parallelism.
 """
 from __future__ import annotations
 
@@ -29,7 +30,6 @@ import torch
 import torch.fx as fx
 
 from . import reasons
-from .autocast import narrowed_product
 from .normalize import canon, val, where_in_user_code
 from .region import AccumulateInPlace, Candidate, Finding, Region, ReplaceOutput
 
@@ -247,23 +247,4 @@ def _has_bias(n: fx.Node) -> bool:
     return canon(n) == "linear" and (n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")) is not None
 
 
-def autocast_gemms(region: Region) -> Finding | None:
-    """Under ``torch.autocast`` a product of fp32 operands runs in bf16 / fp16 (Dynamo's recorded
-    values show it: the output dtype differs from an operand's; without autocast a product's dtype is
-    its operands'). The grouped GEMMs that replace it are custom ops, which autocast leaves alone, so
-    the lowering casts their operands as autocast would (``Step.dtype``, ``lowering/region.py``; an
-    F.linear's own bias is cast with them; a bias added after the product, ``x @ W + b``, is added
-    to the narrow product in the sum's dtype, ``Step.sum_dtype``, as torch promotes it). Refused where
-    that is not done yet: expert-parallel regions."""
-    mismatch = narrowed_product(region.nodes)
-    if mismatch is None:
-        return None
-    from .region import ep_marker
-
-    if all(ep_marker(slot) is None for slot in region.experts.slots):
-        return None
-    n = mismatch.node
-    return Finding.of("autocast_gemm", n, node=n.name, op=mismatch.op, out=mismatch.out, ins=mismatch.ins)
-
-
-RULES = (expert_operands, input_2d, accumulator, expert_parallel, weights_path, input_weights, autocast_gemms)
+RULES = (expert_operands, input_2d, accumulator, expert_parallel, weights_path, input_weights)

@@ -122,12 +122,6 @@ REASONS: dict[str, Reason] = {
     "overwrite_then_add": Reason(
         "`{acc}` is both overwritten (`out[idx] = expert(...)`) and added to at {at}: which expert's rows survive "
         "depends on the order", "write every expert's rows the same way: `out[idx] = ...` (top-1) or `out[idx] += ...`"),
-    "autocast_gemm": Reason(
-        "the expert GEMM `{node}` ({op}) at {at} computes in {out} on {ins} operands (torch.autocast casts them) "
-        "and its experts are sharded over ranks (expert parallelism): the rewrite reproduces autocast's casts on "
-        "one rank only, so the region is compiled as written",
-        "keep the experts' weights in the compute dtype instead of autocasting them (model.to(torch.bfloat16), "
-        "or the expert modules alone; FSDP2's MixedPrecisionPolicy(param_dtype=torch.bfloat16) does that)"),
     "dense_input_nonzero": Reason(
         "the dense experts' input is scaled by the routing weights, and `{node}` ({op}) at {at} can make an "
         "unselected pair's zero row nonzero (a bias, a constant, an activation with f(0) != 0): leaving those "
