@@ -214,7 +214,7 @@ def _lower_whole(b: GraphBuilder, region: Region, ep):
                                                    router.top_k), perm)
     gemm_offs, received = offs, None
     if ep is not None:  # rows travel to the ranks that own their experts
-        flight, gemm_offs, _ = expert_parallel.dispatch(b, rows, offs, ep)
+        flight, gemm_offs, _ = expert_parallel.dispatch(b, _cast(b, rows, _travel_dtype(region)), offs, ep)
         rows = expert_parallel.receive(b, flight)
         received = val(rows)
     # the weights before the experts: lowering/weights_in_swiglu.py may move them into the activation
@@ -225,6 +225,21 @@ def _lower_whole(b: GraphBuilder, region: Region, ep):
     if weights is None:  # weight 1: the backward is a gather, y is not kept
         return h, b.fn(OPS.unpermute_sum.default, y, perm, inv, offs, router.top_k), received
     return h, b.fn(OPS.unpermute_combine.default, y, inv, weights, offs), received
+
+
+def _travel_dtype(region: Region):
+    """The dtype the expert function reads its rows in, when every step reading them is a linear whose
+    product autocast runs in one dtype: rows sent to other ranks are cast to it before they travel
+    (fp32 activations under bf16 autocast: half the bytes; the cast commutes with moving rows, forward
+    and backward). None otherwise (rows travel as they are)."""
+    def reads_rows(x) -> bool:
+        return x == ("in",) or (isinstance(x, (list, tuple)) and any(reads_rows(i) for i in x))
+
+    readers = [st for st in region.experts.steps if reads_rows(st.args) or reads_rows(st.kwargs)]
+    dtypes = {st.dtype for st in readers}
+    if readers and all(st.linear is not None for st in readers) and len(dtypes) == 1:
+        return dtypes.pop()
+    return None
 
 
 def _widen(b: GraphBuilder, region: Region, y: fx.Node) -> fx.Node:
@@ -268,7 +283,7 @@ def _lower_chunked(b: GraphBuilder, region: Region, ep, sizes: list[int]):
         routed = b.fn(OPS.route_permute.default, ids_c, router.num_experts)
         perm, inv, offs = (b.fn(operator.getitem, routed, i) for i in range(3))
         rows = b.fn(OPS.permute_rows.default, x_c, perm, inv, offs, k)
-        flight, gemm_offs, _ = expert_parallel.dispatch(b, rows, offs, ep)
+        flight, gemm_offs, _ = expert_parallel.dispatch(b, _cast(b, rows, _travel_dtype(region)), offs, ep)
         sent.append((inv, offs, flight, gemm_offs))
     back = []
     for _, _, flight, gemm_offs in sent:

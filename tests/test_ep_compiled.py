@@ -111,6 +111,15 @@ class BiasLoopMoE(LoopMoE):
         return out
 
 
+class Fp32RowsLoopMoE(LoopMoE):
+    """LoopMoE without the dense layer: under torch.autocast its MoE input stays fp32 (as a transformers
+    block's after its fp32 RMSNorm) while the expert products run in bf16."""
+
+    def __init__(self, h=8, i=6, e=4, k=2):
+        super().__init__(h, i, e, k)
+        self.dense = nn.Identity()
+
+
 class SortedMoE(nn.Module):
     """The Hugging Face grouped_mm form: sort, histc offsets, grouped GEMMs on W.transpose(-2, -1)
     (the marker sits behind a view), per-expert bias b[sorted ids], unsort, sum over top-k."""
@@ -164,6 +173,7 @@ CASES = {
     "sorted_random": (SortedMoE, 6, 2, 2, "random"),
     "sorted_uneven_one_token": (SortedMoE, 1, 2, 2, "uneven"),
     "loop_bias_top2": (BiasLoopMoE, 6, 2, 2, "random"),
+    "loop_fp32_rows_top2": (Fp32RowsLoopMoE, 6, 2, 2, "random"),
 }
 
 
@@ -408,8 +418,24 @@ def test_ep2_under_autocast_matches_eager(chunks):
     """torch.autocast(bf16) over fp32 expert weights (HF Trainer's bf16=True), experts sharded: the
     products run in bf16 as autocast runs them (rows travel in the product's dtype), a bias after the
     product is added in fp32; outputs and every gradient match the unsharded model under autocast.
-    Before, such regions were refused (``autocast_gemm``) and the call raised."""
-    run_distributed(body_cases, 2, ("loop_random_top2", "loop_bias_top2"), chunks, True)
+    Before, such regions were refused (``autocast_gemm``) and the call raised. fp32 rows whose every
+    reader is a bf16 product travel as bf16 (the first collective's input: half the bytes)."""
+    run_distributed(body_autocast, 2, chunks)
+
+
+def body_autocast(rank, ep, chunks):
+    from moe_compile.lowering import overlap
+
+    body_cases(rank, ep, ("loop_random_top2", "loop_bias_top2"), chunks, True)
+    graphs, real = [], overlap.schedule_collectives
+    overlap.schedule_collectives = lambda g: (graphs.append(g), real(g))[1]
+    try:
+        body_cases(rank, ep, ("loop_fp32_rows_top2",), chunks, True)
+    finally:
+        overlap.schedule_collectives = real
+    gathered = [n.args[0].meta["val"].dtype for n in graphs[0].nodes
+                if n.op == "call_function" and getattr(n.target, "_opname", "") == "all_gather_into_tensor"]
+    assert gathered and set(gathered) == {torch.bfloat16}, f"rows travel as {gathered}, not as the bf16 products read them"
 
 
 def _between(graph, is_start, is_end, is_work) -> bool:
