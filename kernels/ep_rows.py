@@ -1,8 +1,8 @@
-"""The expert-parallel movement's index maps and row gathers, as ops the compiler cannot fuse across.
+"""The expert-parallel movement's index maps, and its row gathers as an op the compiler cannot fuse across.
 
 Legend as in ``ep_transport`` (ep ranks, E_local experts per rank, N routed rows per rank).
 
-    ep_layout(plan[3, ep, E_local] i64, n) -> GatherLayout's four tensors, in its order
+    gather_layout(plan[3, ep, E_local] i64, n) -> GatherLayout (traced torch: Inductor fuses it)
     gather_rows(t[M, H], ok[R] bool, idx[R] i64, inv_ok[M] bool, inv_idx[M] i64) -> [R, H]
         out[r] = t[idx[r]] where ok[r], else 0 (a select: inf/nan in unused rows of t stay out)
         gradient: gather_rows(g, inv_ok, inv_idx, ok, idx)
@@ -12,12 +12,13 @@ where ``inv_ok`` and the output rows where ``ok`` (``idx[inv_idx[i]] == i`` ther
 feed nothing and get zero. ATen's own gradient of the gather is an ``index_add`` (an atomic scatter:
 ~1 ms per call at Qwen3's widths on an H200).
 
-Why ops rather than traced ATen (as before): Inductor fused the traced gathers and index arithmetic
-across the all-to-all's wait (the receive gather with the layout maps computed before the send, one
-kernel), and its scheduler put that kernel, and the wait it needs, where its earliest part stood:
-right after the send. No compute then ran under any all-to-all (2 x H200, Qwen3-30B-A3B layer:
-exposed communication = all communication, 2 token chunks slower than 1). As opaque ops they stay
-where ``lowering/overlap.py`` puts them.
+Why an op rather than traced ATen (as before): Inductor fused the traced gathers with the layout
+arithmetic computed before the send (the receive gather and its index maps, one kernel), and its
+scheduler put that kernel, and the wait it needs, where its earliest part stood: right after the send.
+No compute then ran under any all-to-all (2 x H200, Qwen3-30B-A3B layer: exposed communication = all
+communication, 2 token chunks slower than 1). Only opaque gathers read a collective's result now, so no
+fused kernel straddles a wait, and they stay where ``lowering/overlap.py`` puts them. The index maps
+stay traced (an opaque op for them cost ~0.3 ms of host time per layer-step in eager index ops).
 """
 from __future__ import annotations
 
@@ -68,20 +69,6 @@ def gather_layout(plan: torch.Tensor, n: int) -> GatherLayout:
     back.scatter_(0, torch.where(mine_ok, mine_src, rows + p), p)
     back = back[:rows]
     return GatherLayout(mine_src, mine_ok, back.clamp(min=0), back >= 0)
-
-
-@torch.library.custom_op("moe_compile::ep_layout", mutates_args=())
-def ep_layout(plan: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    check(plan.dim() == 3 and plan.shape[0] == 3 and plan.dtype == torch.int64, "ep_layout",
-          f"plan must be int64 [3, ep, E_local] (ep_traceable.plan), got {plan.dtype} {tuple(plan.shape)}")
-    return tuple(gather_layout(plan, n))
-
-
-@ep_layout.register_fake
-def _(plan, n):
-    rows = plan.shape[1] * n
-    return (plan.new_empty(rows, dtype=torch.int64), plan.new_empty(rows, dtype=torch.bool),
-            plan.new_empty(rows, dtype=torch.int64), plan.new_empty(rows, dtype=torch.bool))
 
 
 def _check_gather(t, ok, idx, inv_ok, inv_idx):

@@ -19,9 +19,8 @@ the reduce-scatter and the other way round. On the wire this is what an equal-sp
 to the worst case sends (N rows to every peer), minus its pack gather on the way out and its unpack
 gather on the way back: two row gathers per layer and direction instead of four.
 
-The layout maps and the gathers are ops of their own (``ep_rows``: ``ep_layout``, ``gather_rows``,
-whose gradient is the inverse gather): opaque to Inductor, so it cannot fuse them across a wait and
-undo the schedule.
+The gathers are an op of their own (``ep_rows.gather_rows``, whose gradient is the inverse gather):
+opaque to Inductor, so it cannot fuse them across a wait and undo the schedule.
 
 Every rank must route the same N rows: ``plan`` exchanges N with the counts and asserts it on the
 device (no host sync, no extra collective).
@@ -57,8 +56,10 @@ def plan(offsets: torch.Tensor, num_experts: int, group_name: str, rows: int) ->
 
 
 def layout(plan: torch.Tensor, n: int) -> GatherLayout:
-    """The two gathers of one exchange, computed once for both directions."""
-    return GatherLayout(*ep_rows.ep_layout(plan, n))
+    """The two gathers of one exchange, computed once for both directions (traced: Inductor fuses the
+    index arithmetic; only the opaque gathers read the collectives' results, so no fused kernel can
+    straddle a wait)."""
+    return ep_rows.gather_layout(plan, n)
 
 
 def send_rows(xp: torch.Tensor, lay: GatherLayout, group_name: str) -> torch.Tensor:

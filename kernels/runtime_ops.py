@@ -59,7 +59,6 @@ OPS = {
     "swiglu_backward": activation_ops.swiglu_backward,
     "weighted_swiglu": activation_ops.weighted_swiglu,
     "weighted_swiglu_backward": activation_ops.weighted_swiglu_backward,
-    "ep_layout": ep_rows.ep_layout,
     "gather_rows": ep_rows.gather_rows,
 }
 

@@ -48,6 +48,11 @@ Metrics (one row per level x config x variant, printed as JSON as it finishes; t
                    across variants (the CPU test checks it)
   vs anchor        ep_titan's step time / this variant's step time (same level and config)
 
+One GPU (`--nproc_per_node 1`): the expert-parallel variants run over a group of one rank, every
+expert local; the collectives move nothing between GPUs, so each row's excess over single_moe is what
+the movement costs on the GPU itself (gathers, layout, the collectives' local copies, the anchor's
+host syncs).
+
 Multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 are
 set unless the caller set them). Parameters are bf16 (CPU: fp32), random fan-in-scaled init, AdamW
 (foreach) in the parameters' dtype; attention has no rotary embedding (elementwise work no formula counts,
@@ -774,7 +779,7 @@ def run_variant(level, name, cfg, variant, ctx, args) -> dict:
     if variant == "ep_deepep" and (why := deepep_status(ctx.device)):
         row["status"] = why
         return row
-    if variant != "single_moe" and ctx.world < 2:
+    if variant != "single_moe" and ctx.world < 2 and ctx.cpu:
         row["status"] = "skipped: expert parallelism needs >= 2 ranks"
         return row
     torch._dynamo.reset()  # one process compiles several variants: no compiled entry may leak across backends
