@@ -74,10 +74,13 @@ class LoopMoE(nn.Module):
         ex = self.experts
         for e in range(self.e):
             tok, slot = torch.where(ids == e)
-            a = x[tok] @ ex.gate_up[e]
+            a = self.up(x[tok], e)
             y = (F.silu(a[:, :ex.i]) * a[:, ex.i:]) @ ex.down[e]
             out.index_add_(0, tok, (y * w[tok, slot, None]).to(out.dtype))  # the cast: for autocast
         return out
+
+    def up(self, rows, e):
+        return rows @ self.experts.gate_up[e]
 
 
 class HFLayoutExperts(nn.Module):
@@ -98,17 +101,8 @@ class BiasLoopMoE(LoopMoE):
         super().__init__(h, i, e, k)
         self.experts.gate_up_bias = nn.Parameter(torch.randn(e, 2 * i))
 
-    def forward(self, x, logit_bias):
-        x = self.dense(x)
-        w, ids = (self.router(x) + logit_bias).softmax(-1).topk(self.k, dim=-1)
-        out = torch.zeros_like(x)
-        ex = self.experts
-        for e in range(self.e):
-            tok, slot = torch.where(ids == e)
-            a = x[tok] @ ex.gate_up[e] + ex.gate_up_bias[e]
-            y = (F.silu(a[:, :ex.i]) * a[:, ex.i:]) @ ex.down[e]
-            out.index_add_(0, tok, (y * w[tok, slot, None]).to(out.dtype))  # the cast: for autocast
-        return out
+    def up(self, rows, e):
+        return rows @ self.experts.gate_up[e] + self.experts.gate_up_bias[e]
 
 
 class Fp32RowsLoopMoE(LoopMoE):
