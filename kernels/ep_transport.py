@@ -1,4 +1,6 @@
-"""How expert-parallel rows and counts move between ranks: one interface, picked in one place.
+"""How expert-parallel rows and counts move between ranks for the ops of ``ep.py``: one interface, picked
+in one place. (Compiled graphs move rows with ``ep_traceable.py``'s all-gather / reduce-scatter, which
+the compiler can schedule; these transports serve the opaque ops called outside a compiled graph.)
 
 Legend: ep ranks in the expert-parallel group, E experts, E_local = E / ep experts per rank (rank r
 owns global experts [r*E_local, (r+1)*E_local)), N routed rows per rank (T tokens x K top-k; the

@@ -19,8 +19,9 @@ must live in another module, as in every HF model). For each container, in place
 * the module's class becomes a subclass whose *property* ``name`` returns
   ``torch.ops.moe_compile.ep_experts(self._ep_local_<name>, E, group_name)``: Dynamo traces it, so
   the graph holds the marker with the local shard as its input, and the backend's lowering turns
-  the layer into ep_plan / ep_dispatch / grouped GEMMs on the shard / ep_combine
-  (kernels/ep.py). Eager code that reads the property raises (the marker never computes);
+  the layer into plan / dispatch / grouped GEMMs on the shard / combine (kernels/ep_traceable.py;
+  the same movement as the ops of kernels/ep.py). Eager code that reads the property raises (the
+  marker never computes);
 * ``state_dict()`` shows ``name`` again, as a DTensor with ``Shard(0)`` and the global shape;
   ``load_state_dict`` takes such DTensors or plain full [E, ...] tensors (this rank's rows are
   kept), so torch.distributed.checkpoint saves at one ep and loads at another (or unsharded);
