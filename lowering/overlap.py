@@ -17,7 +17,8 @@ The graph is re-listed by a list scheduler; among the nodes whose inputs are all
   3. else the wait of the collective issued first (NCCL finishes them in that order).
 
 Nodes with other side effects (in-place writes, random number draws, prints) are barriers: they keep
-their place relative to every other node. Forward of two token chunks, before (the lowering's order,
+their place relative to every other node. Graphs without the expert-parallel movement (no
+``gather_rows``) are left as they are. Forward of two token chunks, before (the lowering's order,
 one chunk after the other)::
 
     plan0 wait; send0 wait0 gemm0 back0 wait; plan1 wait; send1 wait1 gemm1 back1 wait; unpermute
@@ -47,6 +48,11 @@ def _name(node: fx.Node) -> str:
     if node.op != "call_function" or getattr(target, "namespace", None) != "_c10d_functional":
         return ""
     return getattr(target, "_opname", "") or getattr(getattr(target, "_overloadpacket", None), "__name__", "")
+
+
+def _moves_expert_rows(node: fx.Node) -> bool:
+    """The expert-parallel movement's gather (``kernels/ep_rows.py``), the op or its runtime twin."""
+    return node.op == "call_function" and getattr(node.target, "_opname", None) == "gather_rows"
 
 
 def _is_barrier(node: fx.Node) -> bool:
@@ -88,8 +94,8 @@ def schedule_collectives(graph: fx.Graph) -> int:
     """Re-list the graph as the module docstring says; returns how many nodes changed position."""
     nodes = list(graph.nodes)
     collectives = [n for n in nodes if _name(n) in _COLLECTIVES]
-    if not collectives:
-        return 0
+    if not collectives or not any(_moves_expert_rows(n) for n in nodes):
+        return 0   # other code's collectives (e.g. a traced FSDP) keep the order they were given
     pos = {n: i for i, n in enumerate(nodes)}
     gates = set()  # every node some collective reads, directly or not
     stack = list(collectives)

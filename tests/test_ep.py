@@ -625,3 +625,42 @@ def test_hf_experts_found(name, mesh1):
     assert set(infos) == {f"model.layers.{i}.mlp.experts" for i in range(2)}
     assert all(sorted(i.names) == sorted(names) and i.num_experts == 4 for i in infos.values()), infos
     assert {k: v.shape for k, v in model.state_dict().items()} == shapes
+
+
+def test_schedule_collectives_on_hand_built_graphs():
+    """lowering/overlap.py on graphs built by hand: a graph without the expert-parallel movement keeps
+    its order (its collectives are someone else's); with it, the collective is issued before work that
+    does not feed it, its wait comes after that work, and an in-place write stays where it was relative
+    to every other node (a barrier)."""
+    import torch.distributed._functional_collectives  # noqa: F401  (registers _c10d_functional)
+    import torch.fx as fx
+
+    from moe_compile.kernels import ep_rows  # noqa: F401  (registers moe_compile::gather_rows)
+    from moe_compile.lowering.overlap import schedule_collectives
+
+    c10d, aten = torch.ops._c10d_functional, torch.ops.aten
+
+    def build(with_movement: bool):
+        g = fx.Graph()
+        x, ok, idx, y = (g.placeholder(name) for name in ("x", "ok", "idx", "y"))
+        before = g.call_function(aten.cos.default, (y,))                        # reads y before the write
+        write = g.call_function(aten.add_.Tensor, (y, 1))                       # a barrier
+        gate = g.call_function(aten.sin.default, (y,))                          # reads y after it; feeds the send
+        rows = (g.call_function(torch.ops.moe_compile.gather_rows.default, (gate, ok, idx, ok, idx))
+                if with_movement else g.call_function(aten.neg.default, (gate,)))
+        other = g.call_function(aten.exp.default, (x,))                        # feeds no collective
+        sent = g.call_function(c10d.all_gather_into_tensor.default, (rows, 2, "0"))
+        got = g.call_function(c10d.wait_tensor.default, (sent,))
+        g.output((before, write, other, got))
+        return g
+
+    g = build(False)
+    before = [n.name for n in g.nodes]
+    assert schedule_collectives(g) == 0 and [n.name for n in g.nodes] == before
+
+    g = build(True)
+    assert schedule_collectives(g) > 0
+    order = [str(n.target).split(".")[-2] if n.op == "call_function" else n.name for n in g.nodes]
+    pos = {name: i for i, name in enumerate(order)}
+    assert pos["all_gather_into_tensor"] < pos["exp"] < pos["wait_tensor"], order    # work while rows travel
+    assert pos["cos"] < pos["add_"] < pos["sin"], order                               # the barrier kept its place
