@@ -38,20 +38,6 @@ def _permute_rows_kernel(x_ptr, perm_ptr, offs_ptr, xp_ptr, NR, H, E, sxm,
 
 @lean
 @triton.jit
-def _gather_rows_kernel(t_ptr, ok_ptr, idx_ptr, out_ptr, R, H, stm, BR: tl.constexpr, BH: tl.constexpr):
-    """out[r] = t[idx[r]] where ok[r], else 0 (expert parallelism's pack / unpack of rows)."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    cols = tl.program_id(1) * BH + tl.arange(0, BH)
-    rmask = rows < R
-    cmask = cols < H
-    ok = (tl.load(ok_ptr + rows, mask=rmask, other=0) != 0) & rmask
-    src = tl.load(idx_ptr + rows, mask=ok, other=0)
-    v = tl.load(t_ptr + src.to(tl.int64)[:, None] * stm + cols[None, :], mask=ok[:, None] & cmask[None, :], other=0.0)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], v, mask=rmask[:, None] & cmask[None, :])
-
-
-@lean
-@triton.jit
 def _combine_kernel(y_ptr, inv_ptr, w_ptr, offs_ptr, out_ptr, T, H, E, sym,
                     TOP_K: tl.constexpr, HAS_W: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
     """out[t] = sum_j w[t, j] * y[inv[t*K + j]] over kept rows (inv < total), fp32, j in order
@@ -293,19 +279,6 @@ def permute_rows(x: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, top
     _permute_rows_kernel[(triton.cdiv(nr, br), triton.cdiv(h, bh))](
         x, perm, offsets, xp, nr, h, offsets.numel(), x.stride(0), TOP_K=top_k, BR=br, BH=bh, num_warps=4)
     return xp
-
-
-def gather_rows(t: torch.Tensor, ok: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    t = t if t.stride(1) == 1 else t.contiguous()
-    r, h = idx.numel(), t.shape[1]
-    out = torch.empty(r, h, dtype=t.dtype, device=t.device)
-    if out.numel() == 0:
-        return out
-    bh = min(triton.next_power_of_2(h), 256 if t.element_size() <= 2 else 512)  # permute_rows' tiles
-    br = max(1, 4096 // bh)
-    _gather_rows_kernel[(triton.cdiv(r, br), triton.cdiv(h, bh))](
-        t, ok.view(torch.uint8), idx, out, r, h, t.stride(0), BR=br, BH=bh, num_warps=4)
-    return out
 
 
 def unpermute_combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor):

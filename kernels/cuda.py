@@ -10,7 +10,6 @@ What runs where (all sync-free: no .item()/.tolist()/nonzero, static launch shap
                                placement; up to ROUTE_PERMUTE_MAX_COUNTS blocks x keys), else torch:
                                int32 stable sort + searchsorted + scatter (no atomics)
     permute_rows               Triton gather (dropped rows written as 0)
-    gather_rows                Triton masked row gather (expert parallelism's pack / unpack)
     grouped_mm  16-bit, sm90,  Triton TMA grouped GEMM (_triton_tma: bias in the epilogue, rows past
                 aligned        offsets[-1] zeroed in the same launch; 0.98-1.13x CUTLASS and 1.1-1.3x
                                the pointer kernel on the benchmark layers' GEMMs,
@@ -290,12 +289,6 @@ def permute_rows(x, perm, offsets, top_k):
     return _triton_moe.permute_rows(x, perm, offsets, top_k)
 
 
-def gather_rows(t, ok, idx):
-    from . import _triton_moe
-
-    return _triton_moe.gather_rows(t, ok, idx)
-
-
 def unpermute_combine(y, inv, weights, offsets):
     from . import _triton_moe
 
@@ -350,7 +343,6 @@ _ALL = {
     "route_permute": route_permute,
     "router_topk": router_topk,
     "permute_rows": permute_rows,
-    "gather_rows": gather_rows,
     "grouped_mm": grouped_mm,
     "grouped_mm_list": grouped_mm_list,
     "grouped_mm_wgrad": grouped_mm_wgrad,

@@ -1,102 +1,67 @@
 """Expert-parallel movement as traceable torch code, so the compiler sees (and schedules) the collectives.
 
-The same movement as ``ep.ep_plan`` / ``ep_dispatch`` / ``ep_combine`` (static shapes, counts on the
-device, no host sync), written with functional collectives (``torch.distributed._functional_collectives``)
-instead of opaque custom ops. The expert-parallel lowering emits these functions; AOTAutograd traces
-them into row gathers and ``_c10d_functional`` collectives + ``wait_tensor`` nodes and differentiates
-them, and the post_grad stage's ``ep_overlap`` pass (``lowering/overlap.py``) orders them so that a
-chunk's collective runs under another chunk's expert GEMMs.
+Token-level, static shapes, counts on the device, no host sync: every rank all-gathers every rank's
+tokens (and their expert ids and routing weights), runs its own experts over the rows routed to them
+(the single-GPU ops: ``route_permute`` over the ids mapped to its local experts, the others dropped;
+``permute_rows``; the grouped GEMMs; ``unpermute_combine``), which gives each token a partial output
+(the sum over this rank's experts of its top-k), and reduce-scatters the partial outputs: each rank
+gets, for its own tokens, the sum over ranks, i.e. the full top-k combination. Written with functional
+collectives (``torch.distributed._functional_collectives``): AOTAutograd traces them into
+``_c10d_functional`` collectives + ``wait_tensor`` nodes and differentiates them (the all-gather's
+backward is a reduce-scatter and the other way round), and the post_grad stage's ``ep_overlap``
+pass (``lowering/overlap.py``) orders them so that work they do not feed runs while they travel.
 
-    plan(offsets[E] i32, E, group, N) -> plan[3, ep, E_local] i64, recv_offsets[E_local] i32
-    dispatch(xp[N, H], plan, group) -> [ep*N, H]     combine(y[ep*N, H2], plan, group) -> [N, H2]
-    (each in two halves: send_rows / receive_rows and send_back / receive_back around a layout, so
-    a lowering can put other work between a collective and the gather that needs its result)
+    gather_tokens(x[T, H], ids[T, K], w[T, K] | None, E, group) -> x_all[ep*T, H], local_ids[ep*T, K], w_all
+    scatter_tokens(partial[ep*T, H], group) -> [T, H]
 
-Dispatch all-gathers every rank's rows and keeps those of its own experts (one gather, expert-major);
-combine puts each result row back where it was taken from, zeros elsewhere, and reduce-scatters: the
-sum over ranks of a row is the one owner's value (x + 0 is exact). The all-gather is the backward of
-the reduce-scatter and the other way round. On the wire this is what an equal-split all-to-all padded
-to the worst case sends (N rows to every peer), minus its pack gather on the way out and its unpack
-gather on the way back: two row gathers per layer and direction instead of four.
+On the wire: T rows to every peer each way, where a row-level exchange sends N = T*K rows padded to
+the worst case (K times the bytes), and an all-to-all-v that syncs with the host for its split sizes
+sends N*(ep-1)/ep (ep/K times these: fewer bytes than this only past ep = K). Rows are exact copies;
+each token's output is its owners' partial sums added (at ep=2, one more rounding in a 16-bit dtype
+than one GPU's single sum; exact to summation order in fp32).
 
-The gathers are an op of their own (``ep_rows.gather_rows``, whose gradient is the inverse gather):
-opaque to Inductor, so it cannot fuse them across a wait and undo the schedule.
+Every rank must hold the same T: a one-element all-gather checks it on the device before any row
+leaves (the rows are multiplied by the check's 1, so no schedule can send them earlier).
 
-Every rank must route the same N rows: ``plan`` exchanges N with the counts and asserts it on the
-device (no host sync, no extra collective).
+Worked example (ep=2, E=4, K=2, T=2; rank 0 owns experts 0 1, rank 1 experts 2 3)::
+
+    rank 0: tokens a b, ids [[0, 2], [1, 0]]      rank 1: tokens c d, ids [[3, 2], [1, 3]]
+    x_all = a b c d; rank 0's local ids: [[0, -], [1, 0], [-, -], [1, -]] ("-": dropped, id 2)
+    rank 0's partials: a: w*y0(a), b: w*y1(b) + w*y0(b), c: 0, d: w*y1(d)
+    rank 1's partials: a: w*y2(a), b: 0, c: w*y3(c) + w*y2(c), d: w*y3(d)
+    reduce-scatter: rank 0 gets a, b summed over both ranks; rank 1 gets c, d
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed._functional_collectives as fc
 
-from . import ep_rows
-from .ep_rows import GatherLayout
 from .ep_transport import resolve_group
 
+SAME_TOKENS = ("moe_compile expert parallelism: every rank of the expert-parallel group must hold the same "
+               "number of tokens T in the MoE layer (pad the batch to a common size)")
 
-def _ep(group_name: str) -> int:
-    return resolve_group(group_name).size()
 
-
-def plan(offsets: torch.Tensor, num_experts: int, group_name: str, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exchange's counts, one tiny all-to-all; ``rows``: this rank's N. plan [3, ep, E_local] i64:
-    plan[0][r, j] rows this rank sends to rank r's expert j, plan[1][s, j] rows rank s sends to my
-    expert j, plan[2][s, j] where those rows start in rank s's xp."""
-    ep = _ep(group_name)
+def gather_tokens(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor | None, num_experts: int,
+                  group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Every rank's tokens [ep*T, H] (rank s's at s*T), their expert ids mapped to this rank's local
+    experts ([ep*T, K]; ids of other ranks' experts become E_local: dropped by route_permute) and
+    their routing weights [ep*T, K] (None stays None)."""
+    group = resolve_group(group_name)
+    ep, rank = group.size(), group.rank()
     e_local = num_experts // ep
-    ends = offsets.long()
-    starts = torch.nn.functional.pad(ends[:-1], (1, 0))
-    send = torch.cat([(ends - starts).view(ep, e_local), starts.view(ep, e_local), ends.new_full((ep, 1), rows)], dim=1)
-    recv = fc.all_to_all_single(send, None, None, group_name)
-    torch._assert_async((recv[:, -1] == rows).all(), "moe_compile expert parallelism: every rank must route the "
-                        "same number of rows N = tokens * top_k (pad the batch to a common size)")
-    counts = recv[:, :e_local]
-    return torch.stack([send[:, :e_local], counts, recv[:, e_local:2 * e_local]]), counts.sum(0).cumsum(0).to(torch.int32)
+    t = x.shape[0]
+    counts = fc.all_gather_tensor(torch.full((1,), t, dtype=torch.int64, device=x.device), 0, group_name)
+    same = (counts == t).all()
+    torch._assert_async(same, SAME_TOKENS)
+    x_all = fc.all_gather_tensor_autograd((x * same.to(x.dtype)).contiguous(), 0, group_name)
+    ids_all = fc.all_gather_tensor(ids.contiguous(), 0, group_name)
+    mine = (ids_all >= rank * e_local) & (ids_all < (rank + 1) * e_local)
+    local_ids = torch.where(mine, ids_all - rank * e_local, e_local)
+    w_all = fc.all_gather_tensor_autograd(w.contiguous(), 0, group_name) if w is not None else None
+    return x_all, local_ids, w_all
 
 
-def layout(plan: torch.Tensor, n: int) -> GatherLayout:
-    """The two gathers of one exchange, computed once for both directions (traced: Inductor fuses the
-    index arithmetic; only the opaque gathers read the collectives' results, so no fused kernel can
-    straddle a wait)."""
-    return ep_rows.gather_layout(plan, n)
-
-
-def send_rows(xp: torch.Tensor, lay: GatherLayout, group_name: str) -> torch.Tensor:
-    """Start the all-gather of every rank's [N, H] rows (async until used): [ep*N, H], rank s's at s*N."""
-    return fc.all_gather_tensor_autograd(xp.contiguous(), 0, group_name)
-
-
-def receive_rows(gathered: torch.Tensor, lay: GatherLayout) -> torch.Tensor:
-    """Every rank's rows -> [ep*N, H] rows of this rank's experts, expert-major (zeros past the end)."""
-    return ep_rows.gather_rows(gathered, lay.mine_ok, lay.mine_src, lay.back_ok, lay.back_src)
-
-
-def send_back(y: torch.Tensor, lay: GatherLayout, group_name: str) -> torch.Tensor:
-    """Expert-major rows back to where ``receive_rows`` took them from (zeros elsewhere) and start the
-    reduce-scatter (async): rank s gets the sum over ranks of chunk s, i.e. each of its rows from the one
-    rank that owns its expert, in its own row order [N, H2]."""
-    return fc.reduce_scatter_tensor_autograd(
-        ep_rows.gather_rows(y, lay.back_ok, lay.back_src, lay.mine_ok, lay.mine_src), "sum", 0, group_name)
-
-
-def receive_back(returned: torch.Tensor, lay: GatherLayout) -> torch.Tensor:
-    """The reduce-scatter's result is already [N, H2] in xp's row order (rows not sent: zero)."""
-    return returned
-
-
-def dispatch(xp: torch.Tensor, plan: torch.Tensor, group_name: str) -> torch.Tensor:
-    """[N, H] rows sorted by global expert -> [ep*N, H] rows of this rank's experts, expert-major."""
-    if xp.shape[0] == 0:
-        return xp.new_zeros(0, xp.shape[1])
-    lay = layout(plan, xp.shape[0])
-    return receive_rows(send_rows(xp, lay, group_name), lay)
-
-
-def combine(y: torch.Tensor, plan: torch.Tensor, group_name: str) -> torch.Tensor:
-    """[ep*N, H2] expert-major rows -> [N, H2] back in xp's row order (dispatch's adjoint)."""
-    n = y.shape[0] // _ep(group_name)
-    if n == 0:
-        return y.new_zeros(0, y.shape[1])
-    lay = layout(plan, n)
-    return receive_back(send_back(y, lay, group_name), lay)
+def scatter_tokens(partial: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Each token's partial outputs summed over the ranks, back on the token's own rank: [T, H]."""
+    return fc.reduce_scatter_tensor_autograd(partial.contiguous(), "sum", 0, group_name)

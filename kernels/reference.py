@@ -56,11 +56,6 @@ def permute_rows(x: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, top
     return xp * valid_rows(offsets, perm.numel()).unsqueeze(-1).to(xp.dtype)
 
 
-def gather_rows(t: torch.Tensor, ok: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """out[r] = t[idx[r]] where ok[r], else 0 (a select, not a multiply: inf/nan in unused rows stay out)."""
-    return torch.where(ok.unsqueeze(-1), t.index_select(0, idx), t.new_zeros(()))
-
-
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None = None):
     """out[rows of group e] = x[rows] @ w[e] (+ bias[e]); x [M, K], w [E, K, N]; rows past the
     last group are 0. Accumulates in fp32."""

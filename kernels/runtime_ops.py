@@ -34,7 +34,7 @@ import logging
 
 import torch
 
-from . import activation_ops, ep_rows, gemm_ops, routing_ops
+from . import activation_ops, gemm_ops, routing_ops
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,6 @@ OPS = {
     "swiglu_backward": activation_ops.swiglu_backward,
     "weighted_swiglu": activation_ops.weighted_swiglu,
     "weighted_swiglu_backward": activation_ops.weighted_swiglu_backward,
-    "gather_rows": ep_rows.gather_rows,
 }
 
 _LIB = torch.library.Library(NAMESPACE, "DEF")  # noqa: TOR901 (kept alive: owns the registrations)

@@ -1,21 +1,20 @@
 """Expert-parallel lowering: a region whose experts ``parallelize_experts`` sharded over a mesh.
 
 Such a region's expert weights are ``moe_compile.ep_experts(local, E, group)`` markers (the global
-[E, ...] shape for tracing; ``local`` is this rank's [E_local, ...] shard). ``lower_region`` calls
-this module at three points, so the chain it emits becomes::
+[E, ...] shape for tracing; ``local`` is this rank's [E_local, ...] shard). ``lower_region``
+(lowering/region.py) emits, per token chunk::
 
-    perm, inv, offs = route_permute(ids, E)                   (global expert ids)
-    xp = permute_rows(x, perm, inv, offs, K)
-    plan, recv_offs = ep_traceable.plan(offs, E, group, N)    <- dispatch()
-    xr = ep_traceable.dispatch(xp, plan, group)                  rows of my local experts, [ep*N, H]
-    h = <expert function>, each linear -> grouped_mm(h, <view of local>, recv_offs)   <- local_operand()
-    y = ep_traceable.combine(h, plan, group)                  <- combine(): back in xp's order, [N, H]
-    out = unpermute_combine(y, inv, w, offs)
+    x_all, local_ids, w_all = ep_traceable.gather_tokens(x, ids, w, E, group)   <- gather_tokens()
+    perm, inv, offs = route_permute(local_ids, E_local)      (other ranks' experts: dropped)
+    rows = permute_rows(x_all, perm, inv, offs, K)
+    h = <expert function>, each linear -> grouped_mm(h, <view of local>, offs)   <- local_operand()
+    partial = unpermute_combine(h, inv, w_all, offs)         [ep*T, H]: this rank's experts' share
+    out = ep_traceable.scatter_tokens(partial, group)        <- scatter_tokens(): [T, H], summed over ranks
 
-The movement is written with functional collectives (kernels/ep_traceable.py: an all-gather of the
-rows and a reduce-scatter of the results, traced by AOTAutograd into collectives + wait_tensor nodes,
-differentiated by it); the opaque ``moe_compile.ep_*`` ops of kernels/ep.py do the same movement
-outside a compiled graph (padded all-to-all).
+The movement is written with functional collectives (kernels/ep_traceable.py: all-gathers of the
+tokens, ids and weights, a reduce-scatter of the partial outputs, traced by AOTAutograd into
+collectives + wait_tensor nodes, differentiated by it); the opaque ``moe_compile.ep_*`` ops of
+kernels/ep.py move routed rows instead, outside a compiled graph (padded all-to-all).
 
 ``passes/legality.expert_parallel`` has checked that every expert weight and bias of the region is
 such a marker, over one group, for the router's E.
@@ -59,37 +58,24 @@ def layout(region: Region) -> EPLayout | None:
     return None
 
 
-@dataclass(frozen=True)
-class InFlight:
-    """One direction of an exchange started but not received: the collective's result and the layout."""
-    sent: fx.Node
-    layout: fx.Node
+def local_experts(ep: EPLayout) -> int:
+    from moe_compile.kernels.ep_transport import resolve_group
+
+    return ep.num_experts // resolve_group(ep.group_name).size()
 
 
-def dispatch(b, xp: fx.Node, offs: fx.Node, ep: EPLayout):
-    """Start sending rows to the ranks that own their experts: (InFlight, group offsets of the rows
-    this rank will receive, the plan). ``receive`` finishes it. Emitted as traceable code
-    (``kernels/ep_traceable.py``): the compiler sees the collectives and the post_grad stage's
-    ``ep_overlap`` pass schedules them."""
-    n = val(xp).shape[0]
-    planned = b.fn(ep_traceable.plan, offs, ep.num_experts, ep.group_name, n)
-    plan, recv_offs = (b.fn(operator.getitem, planned, i) for i in range(2))
-    lay = b.fn(ep_traceable.layout, plan, n)
-    return InFlight(b.fn(ep_traceable.send_rows, xp, lay, ep.group_name), lay), recv_offs, plan
+def gather_tokens(b, x: fx.Node, ids: fx.Node, w: fx.Node | None, ep: EPLayout):
+    """Every rank's tokens, their ids mapped to this rank's experts and their weights (None stays
+    None): ``kernels/ep_traceable.gather_tokens``, emitted as traceable code so that the compiler
+    sees the collectives and the post_grad stage's ``ep_overlap`` pass schedules them."""
+    out = b.fn(ep_traceable.gather_tokens, x, ids, w, ep.num_experts, ep.group_name)
+    x_all, local_ids = (b.fn(operator.getitem, out, i) for i in range(2))
+    return x_all, local_ids, (b.fn(operator.getitem, out, 2) if w is not None else None)
 
 
-def receive(b, flight: InFlight) -> fx.Node:
-    """The rows of this rank's experts, expert-major [ep*N, H]."""
-    return b.fn(ep_traceable.receive_rows, flight.sent, flight.layout)
-
-
-def send_back(b, h: fx.Node, flight: InFlight, ep: EPLayout) -> InFlight:
-    return InFlight(b.fn(ep_traceable.send_back, h, flight.layout, ep.group_name), flight.layout)
-
-
-def receive_back(b, flight: InFlight) -> fx.Node:
-    """The expert outputs back in this rank's row order [N, H2]."""
-    return b.fn(ep_traceable.receive_back, flight.sent, flight.layout)
+def scatter_tokens(b, partial: fx.Node, ep: EPLayout) -> fx.Node:
+    """Each token's partial outputs summed over the ranks, on the token's own rank."""
+    return b.fn(ep_traceable.scatter_tokens, partial, ep.group_name)
 
 
 def describe(ep: EPLayout, received, chunks: int) -> str:
@@ -102,11 +88,12 @@ def describe(ep: EPLayout, received, chunks: int) -> str:
     if chunks > 1:
         overlap = f"overlap: collectives issued early and waited late (ep_overlap), {chunks} token chunks"
     else:
-        overlap = ("one token chunk, no overlap (moe.ep_overlap_chunks > 1 splits the tokens so collectives "
-                   "can run under another chunk's GEMMs)")
+        overlap = ("one token chunk (moe.ep_overlap_chunks > 1 splits the tokens so collectives can run under "
+                   "another chunk's GEMMs)")
     return (f"expert parallel: ep={size} ranks, {ep.num_experts // size} of {ep.num_experts} experts per rank, "
-            f"transport all-gather / reduce-scatter (functional collectives, sync-free), receive capacity "
-            f"{received.shape[0]} rows per chunk (every rank's rows: dropless), {overlap}")
+            f"transport: tokens all-gathered, partial outputs reduce-scattered (functional collectives, "
+            f"sync-free), receive capacity {received.shape[0]} rows per chunk (every rank's rows: dropless), "
+            f"{overlap}")
 
 
 def local_operand(b, node: fx.Node) -> fx.Node:

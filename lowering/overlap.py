@@ -2,34 +2,35 @@
 
 A post_grad pass (``pipeline.PASSES``: ``ep_overlap``) over each forward and backward ATen graph.
 AOTAutograd traces the expert-parallel movement (``kernels/ep_traceable.py``) into
-``_c10d_functional`` collectives (the counts' ``all_to_all_single``, the rows'
-``all_gather_into_tensor`` and ``reduce_scatter_tensor``: async, they return at once; NCCL runs the
-collectives of a group one after another, in issue order, on its own stream) and ``wait_tensor``
-(the compute stream waits there until the rows arrived).
+``_c10d_functional`` collectives (the tokens' ``all_gather_into_tensor`` and the partial outputs'
+``reduce_scatter_tensor``: async, they return at once; NCCL runs the collectives of a group one
+after another, in issue order, on its own stream) and ``wait_tensor`` (the compute stream waits there
+until the data arrived).
 
 The graph is re-listed by a list scheduler; among the nodes whose inputs are all placed it takes:
 
   1. a collective, or a node some collective still to be issued reads (directly or not): the work
-     that gates the next send (routing, the plan's count exchange, packing rows; after a wait, the
-     expert GEMMs whose output goes back);
-  2. else any other node but a wait (work no collective needs: a shared expert, weight gradients,
-     unpermuting rows that came back);
+     that gates the next send (the tokens' check and cast; after a wait, the expert GEMMs and the
+     combine whose output goes back);
+  2. else any other node but a wait (work no collective needs: a shared expert, weight gradients);
   3. else the wait of the collective issued first (NCCL finishes them in that order).
 
 Nodes with other side effects (in-place writes, random number draws, prints) are barriers: they keep
-their place relative to every other node. Graphs without the expert-parallel movement (no
-``gather_rows``) are left as they are. Forward of two token chunks, before (the lowering's order,
-one chunk after the other)::
+their place relative to every other node. Graphs without a rewritten MoE region (no moe_compile op)
+are left as they are. Forward of two token chunks, before (the lowering's order, one chunk after the
+other)::
 
-    plan0 wait; send0 wait0 gemm0 back0 wait; plan1 wait; send1 wait1 gemm1 back1 wait; unpermute
+    gather0 wait0 gemm0 scatter0 wait; gather1 wait1 gemm1 scatter1 wait; cat
 
 After::
 
-    plan0 plan1 wait wait; send0 send1; wait0 gemm0 back0; wait1 gemm1 back1; wait unpermute0 wait unpermute1
+    gather0 gather1; wait0 gemm0 scatter0; wait1 gemm1 scatter1; wait wait cat
 
-so send1 runs under gemm0 and back0 under gemm1. Only reorders; every node keeps its inputs before
-it. Inductor keeps this order: the movement's gathers and index maps are opaque ops
-(``kernels/ep_rows.py``), so no fused kernel straddles a wait.
+so gather1 runs under gemm0 and scatter0 under gemm1. Only reorders; every node keeps its inputs
+before it. Inductor keeps this order: what reads a collective's result is an opaque op (permute_rows,
+route_permute, the combine) or a small index map no earlier kernel shares a read with, and its
+peak-memory reordering, which moved every wait up to its collective, is off for these graphs
+(``backend.inductor_defaults``).
 """
 from __future__ import annotations
 
@@ -50,9 +51,9 @@ def _name(node: fx.Node) -> str:
     return getattr(target, "_opname", "") or getattr(getattr(target, "_overloadpacket", None), "__name__", "")
 
 
-def _moves_expert_rows(node: fx.Node) -> bool:
-    """The expert-parallel movement's gather (``kernels/ep_rows.py``), the op or its runtime twin."""
-    return node.op == "call_function" and getattr(node.target, "_opname", None) == "gather_rows"
+def _moe_op(node: fx.Node) -> bool:
+    """An op of a rewritten MoE region (``moe_compile`` or its runtime twins, ``moe_compile_rt``)."""
+    return node.op == "call_function" and getattr(node.target, "namespace", None) in ("moe_compile", "moe_compile_rt")
 
 
 def _is_barrier(node: fx.Node) -> bool:
@@ -94,7 +95,7 @@ def schedule_collectives(graph: fx.Graph) -> int:
     """Re-list the graph as the module docstring says; returns how many nodes changed position."""
     nodes = list(graph.nodes)
     collectives = [n for n in nodes if _name(n) in _COLLECTIVES]
-    if not collectives or not any(_moves_expert_rows(n) for n in nodes):
+    if not collectives or not any(_moe_op(n) for n in nodes):
         return 0   # other code's collectives (e.g. a traced FSDP) keep the order they were given
     pos = {n: i for i, n in enumerate(nodes)}
     gates = set()  # every node some collective reads, directly or not

@@ -205,26 +205,51 @@ def lower_region(gm: fx.GraphModule, region: Region, ep_chunks: int = 1) -> tupl
 
 
 def _lower_whole(b: GraphBuilder, region: Region, ep):
-    """route_permute -> permute_rows -> [dispatch] -> expert function -> [combine] -> unpermute_combine
-    over every token: (last expert output, combined output, what dispatch received or None)."""
+    """route_permute -> permute_rows -> expert function -> unpermute_combine over every token (expert
+    parallel: ``_ep_chain``): (last expert output, combined output, the expert rows' buffer or None)."""
     router = region.router
+    if ep is not None:
+        t = val(region.x).shape[0]
+        return _ep_chain(b, region, ep, region.x, b.method("reshape", router.ids, t, router.top_k),
+                         *_ep_weights(b, router))
     routed = b.fn(OPS.route_permute.default, router.ids, router.num_experts)
     perm, inv, offs = (b.fn(operator.getitem, routed, i) for i in range(3))
     rows = region_forms.scale_rows(b, router, b.fn(OPS.permute_rows.default, region.x, perm, inv, offs,
                                                    router.top_k), perm)
-    gemm_offs, received = offs, None
-    if ep is not None:  # rows travel to the ranks that own their experts
-        flight, gemm_offs, _ = expert_parallel.dispatch(b, _cast(b, rows, _travel_dtype(region)), offs, ep)
-        rows = expert_parallel.receive(b, flight)
-        received = val(rows)
     # the weights before the experts: lowering/weights_in_swiglu.py may move them into the activation
     weights = _pair_weights(b, router, ones=False)
-    h = _emit_experts(b, region, rows, gemm_offs, ep)
-    y = expert_parallel.receive_back(b, expert_parallel.send_back(b, h, flight, ep)) if ep is not None else h
-    y = _widen(b, region, y)
+    h = _emit_experts(b, region, rows, offs, ep)
+    y = _widen(b, region, h)
     if weights is None:  # weight 1: the backward is a gather, y is not kept
-        return h, b.fn(OPS.unpermute_sum.default, y, perm, inv, offs, router.top_k), received
-    return h, b.fn(OPS.unpermute_combine.default, y, inv, weights, offs), received
+        return h, b.fn(OPS.unpermute_sum.default, y, perm, inv, offs, router.top_k), None
+    return h, b.fn(OPS.unpermute_combine.default, y, inv, weights, offs), None
+
+
+def _ep_weights(b: GraphBuilder, router) -> tuple:
+    """([T, K] pair weights or None, whether they scale the input rows instead of the outputs)."""
+    if router.scale_input and router.weights is not None:
+        return b.method("reshape", region_forms.pair_weights(b, router), -1, router.top_k), True
+    return _pair_weights(b, router, ones=False), False
+
+
+def _ep_chain(b: GraphBuilder, region: Region, ep, x: fx.Node, ids: fx.Node, w, scale: bool):
+    """Tokens x [T, H] with ids / weights [T, K] through this rank's experts (lowering/expert_parallel.py):
+    every rank's tokens gathered, the rows routed to this rank's experts run, each token's partial output
+    summed over the ranks back on its own rank. Returns (last expert output, [T, H], the rows' buffer)."""
+    k = region.router.top_k
+    x_all, local_ids, w_all = expert_parallel.gather_tokens(
+        b, x if scale else _cast(b, x, _travel_dtype(region)), ids, w, ep)
+    routed = b.fn(OPS.route_permute.default, local_ids, expert_parallel.local_experts(ep))
+    perm, inv, offs = (b.fn(operator.getitem, routed, i) for i in range(3))
+    rows = b.fn(OPS.permute_rows.default, x_all, perm, inv, offs, k)
+    if scale:   # the weights multiply the expert's input row (Llama 4); the outputs combine with weight 1
+        w_rows = b.fn(operator.getitem, b.method("reshape", w_all, -1), perm)
+        rows, w_all = b.fn(operator.mul, rows, b.method("unsqueeze", w_rows, -1)), None
+    h = _emit_experts(b, region, rows, offs, ep)
+    y = _widen(b, region, h)
+    partial = (b.fn(OPS.unpermute_sum.default, y, perm, inv, offs, k) if w_all is None
+               else b.fn(OPS.unpermute_combine.default, y, inv, w_all, offs))
+    return h, expert_parallel.scatter_tokens(b, partial, ep), val(rows)
 
 
 def _travel_dtype(region: Region):
@@ -265,35 +290,20 @@ def _chunks(region: Region, ep, ep_chunks: int) -> list[int]:
 
 
 def _lower_chunked(b: GraphBuilder, region: Region, ep, sizes: list[int]):
-    """The whole chain per chunk of tokens, in three phases so that each collective has another
-    chunk's expert GEMMs to hide under (lowering/overlap.py then issues it early, waits late)::
-
-        for each chunk: route_permute, permute_rows, plan, send rows          (all-gather started)
-        for each chunk: receive rows, expert GEMMs, send results back        (reduce-scatter started)
-        for each chunk: receive results, unpermute_combine;  cat"""
+    """``_ep_chain`` per chunk of tokens, so that one chunk's tokens travel while another chunk's
+    expert GEMMs run (lowering/overlap.py issues each collective early and waits late); outputs cat."""
     router = region.router
     t, k = val(region.x).shape[0], router.top_k
-    ids = b.method("reshape", router.ids, t, k)
-    w = b.method("reshape", _pair_weights(b, router), t, k)
-    parts = {name: [b.fn(operator.getitem, split, i) for i in range(len(sizes))]
-             for name, split in (("x", b.fn(torch.split, region.x, sizes)), ("ids", b.fn(torch.split, ids, sizes)),
-                                 ("w", b.fn(torch.split, w, sizes)))}
-    sent = []
-    for x_c, ids_c in zip(parts["x"], parts["ids"]):
-        routed = b.fn(OPS.route_permute.default, ids_c, router.num_experts)
-        perm, inv, offs = (b.fn(operator.getitem, routed, i) for i in range(3))
-        rows = b.fn(OPS.permute_rows.default, x_c, perm, inv, offs, k)
-        flight, gemm_offs, _ = expert_parallel.dispatch(b, _cast(b, rows, _travel_dtype(region)), offs, ep)
-        sent.append((inv, offs, flight, gemm_offs))
-    back = []
-    for _, _, flight, gemm_offs in sent:
-        rows = expert_parallel.receive(b, flight)
-        h = _emit_experts(b, region, rows, gemm_offs, ep)
-        back.append(expert_parallel.send_back(b, h, flight, ep))
-    outs = [b.fn(OPS.unpermute_combine.default, _widen(b, region, expert_parallel.receive_back(b, flight)), inv, w_c,
-                 offs)
-            for flight, (inv, offs, *_), w_c in zip(back, sent, parts["w"])]
-    return h, b.fn(torch.cat, outs), val(rows)
+    w, scale = _ep_weights(b, router)
+    splits = [b.fn(torch.split, v, sizes) for v in (region.x, b.method("reshape", router.ids, t, k))]
+    w_split = b.fn(torch.split, w, sizes) if w is not None else None
+    outs = []
+    for i in range(len(sizes)):
+        x_c, ids_c = (b.fn(operator.getitem, s_, i) for s_ in splits)
+        w_c = b.fn(operator.getitem, w_split, i) if w_split is not None else None
+        h, out, received = _ep_chain(b, region, ep, x_c, ids_c, w_c, scale)
+        outs.append(out)
+    return h, b.fn(torch.cat, outs), received
 
 
 def _pair_weights(b: GraphBuilder, router, ones: bool = True) -> fx.Node | None:

@@ -309,97 +309,14 @@ def test_ep4_ops_match_single_process():
 
 
 # ==================================================================================== single process
-def test_layouts_are_sync_free():
+def test_padded_layout_is_sync_free():
     """The index math runs under FakeTensorMode: any .item()/.tolist()/nonzero (a host sync, a
     data-dependent size) would raise here."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from moe_compile.kernels.ep_rows import gather_layout
-
     with FakeTensorMode():
         lay = padded_layout(torch.zeros(2, 4, 3, dtype=torch.int64), 5)
-        gathered = gather_layout(torch.zeros(3, 4, 3, dtype=torch.int64), 5)
     assert lay.src.shape == (20,) and lay.unpack_src.shape == (5,)
-    assert all(t.shape == (20,) for t in gathered)
-
-
-def _random_plan(gen, ep, e_local, n, case):
-    """A plan one rank could see (ep_traceable.plan's [3, ep, E_local]): it sends at most n rows in
-    all, receives at most n from each peer, and peer s's rows for my experts sit together in its xp,
-    from some row on. ``padded_layout`` reads the first two."""
-    def split(total, parts):
-        cuts = torch.randint(0, total + 1, (parts - 1,), generator=gen).sort().values
-        return torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([total])]))
-
-    if case == "empty":
-        return torch.zeros(3, ep, e_local, dtype=torch.int64)
-    sent = n if case == "all_sent" else int(torch.randint(0, n + 1, (), generator=gen))
-    send = split(sent, ep * e_local).view(ep, e_local)
-    if case == "one_hot":  # everything to one expert of one peer
-        send = torch.zeros(ep, e_local, dtype=torch.int64)
-        send[ep - 1, 0] = sent
-    recv = torch.stack([split(int(torch.randint(0, n + 1, (), generator=gen)), e_local) for _ in range(ep)])
-    first = torch.stack([torch.randint(0, n - int(r.sum()) + 1, (), generator=gen) for r in recv])
-    starts = first.unsqueeze(1) + recv.cumsum(1) - recv
-    return torch.stack([send, recv, starts])
-
-
-@pytest.mark.parametrize("case", ["random", "all_sent", "one_hot", "empty"])
-def test_traced_gathers_take_the_inverse_gather_as_gradient(case, monkeypatch):
-    """The two gathers of the traceable movement (kernels/ep_traceable: receive_rows, and send_back's
-    before its reduce-scatter; the collectives made identities here) give the values and gradients of
-    ``where(ok, t.index_select(0, idx), 0)`` (whose gradient ATen computes as an index_add), on plans
-    with dropped rows, padding, empty peers, one hot expert and zero rows: each is wired to the inverse
-    of its own map, and the two maps are each other's inverse on their valid rows."""
-    import types
-
-    from moe_compile.kernels import ep_traceable
-    from moe_compile.kernels.ep_transport import rows_where
-
-    monkeypatch.setattr(ep_traceable, "fc", types.SimpleNamespace(reduce_scatter_tensor_autograd=lambda t, *a: t))
-    gen = torch.Generator().manual_seed(0)
-    for ep, e_local, n in ((2, 3, 7), (4, 2, 5), (2, 1, 1), (3, 2, 0)):
-        plan = _random_plan(gen, ep, e_local, n, case)
-        lay = ep_traceable.layout(plan, n)
-        assert int(lay.mine_ok.sum()) == int(lay.back_ok.sum()) == int(plan[1].sum())
-        assert torch.equal(lay.back_src[lay.mine_src[lay.mine_ok]], torch.arange(ep * n)[lay.mine_ok])
-        assert torch.equal(lay.mine_src[lay.back_src[lay.back_ok]], torch.arange(ep * n)[lay.back_ok])
-        funcs = {  # name: (function, the index_select form's ok and idx)
-            "receive_rows": (lambda t: ep_traceable.receive_rows(t, lay), lay.mine_ok, lay.mine_src),
-            "send_back": (lambda t: ep_traceable.send_back(t, lay, "g"), lay.back_ok, lay.back_src),
-        }
-        for name, (fn, ok, idx) in funcs.items():
-            t = torch.randn(ep * n, 3, dtype=torch.float64, generator=gen, requires_grad=True)
-            out, want_out = fn(t), rows_where(ok, t, idx)
-            g = torch.randn(out.shape, dtype=torch.float64, generator=gen)
-            (got,) = torch.autograd.grad(out, t, g, allow_unused=True)
-            (want,) = torch.autograd.grad(want_out, t, g, allow_unused=True)
-            assert torch.equal(out, want_out), (case, ep, n, name)
-            if n:
-                assert torch.equal(got, want), (case, ep, n, name, (got - want).abs().max())
-
-
-def test_gather_layout_worked_example():
-    """ep_rows.GatherLayout's docstring example (rank 0 of 2; rank 0 holds a b c for experts 0 1 2,
-    rank 1 d e f for experts 1 1 3)."""
-    from moe_compile.kernels.ep_rows import gather_layout
-
-    plan = torch.tensor([[[1, 1], [1, 0]], [[1, 1], [0, 2]], [[0, 1], [0, 0]]])
-    lay = gather_layout(plan, 3)
-    assert lay.mine_src[lay.mine_ok].tolist() == [0, 1, 3, 4] and lay.mine_ok.tolist() == [1, 1, 1, 1, 0, 0]
-    assert lay.back_src[lay.back_ok].tolist() == [0, 1, 2, 3] and lay.back_ok.tolist() == [1, 1, 0, 1, 1, 0]
-
-
-def test_gather_rows_passes_opcheck():
-    """The movement's opaque gather (kernels/ep_rows.py): schema, fake and autograd registration agree with
-    what they compute (the gradient's values: test_traced_gathers_take_the_inverse_gather_as_gradient)."""
-    from moe_compile.kernels import ep_rows
-
-    gen = torch.Generator().manual_seed(0)
-    plan = _random_plan(gen, 2, 3, 7, "random")
-    lay = ep_rows.gather_layout(plan, 7)
-    t = torch.randn(14, 5, dtype=torch.float64, generator=gen, requires_grad=True)
-    torch.library.opcheck(ep_rows.gather_rows, (t, lay.mine_ok, lay.mine_src, lay.back_ok, lay.back_src))
 
 
 def test_ep_experts_eager_raises_and_has_the_global_shape():
@@ -628,25 +545,25 @@ def test_hf_experts_found(name, mesh1):
 
 
 def test_schedule_collectives_on_hand_built_graphs():
-    """lowering/overlap.py on graphs built by hand: a graph without the expert-parallel movement keeps
-    its order (its collectives are someone else's); with it, the collective is issued before work that
+    """lowering/overlap.py on graphs built by hand: a graph without a moe_compile op keeps its order
+    (its collectives are someone else's); with one, the collective is issued before work that
     does not feed it, its wait comes after that work, and an in-place write stays where it was relative
     to every other node (a barrier)."""
     import torch.distributed._functional_collectives  # noqa: F401  (registers _c10d_functional)
     import torch.fx as fx
 
-    from moe_compile.kernels import ep_rows  # noqa: F401  (registers moe_compile::gather_rows)
+    from moe_compile.kernels import ops  # noqa: F401  (registers moe_compile::*)
     from moe_compile.lowering.overlap import schedule_collectives
 
     c10d, aten = torch.ops._c10d_functional, torch.ops.aten
 
     def build(with_movement: bool):
         g = fx.Graph()
-        x, ok, idx, y = (g.placeholder(name) for name in ("x", "ok", "idx", "y"))
+        x, y = g.placeholder("x"), g.placeholder("y")
         before = g.call_function(aten.cos.default, (y,))                        # reads y before the write
         write = g.call_function(aten.add_.Tensor, (y, 1))                       # a barrier
         gate = g.call_function(aten.sin.default, (y,))                          # reads y after it; feeds the send
-        rows = (g.call_function(torch.ops.moe_compile.gather_rows.default, (gate, ok, idx, ok, idx))
+        rows = (g.call_function(torch.ops.moe_compile.swiglu.default, (gate,))
                 if with_movement else g.call_function(aten.neg.default, (gate,)))
         other = g.call_function(aten.exp.default, (x,))                        # feeds no collective
         sent = g.call_function(c10d.all_gather_into_tensor.default, (rows, 2, "0"))

@@ -280,7 +280,7 @@ PARTS = (  # (part, pattern): the first part whose pattern matches the kernel or
     ("optimizer", r"adam|multi_tensor_apply"),
     ("attention", r"flash|fmha|sdpa|scaled_dot_product|efficient_attention|flex_attention|attention_kernel"),
     ("moe", r"moe_compile|grouped|group_?gemm|groupproblem|gmm|permute_rows|unpermute|combine|swiglu|route_|"
-            r"topk|sort|histc|bincount|index_add|searchsorted|quack|empty_groups|wgrad|bias_grad|rows_fixup|gather_rows"),
+            r"topk|sort|histc|bincount|index_add|searchsorted|quack|empty_groups|wgrad|bias_grad|rows_fixup"),
     # quack: its weight-gradient GEMM; empty_groups / wgrad_finish: the passes after CUTLASS weight gradients;
     # wgrad / bias_grad / rows_fixup: our Triton weight-gradient (fp32), bias-gradient and list-GEMM kernels
     # (tests/test_examples.py checks every kernel of kernels/ lands here)

@@ -162,22 +162,6 @@ def test_route_permute_and_permute_rows(shape, routing, gen):
         assert torch.equal(xp, reference.permute_rows(x, perm, offsets, k))
 
 
-@pytest.mark.parametrize("rows,h", [(1, 1), (333, 2048), (4097, 7168), (65, 96)])
-def test_gather_rows_matches_reference(rows, h, gen):
-    """Expert parallelism's masked row gather (kernels/ep_rows.py): any subset of rows, repeated or
-    out-of-order sources, inf/nan in rows that are not read stay out, odd widths and row counts."""
-    for dtype in (torch.bfloat16, torch.float32):
-        t = rand((rows, h), dtype, gen)
-        t[0] = float("nan")
-        out_rows = 2 * rows + 1
-        idx = torch.randint(0, rows, (out_rows,), generator=gen, device=DEV)
-        ok = (torch.rand(out_rows, generator=gen, device=DEV) < 0.7) & (idx != 0)
-        poison(((out_rows, h), dtype))
-        got = kcuda.gather_rows(t, ok, idx)
-        assert torch.equal(got, reference.gather_rows(t, ok, idx)), dtype
-        assert not got.isnan().any()
-
-
 @pytest.mark.parametrize("t,k,e,triton_path", [(8192, 8, 128, True), (4097, 6, 64, True), (333, 2, 4, True),
                                                  (3000, 1, 1, True), (8192, 8, 256, True), (8193, 8, 256, False),
                                                  (40000, 8, 128, False)])
