@@ -68,7 +68,7 @@ def test_exposed_comm_from_a_trace(tmp_path):
     assert got["comm_ms"] == pytest.approx(18 / 1e3 / 2)       # [0, 10) + [12, 20)
     assert got["exposed_ms"] == pytest.approx(10 / 1e3 / 2)    # [0, 4) + [14, 20)
     assert got["exposed_a2a_ms"] == pytest.approx(4 / 1e3 / 2)
-    assert got["exposed_fsdp_ms"] == pytest.approx(6 / 1e3 / 2)
+    assert got["exposed_gather_ms"] == pytest.approx(6 / 1e3 / 2)
     assert got["idle_ms"] == pytest.approx((32 - 22) / 1e3 / 2)  # window [0, 32), busy 20 + 2
 
 
