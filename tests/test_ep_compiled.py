@@ -286,7 +286,12 @@ def check_hf(name, rank, ep, mesh, impl=None, autocast=False):
 
     amp = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)  # noqa: E731
     bound, grad_bound = (EP_AUTOCAST_REL, EP_AUTOCAST_GRAD_REL) if autocast else (EP_REL, EP_REL)
-    full = hf.build(name, impl=impl, layers=1)
+    if name in hf.SPECS:
+        full = hf.build(name, impl=impl, layers=1)
+    else:  # architectures only tests/test_forms_hf_eager.py builds (one layer there)
+        from test_forms_hf_eager import build
+
+        full = build(name, impl)
     model = moe_compile.parallelize_experts(copy.deepcopy(full), mesh)
     ids = [torch.randint(3, 64, (1, 8), generator=torch.Generator().manual_seed(r)) for r in range(ep)]
     torch._dynamo.reset()
@@ -340,6 +345,13 @@ def test_ep2_gpt_oss_under_autocast_matches_eager():
     1e-4 by test_ep2_under_autocast_matches_eager (this model's other bf16 ops are noisier than that)."""
     pytest.importorskip("transformers")
     run_distributed(body_hf, 2, ("gpt_oss",), "batched_mm", True, timeout_s=400)
+
+
+def test_ep2_llama4_matches_eager():
+    """transformers' Llama 4 (every token through every expert; the router scores scale the expert INPUT
+    rows), experts sharded: the owner scales the rows it gathered by their gathered weights."""
+    pytest.importorskip("transformers")
+    run_distributed(body_hf, 2, ("llama4",), timeout_s=400)
 
 
 @pytest.mark.slow
