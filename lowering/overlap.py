@@ -138,7 +138,7 @@ def schedule_collectives(graph: fx.Graph) -> int:
             missing[u] -= 1
             if missing[u] == 0:
                 heapq.heappush(ready, (key(u), pos[u], u))
-    if len(order) != len(nodes):  # a cycle cannot happen in a valid graph; leave it as it was
+    if len(order) != len(nodes):  # only a cycle leaves nodes unplaced, and a valid graph has none
         raise AssertionError(f"ep_overlap: scheduled {len(order)} of {len(nodes)} nodes")
     moved = sum(1 for i, n in enumerate(order) if nodes[i] is not n)
     if moved:

@@ -211,7 +211,7 @@ def _lower_whole(b: GraphBuilder, region: Region, ep):
     if ep is not None:
         t = val(region.x).shape[0]
         return _ep_chain(b, region, ep, region.x, b.method("reshape", router.ids, t, router.top_k),
-                         *_ep_weights(b, router))
+                         _ep_weights(b, router))
     routed = b.fn(OPS.route_permute.default, router.ids, router.num_experts)
     perm, inv, offs = (b.fn(operator.getitem, routed, i) for i in range(3))
     rows = region_forms.scale_rows(b, router, b.fn(OPS.permute_rows.default, region.x, perm, inv, offs,
@@ -225,29 +225,30 @@ def _lower_whole(b: GraphBuilder, region: Region, ep):
     return h, b.fn(OPS.unpermute_combine.default, y, inv, weights, offs), None
 
 
-def _ep_weights(b: GraphBuilder, router) -> tuple:
-    """([T, K] pair weights or None, whether they scale the input rows instead of the outputs)."""
-    if router.scale_input and router.weights is not None:
-        return b.method("reshape", region_forms.pair_weights(b, router), -1, router.top_k), True
-    return _pair_weights(b, router, ones=False), False
+def _ep_weights(b: GraphBuilder, router) -> fx.Node | None:
+    """The [T, K] pair weights that travel with the tokens (they weight the outputs, or with
+    ``scale_input`` the input rows), or None (unweighted)."""
+    if router.weights is None:
+        return None
+    w = region_forms.pair_weights(b, router)
+    return w if val(w).dim() == 2 else b.method("reshape", w, -1, router.top_k)
 
 
-def _ep_chain(b: GraphBuilder, region: Region, ep, x: fx.Node, ids: fx.Node, w, scale: bool):
+def _ep_chain(b: GraphBuilder, region: Region, ep, x: fx.Node, ids: fx.Node, w: fx.Node | None):
     """Tokens x [T, H] with ids / weights [T, K] through this rank's experts (lowering/expert_parallel.py):
     every rank's tokens gathered, the rows routed to this rank's experts run, each token's partial output
     summed over the ranks back on its own rank. Returns (last expert output, [T, H], the rows' buffer)."""
-    k = region.router.top_k
+    router = region.router
+    k = router.top_k
+    # scaled input rows (Llama 4) must be scaled before autocast's cast, as in the model: no early cast
     x_all, local_ids, w_all = expert_parallel.gather_tokens(
-        b, x if scale else _cast(b, x, _travel_dtype(region)), ids, w, ep)
+        b, x if router.scale_input else _cast(b, x, _travel_dtype(region)), ids, w, ep)
     routed = b.fn(OPS.route_permute.default, local_ids, expert_parallel.local_experts(ep))
     perm, inv, offs = (b.fn(operator.getitem, routed, i) for i in range(3))
-    rows = b.fn(OPS.permute_rows.default, x_all, perm, inv, offs, k)
-    if scale:   # the weights multiply the expert's input row (Llama 4); the outputs combine with weight 1
-        w_rows = b.fn(operator.getitem, b.method("reshape", w_all, -1), perm)
-        rows, w_all = b.fn(operator.mul, rows, b.method("unsqueeze", w_rows, -1)), None
+    rows = region_forms.scale_rows(b, router, b.fn(OPS.permute_rows.default, x_all, perm, inv, offs, k), perm, w_all)
     h = _emit_experts(b, region, rows, offs, ep)
     y = _widen(b, region, h)
-    partial = (b.fn(OPS.unpermute_sum.default, y, perm, inv, offs, k) if w_all is None
+    partial = (b.fn(OPS.unpermute_sum.default, y, perm, inv, offs, k) if w_all is None or router.scale_input
                else b.fn(OPS.unpermute_combine.default, y, inv, w_all, offs))
     return h, expert_parallel.scatter_tokens(b, partial, ep), val(rows)
 
@@ -294,14 +295,14 @@ def _lower_chunked(b: GraphBuilder, region: Region, ep, sizes: list[int]):
     expert GEMMs run (lowering/overlap.py issues each collective early and waits late); outputs cat."""
     router = region.router
     t, k = val(region.x).shape[0], router.top_k
-    w, scale = _ep_weights(b, router)
+    w = _ep_weights(b, router)
     splits = [b.fn(torch.split, v, sizes) for v in (region.x, b.method("reshape", router.ids, t, k))]
     w_split = b.fn(torch.split, w, sizes) if w is not None else None
     outs = []
     for i in range(len(sizes)):
         x_c, ids_c = (b.fn(operator.getitem, s_, i) for s_ in splits)
         w_c = b.fn(operator.getitem, w_split, i) if w_split is not None else None
-        h, out, received = _ep_chain(b, region, ep, x_c, ids_c, w_c, scale)
+        h, out, received = _ep_chain(b, region, ep, x_c, ids_c, w_c)
         outs.append(out)
     return h, b.fn(torch.cat, outs), received
 

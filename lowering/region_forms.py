@@ -28,11 +28,13 @@ def pair_weights(b: GraphBuilder, router: Router) -> fx.Node:
     return w
 
 
-def scale_rows(b: GraphBuilder, router: Router, rows: fx.Node, perm: fx.Node) -> fx.Node:
-    """The permuted input rows times their pair's weight (``scale_input``), else ``rows`` as they are."""
+def scale_rows(b: GraphBuilder, router: Router, rows: fx.Node, perm: fx.Node,
+               weights: fx.Node | None = None) -> fx.Node:
+    """The permuted input rows times their pair's weight (``scale_input``), else ``rows`` as they are.
+    ``weights``: the pair weights to take instead of the router's (expert parallelism: every rank's)."""
     if not router.scale_input or router.weights is None:
         return rows
-    w = b.method("reshape", pair_weights(b, router), -1)
+    w = b.method("reshape", weights if weights is not None else pair_weights(b, router), -1)
     return b.fn(operator.mul, rows, b.method("unsqueeze", b.fn(operator.getitem, w, perm), -1))
 
 

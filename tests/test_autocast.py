@@ -8,7 +8,6 @@ the dtype torch promotes the sum to (lowering/region.py, ``_add_group_bias``).""
 from __future__ import annotations
 
 import copy
-import logging
 
 import pytest
 import torch
@@ -19,8 +18,6 @@ from moe_compile import records
 # compiled vs eager, both computing the experts in bf16 under autocast: the rounding points differ
 # (one rounding per fused op vs per eager op, fp32 accumulation either way), so values agree to a few
 # bf16 ulps; the bf16 bounds of the other tests (helpers.BF16_REL / BF16_GRAD_REL) apply as they are
-# a refused region compiles as written (moe.inductor=False: the same kernels as eager, in order)
-AS_WRITTEN_REL = 1e-6
 
 
 def _step(fn, x):

@@ -37,6 +37,15 @@ EP_AUTOCAST_GRAD_REL = 6e-2
 EP_AUTOCAST_BIAS_GRAD_REL = 1e-4
 
 
+def _precision(autocast: bool):
+    """(the context every run of a case enters, the output bound, the gradient bound): under
+    torch.autocast(cpu, bf16) over fp32 weights, or plain fp32."""
+    def amp():
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+
+    return (amp, EP_AUTOCAST_REL, EP_AUTOCAST_GRAD_REL) if autocast else (amp, EP_REL, EP_REL)
+
+
 def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
     return (got.double() - ref.double()).norm().item() / max(ref.double().norm().item(), 1e-12)
 
@@ -189,8 +198,7 @@ def check_case(case, rank, ep, mesh, chunks=1, autocast=False):
     import moe_compile
     from moe_compile import records
 
-    amp = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)  # noqa: E731
-    bound, grad_bound = (EP_AUTOCAST_REL, EP_AUTOCAST_GRAD_REL) if autocast else (EP_REL, EP_REL)
+    amp, bound, grad_bound = _precision(autocast)
 
     cls, t, k, e_local, _ = CASES[case]
     e, h = e_local * ep, 8
@@ -284,8 +292,7 @@ def check_hf(name, rank, ep, mesh, impl=None, autocast=False):
     import test_hf_models as hf
     from moe_compile import records
 
-    amp = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)  # noqa: E731
-    bound, grad_bound = (EP_AUTOCAST_REL, EP_AUTOCAST_GRAD_REL) if autocast else (EP_REL, EP_REL)
+    amp, bound, grad_bound = _precision(autocast)
     if name in hf.SPECS:
         full = hf.build(name, impl=impl, layers=1)
     else:  # architectures only tests/test_forms_hf_eager.py builds (one layer there)
