@@ -112,8 +112,8 @@ def _candidate(node: fx.Node, index: dict, example_inputs) -> _Candidate | None:
     bases = [uncast(w) for s in segments for w in s]
     if arg(node, 4, "transposed", False):
         nk = all(w.op == "placeholder" for w in bases)
-        if not nk and op == "grouped_mm_list_cat":
-            return None
+        if not nk and (op == "grouped_mm_list_cat" or not all(canon(w) == "t" for w in bases)):
+            return None   # some W_e and some W_e.t(): no one layout of the stack serves them all
     else:
         nk = all(canon(w) == "t" for w in bases)
         if not nk and (op == "grouped_mm_list_cat" or not all(w.op == "placeholder" for w in bases)):

@@ -394,10 +394,8 @@ def _unsuppress() -> None:
 
 
 def _moe_backend(gm, example_inputs, mode, options):
-    import dataclasses
-
     from . import pipeline, records as records_mod
-    from .passes import reasons
+    from .uncompilable import capture_error, compile_unrewritten
 
     config, inductor_options = MoEConfig.from_options(mode, options)
     session = records_mod.current_session()
@@ -409,17 +407,14 @@ def _moe_backend(gm, example_inputs, mode, options):
             plan, inputs, stacked, records = before.plan, before.inputs, before.to_rehome, before.records
         compiled = _compile_rewritten(new_gm, inputs, config, inductor_options, records)
     except Exception as exc:
+        err = capture_error(gm, exc) if new_gm is gm else None
+        if err is not None:
+            raise err from exc
         if new_gm is gm or config.strict:
             raise
-        log.warning("moe_compile: compiling the rewritten graph failed (%s: %s); compiling it unrewritten",
-                    type(exc).__name__, exc)
-        detail = {"error": f"{type(exc).__name__}: {exc}"}
-        records = [dataclasses.replace(r, status=records_mod.REFUSED, ops=(), notes=(), code="compile_error",
-                                       reason=reasons.message("compile_error", detail),
-                                       fix=reasons.fix("compile_error"))
-                   if r.status == records_mod.REWRITTEN else r for r in records]
+        compiled, records = compile_unrewritten(
+            lambda recs: _compile_rewritten(gm, example_inputs, config, inductor_options, recs), gm, records, exc)
         new_gm, plan, inputs, stacked = gm, None, example_inputs, []
-        compiled = _compile_rewritten(gm, example_inputs, config, inductor_options, records)
     if plan is not None:
         from .expert_inputs import StackedInputs
 

@@ -84,6 +84,9 @@ def compile_blocks(model: nn.Module, backend="moe", *, blocks: Iterable[nn.Modul
     ``torch.compiler.cudagraph_mark_step_begin()`` at the start of each training step, as for any
     model whose modules are CUDA-graphed one by one: otherwise CUDA graph trees cannot tell steps
     apart and torch raises "accessing tensor output of CUDAGraphs that has been overwritten"."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"compile_blocks: expected an nn.Module (e.g. a Hugging Face model), got "
+                        f"{type(model).__name__}; for a function use torch.compile(fn, backend=\"moe\")")
     if isinstance(blocks, str):
         blocks = list(model.get_submodule(blocks))
     blocks = find_blocks(model) if blocks is None else list(blocks)

@@ -72,6 +72,9 @@ class MoEConfig:
             raise ValueError(f"MoEConfig: moe.mode={self.mode!r} is not one of {_INDUCTOR_MODES} (default 'default')")
         if isinstance(self.disable, str):
             object.__setattr__(self, "disable", (self.disable,))
+        if not isinstance(self.disable, tuple) or not all(isinstance(p, str) for p in self.disable):
+            raise ValueError(f"MoEConfig: moe.disable must be a pass name or a list of pass names, got "
+                             f"{self.disable!r}")
         from .pipeline import OPTIONAL_PASSES, PASS_NAMES
 
         unknown = [p for p in self.disable if p not in OPTIONAL_PASSES]
@@ -94,7 +97,12 @@ class MoEConfig:
         ours: dict[str, Any] = {}
         rest: dict[str, Any] = {}
         names = {f.name for f in dataclasses.fields(cls)}
+        if options is not None and not isinstance(options, dict):
+            raise ValueError(f"MoEConfig: options must be a dict of option names to values, got "
+                             f"{type(options).__name__}; allowed moe keys: {cls.allowed_keys()}")
         for key, value in (options or {}).items():
+            if not isinstance(key, str):
+                raise ValueError(f"MoEConfig: option names are strings, got {key!r}; allowed: {cls.allowed_keys()}")
             if key.startswith("moe."):
                 name = key[len("moe."):]
                 if name not in names:
@@ -102,7 +110,7 @@ class MoEConfig:
                     raise ValueError(f"MoEConfig: unknown option {key!r}"
                                      + (f" (did you mean {' or '.join(map(repr, close))}?)" if close else "")
                                      + f"; allowed: {cls.allowed_keys()}")
-                ours[name] = tuple(value) if name == "disable" and not isinstance(value, str) else value
+                ours[name] = tuple(value) if name == "disable" and isinstance(value, (list, tuple, set)) else value
             else:
                 rest[key] = value
         rest = inductor_options(rest)

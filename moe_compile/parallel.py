@@ -231,11 +231,22 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     Raises ValueError when no container is found, when E is not divisible by the mesh size, and for
     experts held as an nn.ModuleList (convert them with ``stack_experts`` first). Parameters stay on
     their device (move the model to the mesh's device type before or after)."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"parallelize_experts: expected a DeviceMesh, got {type(mesh).__name__}; e.g. "
+                        f"torch.distributed.device_mesh.init_device_mesh('cuda', (world_size,), mesh_dim_names=('ep',))")
     mesh = _ep_dim(mesh)
     found = find_expert_containers(model)
     if not found:
+        done = ep_infos(model)
+        if done:
+            raise ValueError(f"parallelize_experts: {type(model).__name__} is already expert-parallel "
+                             f"({', '.join(sorted(p or '<root>' for p in done))} sharded); call it once per model")
         raise ValueError(f"parallelize_experts: {type(model).__name__} has no expert container (a module whose "
                          f"3-D parameters are stacked per expert, [E, ...])")
+    for path, module, num_experts, _ in found:   # every container checked before any is sharded
+        if num_experts % mesh.size():
+            raise ValueError(f"parallelize_experts: '{path or type(module).__name__}' has {num_experts} experts, "
+                             f"not divisible by the ep mesh size {mesh.size()}; nothing was sharded")
     _MESHES[mesh.get_group().group_name] = mesh
     _ROOTS.setdefault(mesh.get_group().group_name, weakref.WeakSet()).add(model)
     for path, module, num_experts, names in found:

@@ -79,6 +79,10 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
     and explain's own Dynamo cache entries are dropped when it returns."""
     from .backend import capture_ctx, moe_backend
 
+    if isinstance(model_or_fn, type) or not callable(model_or_fn):
+        what = f"the class {model_or_fn.__name__}" if isinstance(model_or_fn, type) else type(model_or_fn).__name__
+        raise TypeError(f"moe_compile.explain: expected a model (an nn.Module instance) or a function, got {what}; "
+                        "call moe_compile.explain(model, *inputs) with the inputs of one forward call")
     fn = _unwrap(model_or_fn)
     session = Session(quiet=True)
     graphs = [0]

@@ -81,7 +81,7 @@ def pair_op(f, g, n, op, src, kind):
     if kind == "pair3" and op == "mul":
         other = n.args[1] if n.args[0] is src else n.args[0]
         s = shape(other)
-        if f.r(other) is None and s and len(s) == 3 and s[1] == g.k and s[2] == 1:
+        if f.r(other) is None and s == (shape(src)[0], g.k, 1):
             if g.weighted_at is not None:
                 g.note("weights_twice")
             g.weights, g.weighted_at = other, g.end
@@ -102,6 +102,8 @@ def combine_add(f, g, n, op, acc, src) -> bool:
         ok = f.r(base) and f.r(base).kind == "tok" and f.r(base).g is g
     if not ok or arg(n, 1, "dim") != 0 or [u for u in acc.users if f.order[u] < f.order[n]]:
         return False
+    if n.kwargs.get("alpha", 1) != 1 or shape(acc) != (shape(g.x)[0], shape(src)[-1]):
+        return False   # index_add_(..., alpha=a) scales the rows; an accumulator of another shape is not [T, H]
     if op.endswith("_"):
         g.aliases = (acc,)
     g.output, g.end = n, g.step_of[src]

@@ -6,7 +6,7 @@ sets roles with ``finder.set``; ``grouped_regions.ROUTING_RULES`` maps ops to th
 
     flat = ids.reshape(-1); s, perm = sort(flat) | perm = argsort(flat)      -> flat, sort, sorted_ids, perm
     perm // K                                                                -> tok
-    histc(s.float(), E, 0, E - 1) | bincount(s, minlength=E) | one_hot(.).sum(0) -> counts;  cumsum -> offs
+    histc(s.float(), E, 0, E - 1 | E) | bincount(s, minlength=E) | one_hot(.).sum(0) -> counts;  cumsum -> offs
     inv = empty_like(perm); inv[perm] = arange(N) | argsort(perm)           -> inv
     x[perm // K] | x.index_select(0, ..) | x.repeat_interleave(K, 0) | x.unsqueeze(0).expand(E, ..) -> rows
     w.reshape(-1)[perm] -> sw;  b[s] / b[flat] -> bias;  W[flat] -> wsel;  zeros(T, E).scatter(1, ids, w) -> routing
@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from .grouped_state import CASTS, DONE, as_int
-from .normalize import arg, canon, shape, val
+from .normalize import arg, canon, id_bound, shape, val
 
 
 def flat_ids(f, n, op, a0, r0, rk):
@@ -88,10 +88,13 @@ def clamp_ids(f, n, op, a0, r0, rk):
 
 
 def counts_histc(f, n, op, a0, r0, rk):
+    """histc(ids, bins=E, min=0, max=E - 1) (bins of width (E-1)/E: id e in bin e), or max=E (torchtitan's
+    spelling: width 1, id E would land in the last bin) when the ids are known to be below E."""
     if rk in ("sorted_ids", "flat"):
         g = f.sorted_group_of(r0, a0)
-        bins = arg(n, 1, "bins", 100)
-        if g is not None and arg(n, 2, "min", 0) == 0 and arg(n, 3, "max", 0) == bins - 1:
+        bins, hi = arg(n, 1, "bins", 100), arg(n, 3, "max", 0)
+        if g is not None and arg(n, 2, "min", 0) == 0 and (hi == bins - 1 or hi == bins and g.ids is not None
+                                                          and (id_bound(g.ids) or bins + 1) <= bins):
             f.set(n, "counts", g, bins)
         return DONE
 
@@ -133,15 +136,29 @@ def inverse_alloc(f, n, op, a0, r0, rk):
 def inverse_fill(f, n, op, a0, r0, rk):
     """inv[perm] = arange(N)."""
     if f.r(n.args[1]) and f.r(n.args[1]).kind == "perm" and isinstance(n.args[2], fx.Node) \
-            and canon(n.args[2]) == "arange":
+            and _counts_up(n.args[2], val(n.args[1]).numel()):
         f.set(a0, "inv", r0.g)
         f.set(n, "mut", r0.g)
         r0.g.erase.append(n)
         return DONE
 
 
+def _counts_up(node: fx.Node, n: int) -> bool:
+    """``node`` is arange(n): 0, 1, ..., n - 1 (``arange(n)`` or ``arange(0, n[, 1])``)."""
+    if canon(node) != "arange":
+        return False
+    pos = list(node.args) + [node.kwargs[k] for k in ("start", "end", "step") if k in node.kwargs]
+    if "end" in node.kwargs and "start" not in node.kwargs and len(node.args) == 0:
+        pos = [0, node.kwargs["end"], node.kwargs.get("step", 1)]
+    if len(pos) == 1:
+        return pos[0] == n
+    return len(pos) in (2, 3) and pos[0] == 0 and pos[1] == n and (len(pos) == 2 or pos[2] == 1)
+
+
 def inverse_argsort(f, n, op, a0, r0, rk):
-    f.set(n, "inv", r0.g)
+    """argsort(perm), ascending: the inverse permutation."""
+    if not arg(n, 2, "descending", False) and arg(n, 1, "dim", -1) in (0, -1):
+        f.set(n, "inv", r0.g)
     return DONE
 
 
@@ -215,7 +232,8 @@ def wsel_transpose(f, n, op, a0, r0, rk):
 
 def routing_matrix(f, n, op, a0, r0, rk):
     """zeros(T, E).scatter(1, ids, w): the [T, E] routing matrix, K nonzeros per row."""
-    if rk is None and arg(n, 1, "dim") == 1 and canon(a0) in ("zeros", "zeros_like", "new_zeros"):
+    if rk is None and arg(n, 1, "dim") == 1 and canon(a0) in ("zeros", "zeros_like", "new_zeros") \
+            and arg(n, 4, "reduce") is None:
         ids, w = arg(n, 2, "index"), arg(n, 3, "src")
         if isinstance(w, fx.Node) and isinstance(ids, fx.Node) and not val(ids).is_floating_point():
             f.set(n, "routing", None, (ids, w, "te"))

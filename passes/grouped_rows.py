@@ -112,7 +112,11 @@ def bias_add(f, g, n, op, rows_in):
     rb = f.r(n.args[1])
     if not (rb and rb.kind == "bias"):
         return None
-    ok_group = rb.g is g if rb.g is not None else (rb.info[1] == "pair" and rb.info[2] is g.flat)
+    if len(n.args) != 2 or n.kwargs:   # add(rows, b, alpha=a) scales the bias: not a bias add
+        return None
+    # b[sorted_ids] on sorted rows; b[flat] (one bias row per (token, slot) pair) on pair-ordered rows only
+    ok_group = rb.g is g if rb.g is not None else \
+        (rb.info[1] == "pair" and rb.info[2] is g.flat and g.family == "batched")
     first_user = min(a0.users, key=f.order.__getitem__) is n
     if ok_group and (first_user if op != "add" else len(a0.users) == 1) \
             and f.add_bias(g, a0, rb.info if rb.g is not None else rb.info[0], n):

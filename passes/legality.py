@@ -17,6 +17,8 @@ code from ``reasons.REASONS``, the filled message and the fix. The rules::
                         Function, a detach trick) would train with another gradient
     input_weights       weights that scale the expert input reach it through views and casts only;
                         for dense experts, the expert maps the zero rows of unselected pairs to zero
+    no_foreign_writes   no in-place write other than the region's own lands, while the region runs, on a
+                        tensor it reads or computes (``writes.foreign_write``)
 
 Under torch.autocast (a product whose output dtype differs from an operand's) there is nothing to
 refuse: the lowering casts the grouped GEMMs' operands as autocast does (``Step.dtype``), with or
@@ -32,6 +34,7 @@ import torch.fx as fx
 from . import reasons
 from .normalize import canon, val, where_in_user_code
 from .region import AccumulateInPlace, Candidate, Finding, Region, ReplaceOutput
+from .writes import foreign_write, written
 
 
 @dataclass(frozen=True)
@@ -247,4 +250,11 @@ def _has_bias(n: fx.Node) -> bool:
     return canon(n) == "linear" and (n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")) is not None
 
 
-RULES = (expert_operands, input_2d, accumulator, expert_parallel, weights_path, input_weights)
+def no_foreign_writes(region: Region) -> Finding | None:
+    n = foreign_write(region)
+    if n is None:
+        return None
+    return Finding.of("written_in_place", n, node=n.name, target=written(n).name)
+
+
+RULES = (expert_operands, input_2d, accumulator, expert_parallel, weights_path, input_weights, no_foreign_writes)

@@ -37,7 +37,7 @@ _ALIASES = {
 }
 
 
-def _fn_name(fn: Any) -> str:
+def fn_name(fn: Any) -> str:
     if isinstance(fn, torch._ops.OpOverload):
         return fn._opname
     if isinstance(fn, torch._ops.OpOverloadPacket):
@@ -72,7 +72,7 @@ def _canon(node: fx.Node) -> str | None:
             return f"{op_namespace(t)}::{t._opname}"
         if isinstance(t, torch._ops.OpOverloadPacket) and t._qualified_op_name.split("::")[0] not in ("aten",):
             return t._qualified_op_name.replace(f"{_TWINS}::", "moe_compile::", 1)
-        name = _fn_name(t)
+        name = fn_name(t)
     elif node.op == "call_method":
         name = node.target
     elif node.op == "call_module":
@@ -180,6 +180,23 @@ def common_module(nodes) -> str:
 
 
 _SAME_VALUES = {"to", "long", "int", "contiguous", "clone", "detach"}
+
+
+def id_bound(ids: fx.Node) -> int | None:
+    """B with every id of the integer tensor ``ids`` in [0, B): the size of the dim a ``topk`` /
+    ``max(dim)`` / ``argmax`` picked from (through casts, copies and views), else None."""
+    n = ids
+    while canon(n) in _SAME_VALUES | {"view", "reshape", "flatten"} and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    op = canon(n)
+    if op in ("getitem", "getattr") and isinstance(n.args[0], fx.Node) and canon(n.args[0]) in ("topk", "max") \
+            and n.args[1] in (1, "indices"):
+        n, op = n.args[0], canon(n.args[0])
+    if op not in ("topk", "max", "argmax") or not isinstance(n.args[0], fx.Node):
+        return None
+    dim = arg(n, 2, "dim", -1) if op == "topk" else arg(n, 1, "dim", None)
+    s = shape(n.args[0])
+    return s[dim] if isinstance(dim, int) and s and isinstance(s[dim], int) else None
 
 
 def distinct_per_row(ids: fx.Node) -> bool:

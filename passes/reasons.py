@@ -54,6 +54,12 @@ REASONS: dict[str, Reason] = {
         "the expert intermediate `{node}` is also used outside the MoE region (by `{user}`)",
         "use only the combined output outside the expert loop"),
     "unsupported_row_op": Reason("unsupported op `{op}` on the expert rows at {at}{why}", _FIX_UNSUPPORTED),
+    "written_in_place": Reason(
+        "`{node}` at {at} writes in place to `{target}`, which the MoE region reads or computes, while the region "
+        "runs: the rewrite reads its inputs once, where the region ends, and computes its own routing, so it "
+        "would not see the write as eager does",
+        "compute a new tensor instead of writing in place (`w = w * 2`, not `w.mul_(2)`), or make the write before "
+        "the region starts"),
     # ---- the expert function
     "expert_operand_not_linear": Reason(
         "expert-specific operand `{node}` in a non-linear op `{op}` (only linear weights and biases may differ per "
@@ -142,13 +148,25 @@ REASONS: dict[str, Reason] = {
         "compiling the rewritten graph failed ({error}); the graph was compiled unrewritten",
         "a bug in moe_compile: please report it with moe_compile.explain's output (options={\"moe.strict\": True} "
         "raises the error instead)"),
+    "capture_compile_error": Reason(
+        "torch could not compile this graph with the data-dependent sizes backend=\"moe\" captures (where/nonzero/"
+        "boolean masks in MoE code, moe.capture_dynamic) outside any region it rewrote ({error})",
+        "options={\"moe.capture_dynamic\": False} compiles the frame as stock torch.compile does (graph breaks at "
+        "those ops, reported as break_dynamic_shape); or write the layer in a form that is rewritten "
+        "(docs/architecture.md, \"Forms\")"),
     "moe_unmatched": Reason(
-        "looks like an MoE layer (a top-{k} router over {e} experts at {router_at} feeds {evidence}) but matches no "
+        "looks like an MoE layer ({router} over {e} experts at {router_at} feeds {evidence}) but matches no "
         "form the backend rewrites{disabled}; it is compiled as written",
         "write the layer in a supported form (docs/architecture.md, \"Forms\"), e.g. `for e in range(E): tok, slot = "
         "torch.where(ids == e); out.index_add_(0, tok, w[tok, slot, None] * experts[e](x[tok]))`, or 3-D expert "
         "weights with sort + torch._grouped_mm as transformers' grouped_mm experts do; if the layer is already "
         "written so, please report it with moe_compile.explain's output"),
+    "router_draws": Reason(
+        "looks like an MoE layer ({router} over {e} experts at {router_at} feeds {evidence}), but its ids are not "
+        "a top-k: a token may draw one expert twice, which the grouped form cannot hold{disabled}; it is compiled "
+        "as written",
+        "nothing to fix for correctness; to get the grouped rewrite, pick the experts with torch.topk (distinct "
+        "experts per token)"),
     "nested_region": Reason(
         "a top-{k} router over {e} experts runs inside `{subgraph}`, a torch.compiler.nested_compile_region "
         "subgraph called at {at}; the backend does not rewrite inside such subgraphs, so it is compiled as written",
@@ -187,7 +205,8 @@ REASONS: dict[str, Reason] = {
     "break_dynamic_shape": Reason(
         "{what} at {at}: `{source}` has a data-dependent output shape and data-dependent capture is off{effect}",
         "leave options[\"moe.capture_dynamic\"] at True (the default): backend=\"moe\" then captures "
-        "where/nonzero/boolean masks"),
+        "where/nonzero/boolean masks (unless it was turned off after a capture_compile_error: then this frame "
+        "runs as stock torch.compile runs it)"),
     "break_other": Reason(
         "{what} at {at}: `{source}`: {reason}{effect}",
         "move the code Dynamo cannot trace out of the MoE layer, or write it with tensor ops; TORCH_LOGS="

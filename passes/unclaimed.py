@@ -5,7 +5,8 @@ The backend must never be silent about an MoE layer it did not rewrite. The find
 module finds the rest, from the graph and from Dynamo's own records:
 
 ``find_unclaimed(gm, example_inputs, candidates)``
-    A *router* is the index output of ``topk`` / ``max(dim)`` / ``argmax``. It looks like an MoE
+    A *router* is the index output of ``topk`` / ``max(dim)`` / ``argmax``, or expert ids drawn another way
+    (``multinomial``, ``randint``, ``ids % E``: never rewritten, a token may draw one expert twice). It looks like an MoE
     router when what it selects reaches *expert compute* of the same layer (module paths share the
     MoE block, never two elements of one ModuleList):
 
@@ -22,7 +23,7 @@ module finds the rest, from the graph and from Dynamo's own records:
     A router is *claimed* when a candidate region uses it (its ids come from the same top-k, or it
     feeds one that does), when its evidence lies inside a candidate region, or when a candidate
     (refused before it could be assembled) names the same module. Every unclaimed router is one
-    ``Unclaimed`` finding with code ``moe_unmatched``.
+    ``Unclaimed`` finding with code ``moe_unmatched`` (``router_draws`` for ids drawn without a top-k).
 
 ``nested_regions(gm)``
     ``torch.compiler.nested_compile_region`` subgraphs (``invoke_subgraph``) whose body holds a
@@ -46,7 +47,8 @@ import re
 import torch
 import torch.fx as fx
 
-from .normalize import arg, canon, common_module, module_path, val, where_in_user_code
+from .expert_ids import ID_VIEWS, OTHER_ROUTERS, router_kind, router_root, routers as _routers
+from .normalize import canon, common_module, module_path, val, where_in_user_code
 
 MATMULS = {"linear", "matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum", "_grouped_mm", "grouped_mm",
            "transformers::grouped_mm_fallback", "moe_compile::grouped_mm", "moe_compile::grouped_mm_list",
@@ -59,9 +61,6 @@ _SELECTIONS = {"eq", "one_hot", "nonzero", "argwhere"}
 _GATHERS = {"getitem", "index_select", "embedding", "take", "gather", "F.embedding"}
 _INPLACE = {"setitem", "index_put_", "index_add_", "index_copy_", "scatter_", "scatter_add_", "scatter_reduce_",
             "masked_fill_", "masked_scatter_", "copy_", "add_inplace", "mul_inplace", "iadd", "index_fill_"}
-_ID_VIEWS = {"view", "reshape", "flatten", "to", "long", "int", "contiguous", "clone", "detach", "squeeze",
-             "unsqueeze"}
-
 
 @dataclasses.dataclass(frozen=True)
 class Unclaimed:
@@ -69,54 +68,8 @@ class Unclaimed:
     where: str
     num_experts: int
     top_k: int
-    detail: dict            # fills reasons.REASONS["moe_unmatched"]
-
-
-# ------------------------------------------------------------------------------------------ routers
-def _routers(graph: fx.Graph):
-    """(router node, its index outputs, expert count E, top_k) for every topk / max(dim) / argmax."""
-    for n in graph.nodes:
-        op = canon(n)
-        if op not in ("topk", "max", "argmax"):
-            continue
-        x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-        xv = val(x)
-        if not isinstance(xv, torch.Tensor) or xv.dim() == 0:
-            continue
-        if op == "argmax":
-            dim, k, ids = arg(n, 1, "dim", None), 1, [n]
-            if dim is None:
-                continue
-        else:
-            dim = arg(n, 2, "dim", -1) if op == "topk" else arg(n, 1, "dim", None)
-            if op == "max" and not isinstance(dim, int):
-                continue  # max over everything: not a selection
-            k = arg(n, 1, "k", 1) if op == "topk" else 1
-            ids = [u for u in n.users if (canon(u) == "getitem" and len(u.args) > 1 and u.args[1] == 1)
-                   or (canon(u) == "getattr" and len(u.args) > 1 and u.args[1] == "indices")]
-        if not ids or not isinstance(dim, int):
-            continue
-        e = xv.shape[dim]
-        if not isinstance(e, int) or not isinstance(k, int) or e < 2:
-            continue
-        yield n, ids, e, k
-
-
-def router_root(ids: fx.Node) -> fx.Node | None:
-    """The topk / max / argmax node that produced ``ids`` (through casts and views), else None."""
-    n, seen = ids, 0
-    while isinstance(n, fx.Node) and seen < 32:
-        op = canon(n)
-        if op in ("topk", "max", "argmax"):
-            return n
-        if op in ("getitem", "getattr") and isinstance(n.args[0], fx.Node) and canon(n.args[0]) in ("topk", "max"):
-            return n.args[0]
-        if op in _ID_VIEWS or op == "masked_fill" and n.args and isinstance(n.args[0], fx.Node):
-            n = n.args[0]
-        else:
-            return None
-        seen += 1
-    return None
+    detail: dict            # fills reasons.REASONS[code]
+    code: str = "moe_unmatched"   # or "router_draws" (ids drawn without a top-k: OTHER_ROUTERS)
 
 
 def _reach(starts) -> set[fx.Node]:
@@ -281,16 +234,18 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
         if not found:
             continue
         module = common_module([router] + [n for _, n in found])
-        if any(_same_block(module, m) for m in claimed_modules):
-            continue
+        if any(_same_block(module, m) for m in claimed_modules) or any(u.module == module for u in out):
+            continue   # claimed, or already listed (two ids tensors of one layer, e.g. two hashes stacked)
         kinds = list(dict.fromkeys(kind for kind, _ in found))
         first = found[0][1]
         at = where_in_user_code(first) or "?"
         evidence = " and ".join(f"{_DESCRIBE[kind]} (`{next(n for kd, n in found if kd == kind).name}`)"
                                 for kind in kinds)
-        detail = {"k": k, "e": e, "router_at": where_in_user_code(router) or "?", "evidence": evidence,
+        detail = {"k": k, "e": e, "router": router_kind(router, k), "router_at": where_in_user_code(router) or "?",
+                  "evidence": evidence,
                   "disabled": f" (the finders {', '.join(disabled)} are disabled by moe.disable)" if disabled else ""}
-        out.append(Unclaimed(module, at, e, k, detail))
+        out.append(Unclaimed(module, at, e, k, detail,
+                             "router_draws" if canon(router) in OTHER_ROUTERS else "moe_unmatched"))
     return out
 
 
@@ -316,7 +271,7 @@ def escaping_routers(gm: fx.GraphModule) -> list[fx.Node]:
             if any(u in out_nodes for u in n.users):
                 found.append(router)
                 break
-            stack.extend(u for u in n.users if (canon(u) or "") in _ID_VIEWS)
+            stack.extend(u for u in n.users if (canon(u) or "") in ID_VIEWS)
     return found
 
 
@@ -372,14 +327,36 @@ def declares_experts_implementation(filename: str, lineno: int) -> bool:
     return False
 
 
+# a function that picks experts and then groups tokens by expert, whatever its names say
+_ROUTES = re.compile(r"\b(topk|argmax|multinomial)\(")
+_SELECTS = re.compile(r"==\s*\w+\b|\b(where|one_hot|nonzero|argsort|sort|bincount|histc)\(")
+
+
+def _routes_then_selects(filename: str, lineno: int, limit: int = 120) -> bool:
+    """The function holding ``filename:lineno`` calls a router op (top-k, argmax, sampling) and then
+    groups by expert (``ids == e``, ``where``, ``one_hot``, ``nonzero``, a sort, counts) before that line."""
+    body = []
+    for i in range(lineno, max(lineno - limit, 0), -1):
+        line = linecache.getline(filename, i)
+        body.append(line)
+        if line.lstrip().startswith("def "):
+            break
+    text = "".join(reversed(body))
+    routed = _ROUTES.search(text)
+    return bool(routed) and bool(_SELECTS.search(text, routed.end()))
+
+
 def in_moe_code(frames) -> bool:
-    """Whether a user stack is inside MoE code (names of its classes and functions, its source line)."""
+    """Whether a user stack is inside MoE code: names of its classes and functions, its source line, or
+    a function of it that routes and then groups tokens by expert (whatever the names)."""
     frames = list(frames)
     for f in frames:
         cls, _ = enclosing_class(f.filename, f.lineno)
         if _MOE_NAME.search(cls) or _MOE_NAME.search(f.name or ""):
             return True
-    return bool(frames) and bool(_MOE_LINE.search(frames[-1].source))
+    if frames and _MOE_LINE.search(frames[-1].source):
+        return True
+    return any(_routes_then_selects(f.filename, f.lineno) for f in frames if f.filename and f.lineno)
 
 
 def classify_break(frames, reason: str) -> tuple[str, dict]:
@@ -468,8 +445,8 @@ def unclaimed_records(gm: fx.GraphModule, example_inputs, candidates, disabled: 
 
     from . import reasons
 
-    out = [RegionRecord(u.module, "unmatched", REFUSED, reasons.message("moe_unmatched", u.detail), (), u.where,
-                        u.num_experts, u.top_k, code="moe_unmatched", fix=reasons.fix("moe_unmatched"))
+    out = [RegionRecord(u.module, "unmatched", REFUSED, reasons.message(u.code, u.detail), (), u.where,
+                        u.num_experts, u.top_k, code=u.code, fix=reasons.fix(u.code))
            for u in find_unclaimed(gm, example_inputs, candidates, disabled)]
     for name, where, e, k in nested_regions(gm):
         detail = {"k": k, "e": e, "subgraph": name, "at": where}

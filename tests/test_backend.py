@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -132,6 +133,29 @@ def test_bad_option_raises_before_tracing(key, value, expect):
     assert "moe.debug" in str(info.value) or "must be" in str(info.value)  # the allowed keys are listed
     assert dict(records.counters) == before
     assert torch._dynamo.utils.counters["frames"]["total"] == frames, "Dynamo traced a frame with a bad option"
+
+
+@pytest.mark.parametrize("options, expect", [
+    ({"moe.disable": None}, "moe.disable must be a pass name or a list of pass names, got None"),
+    ({"moe.disable": 5}, "moe.disable must be a pass name or a list of pass names, got 5"),
+    ([("moe.debug", True)], "options must be a dict of option names to values, got list"),
+    ({1: True}, "option names are strings, got 1"),
+])
+def test_malformed_options_name_the_problem(options, expect):
+    """Were bare TypeError / AttributeError from inside the config."""
+    from moe_compile.config import MoEConfig
+
+    with pytest.raises(ValueError, match=re.escape(expect)):
+        MoEConfig.from_options(None, options)
+
+
+def test_api_calls_on_the_wrong_object_name_the_problem():
+    with pytest.raises(TypeError, match="expected a model .* got the class Linear"):
+        moe_compile.explain(nn.Linear, make_input((3, 16)))
+    with pytest.raises(TypeError, match="expected a model .* got str"):
+        moe_compile.explain("model", make_input((3, 16)))
+    with pytest.raises(TypeError, match="compile_blocks: expected an nn.Module .* got str"):
+        moe_compile.compile_blocks("model")
 
 
 def test_bad_mode_raises_before_tracing():

@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import moe_compile.kernels.ep as ep_ops
+import moe_compile.parallel
 import moe_compile.kernels.ops  # noqa: F401  (registers every moe_compile op)
 from moe_compile.kernels.ep_transport import padded_layout
 from dist_utils import run_distributed
@@ -393,6 +394,10 @@ def body_parallel(rank, ep, tmp):
 
     with pytest.raises(ValueError, match="has 3 experts, not divisible by the ep mesh size"):
         parallelize_experts(TinyMoE(e=3), mesh)
+    two = nn.ModuleDict({"a": TinyMoE(e=2 * ep), "b": TinyMoE(e=3)})   # checked before anything is sharded
+    with pytest.raises(ValueError, match="not divisible by the ep mesh size .*; nothing was sharded"):
+        parallelize_experts(two, mesh)
+    assert not moe_compile.parallel.ep_infos(two) and two.a.experts.gate_up.shape[0] == 2 * ep
     # the marker's backward (traced if a graph keeps it): the global gradient's rows of this rank
     ctx = types.SimpleNamespace(rows=el, group_name=mesh.get_group().group_name)
     grad = torch.randn(2 * ep, 3)
@@ -417,6 +422,16 @@ def mesh1(tmp_path_factory):
         yield init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
     finally:
         dist.destroy_process_group()
+
+
+def test_parallelize_experts_bad_calls_name_the_problem(mesh1):
+    from moe_compile.parallel import parallelize_experts
+
+    model = parallelize_experts(TinyMoE(), mesh1)
+    with pytest.raises(ValueError, match="already expert-parallel .*call it once per model"):
+        parallelize_experts(model, mesh1)
+    with pytest.raises(TypeError, match="expected a DeviceMesh, got ProcessGroup.*init_device_mesh"):
+        parallelize_experts(TinyMoE(), mesh1.get_group())
 
 
 def test_marker_reaches_the_graph_and_raises_when_run(mesh1):

@@ -356,3 +356,102 @@ def test_moe_inside_nested_compile_region_is_reported(monkeypatch, caplog):
     assert len(found) == 1, caplog.text
     assert "top-2 router over 4 experts" in found[0] and "compile_blocks" in caplog.text
     assert "no MoE layer was found" not in caplog.text
+
+
+class DrawnRouterMoE(nn.Module):
+    """A per-expert loop whose ids are drawn without a top-k (hash layers, sampled or random routing),
+    next to nothing else: a token may draw one expert twice, so it is never rewritten, and listed."""
+
+    def __init__(self, draw: str, e: int = 4, k: int = 2, h: int = 16):
+        super().__init__()
+        self.draw, self.e, self.k = draw, e, k
+        self.gate = nn.Linear(h, e, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(h, 24) for _ in range(e))
+
+    def forward(self, x, token_ids):
+        probs = self.gate(x).softmax(-1)
+        if self.draw == "multinomial":
+            ids = torch.multinomial(probs.detach(), self.k)
+        elif self.draw == "randint":
+            ids = torch.randint(0, self.e, (x.shape[0], self.k))
+        else:
+            ids = torch.stack([token_ids % self.e, (token_ids * 7 + 1) % self.e], -1)
+        w = probs.gather(1, ids)
+        out = torch.zeros_like(x)
+        for e in range(self.e):
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, slot, None])
+        return out
+
+
+@pytest.mark.parametrize("draw", ["multinomial", "randint", "hash"])
+def test_routers_that_draw_ids_are_listed(draw):
+    """Listed as router_draws, with the router named; compiled as written (matches eager)."""
+    args = [make_input((12, 16)), torch.randint(0, 1000, (12,))]
+    with torch._inductor.config.patch(fallback_random=True):
+        check_compiled(DrawnRouterMoE(draw), args, expect_rewritten=0, expect_refused=1, seed=7, fresh_inputs=0)
+    rep = moe_compile.explain(DrawnRouterMoE(draw), *args)
+    assert [r.code for r in rep.refused] == ["router_draws"], str(rep)
+    word = {"multinomial": "multinomial", "randint": "randint", "hash": "ids % E"}[draw]
+    assert word in rep.refused[0].reason and "over 4 experts" in rep.refused[0].reason, str(rep)
+
+
+class CumsumExpertMoE(nn.Module):
+    """A loop whose experts mix their rows (cumsum over the expert's tokens): not an expert function the
+    rewrite replays, and torch cannot compile its captured graph (the cumsum's backward guards on the
+    expert's data-dependent row count), where stock torch.compile breaks the graph and runs."""
+
+    def __init__(self, e=4, k=2, h=16):
+        super().__init__()
+        self.e, self.k = e, k
+        self.gate = nn.Linear(h, e, bias=False)
+        self.up = nn.ModuleList(nn.Linear(h, 24, bias=False) for _ in range(e))
+        self.down = nn.ModuleList(nn.Linear(24, h, bias=False) for _ in range(e))
+
+    def forward(self, x):
+        w, ids = self.gate(x).softmax(-1).topk(self.k, -1)
+        out = torch.zeros_like(x)
+        for e in range(self.e):
+            tok, k = torch.where(ids == e)
+            out.index_add_(0, tok, self.down[e](torch.tanh(self.up[e](x[tok])).cumsum(0)) * w[tok, k, None])
+        return out
+
+
+def test_uncompilable_captured_graph_raises_with_the_fix():
+    """Was torch's bare GuardOnDataDependentSymNode; now the error names the cause and the option, and
+    the option compiles the layer as stock torch.compile does (matching eager, reported)."""
+    torch._dynamo.reset()
+    model = CumsumExpertMoE()
+    with pytest.raises(Exception, match=r"capture_compile_error(.|\n)*moe\.capture_dynamic\": False"):
+        torch.compile(copy.deepcopy(model), backend="moe", options=OPTS)(make_input((32, 16))).sum().backward()
+    check_compiled(model, [make_input((32, 16))], expect_rewritten=0, expect_refused=1,
+                   options={"moe.capture_dynamic": False})
+
+
+class Mixer(nn.Module):
+    """SkipEmptyMoE's code under names that say nothing of MoE (class, function, tables, source lines)."""
+
+    def __init__(self, h=16, i=8, n=4, k=2):
+        super().__init__()
+        self.k = k
+        self.score = nn.Linear(h, n, bias=False)
+        self.table_a = nn.Parameter(torch.randn(n, h, i) / 4)
+        self.table_b = nn.Parameter(torch.randn(n, i, h) / 3)
+
+    def forward(self, x):
+        p, sel = torch.topk(self.score(x).softmax(-1), self.k, dim=-1)
+        sizes = torch.bincount(sel.flatten(), minlength=self.table_a.shape[0]).tolist()
+        out = torch.zeros_like(x)
+        for j in range(len(sizes)):
+            if sizes[j] == 0:
+                continue
+            t, s = torch.where(sel == j)
+            out.index_add_(0, t, torch.tanh(x[t] @ self.table_a[j]) @ self.table_b[j] * p[t, s, None])
+        return out
+
+
+def test_skipped_frame_found_by_what_the_code_does():
+    """No name says MoE: the frame routes (topk) and then groups by expert before the line Dynamo gave
+    up on, so the skipped frame is still listed with its fix (was: nothing listed, nothing warned)."""
+    rep = moe_compile.explain(Block(Mixer()), make_input((6, 16)))
+    assert [b.reason_code for b in rep.graph_breaks] == ["break_tolist"], str(rep)

@@ -1,0 +1,139 @@
+"""In-place writes a region's rewrite would not replay (finds; never mutates).
+
+Dynamo graphs keep the user's in-place ops (``t.mul_(2)``, ``t += 1``, ``t[i] = v``, ``out=``). The
+finders read a region as pure dataflow, and the lowering reads the region's inputs (expert input,
+router ids and weights, expert weights, the accumulator's base) once, where the region ends. So a
+write that lands between the region's first node and its last one, on a tensor the region reads or
+computes, changes what eager computes and not what the rewrite computes::
+
+    w, ids = probs.topk(K)                    w, ids = probs.topk(K)
+    sw = w.flatten()[perm]        (region)    sw = w.flatten()[perm]
+    w.mul_(2)                     <- found    ... y = rows * sw ...       (eager: the old w;
+    ... y = rows * sw ...                                                  rewrite: w as it ends)
+    for e in range(E):                        offs = cnt.cumsum(0); offs[0] += 1   <- found
+        out += expert_e(xin[tok]) * ...       (the rewrite computes its own offsets)
+        xin.mul_(0.9)             <- found
+
+``foreign_write(region)`` returns the first such write (the graph is unchanged either way); the
+writes the finders recognised (the combine's accumulation, ``inv[perm] = arange``, a sentinel
+``clamp_``/``masked_fill_``, an in-place bias add or activation on the rows: every in-place node that
+is part of ``region.nodes``) are the region's own. Writes before the region's first node are seen by
+eager and the rewrite alike; writes after its end by neither.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from .normalize import fn_name, canon, val
+from .region import AccumulateInPlace, Region
+
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+                      operator.ilshift, operator.irshift, operator.imatmul, operator.setitem}
+_NOT_WRITES = {"requires_grad_", "retain_grad", "share_memory_"}
+# ops whose result may share storage with their first argument (conservative: ``reshape``, ``contiguous``
+# and ``to`` alias when no copy is needed; every in-place op returns its ``self``)
+_VIEWS = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "t", "transpose", "permute",
+          "expand", "expand_as", "view_as", "narrow", "select", "as_strided", "diagonal", "detach", "alias",
+          "contiguous", "to", "type_as", "float", "half", "bfloat16", "double", "int", "long", "type",
+          "chunk", "split", "unbind", "split_with_sizes", "movedim", "swapaxes", "mT", "real", "imag",
+          "unfold", "squeeze_", "unsqueeze_", "T", "H", "mH", "align_as", "reshape_as"}
+
+
+def written(node: fx.Node) -> fx.Node | None:
+    """The tensor an in-place call node writes (its ``self`` or its ``out=``), else None."""
+    if node.op not in ("call_function", "call_method"):
+        return None
+    out = node.kwargs.get("out")
+    if isinstance(out, fx.Node):
+        return out
+    first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    if node.op == "call_function" and node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
+        return first
+    name = node.target if node.op == "call_method" else fn_name(node.target)
+    if isinstance(name, str) and name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES:
+        return first
+    return None
+
+
+def _base(node, memo: dict) -> fx.Node:
+    """The storage ``node`` may share: walked back through views, basic indexing and in-place ops."""
+    start = node
+    while isinstance(node, fx.Node):
+        if node in memo:
+            node = memo[node]
+            break
+        op = canon(node)
+        nxt = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        if nxt is None:
+            break
+        if op in _VIEWS or written(node) is nxt or (op == "getitem" and _basic_index(node)):
+            node = nxt
+            continue
+        break
+    memo[start] = node
+    return node
+
+
+def _basic_index(node: fx.Node) -> bool:
+    """``t[i]`` / ``t[a:b, None, ...]`` (a view), not ``t[index_tensor]`` (a copy); tuple outputs of
+    ``chunk``/``split``/``topk`` are views of their producer too (conservative for ``topk``: no harm)."""
+    idx = node.args[1]
+    items = idx if isinstance(idx, tuple) else (idx,)
+    return not any(isinstance(i, fx.Node) and hasattr(val(i), "dtype") for i in items)
+
+
+def foreign_write(region: Region) -> fx.Node | None:
+    """The first in-place write that lands on storage the region reads or computes while it matters,
+    and is not one of the region's own writes; None if there is none.
+
+    Where a write matters: on a tensor the rewrite reads as it is (the expert input, router ids and
+    weights, expert weights, the accumulator), between the region's first and last node (the
+    rewrite reads them once, after its last node); on a tensor computed inside the region or from
+    the router's outputs on the way to it (offsets, a routing matrix, gathered weights: the rewrite
+    computes its own from ids and weights), anywhere between its definition and the region's end."""
+    nodes = list(region.x.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    span = [order[n] for n in region.nodes if n in order]
+    if not span:
+        return None
+    start, end = min(span), max(span)
+    c = region.combine
+    own = set(region.nodes) | set(c.mutations if isinstance(c, AccumulateInPlace) else c.erase)
+    # ``acc[idx] += y`` is getitem (a copy), iadd on that copy, setitem: the iadd is the mutation's own
+    own |= {a for m in tuple(own) for a in m.all_input_nodes if written(a) is not None}
+    router = region.router
+    inputs = {region.x, router.ids} | ({router.weights} if router.weights is not None else set())
+    inputs |= {n for slot in region.experts.slots for n in slot if isinstance(n, fx.Node)}
+    if isinstance(c, AccumulateInPlace):
+        inputs |= {c.acc, *c.aliases} | ({c.base} if c.base is not None else set())
+    # computed from the router's outputs on the way into the region (not the router itself, which stays)
+    derived = (_reachable([router.ids, router.weights], "users") & _reachable(region.nodes, "all_input_nodes")
+               - _reachable([router.ids, router.weights], "all_input_nodes")) | set(region.nodes)
+    memo: dict = {}
+    since: dict = {}   # storage -> order from which a write to it counts
+    for n in inputs:
+        b = _base(n, memo)
+        since[b] = min(since.get(b, start), start)
+    for n in derived - inputs:
+        b = _base(n, memo)
+        since[b] = min(since.get(b, order[n]), order[n])
+    for n in nodes[:end]:
+        target = written(n)
+        if target is not None and n not in own:
+            b = _base(target, memo)
+            if b in since and order[n] > since[b]:
+                return n
+    return None
+
+
+def _reachable(starts, step: str) -> set:
+    seen, stack = set(), [n for n in starts if isinstance(n, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(getattr(n, step))
+    return seen

@@ -1,0 +1,187 @@
+"""Near-miss spellings of the MoE forms: code that reads like a supported form but computes something
+else (an argument the form does not have, an in-place write the dataflow does not show). Each one
+must be refused (or rewritten to the same values): compiled vs eager, outputs and every gradient,
+and the backend's counters say which. Found by an adversarial review; every case here was rewritten
+and wrong (or crashed) before the checks that refuse it.
+
+Legend: T tokens, K top-k, E experts, H width, I expert width.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transformers.grouped_mm_fallback)
+import moe_compile
+from helpers import check_compiled, make_input
+
+T, H, I, E, K = 16, 16, 8, 4, 2
+GMM = torch.ops.transformers.grouped_mm_fallback   # fp32 grouped GEMM Dynamo traces (torch._grouped_mm: bf16)
+
+
+class Stacked(nn.Module):
+    """A softmax top-k router and SwiGLU experts with 3-D weights gate_up [E, H, 2I], down [E, I, H]
+    (x @ W layout); ``forward`` runs the form named by ``variant``."""
+
+    def __init__(self, variant: str, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.variant = variant
+        self.router = nn.Linear(H, E)
+        self.gate_up = nn.Parameter(torch.randn(E, H, 2 * I, generator=g) / math.sqrt(H))
+        self.down = nn.Parameter(torch.randn(E, I, H, generator=g) / math.sqrt(I))
+        self.b1 = nn.Parameter(torch.randn(E, 2 * I, generator=g) * 0.1)
+
+    def route(self, x):
+        w, ids = F.softmax(self.router(x), dim=-1).topk(K, dim=-1)
+        return w / w.sum(-1, keepdim=True), ids
+
+    def forward(self, x):
+        return getattr(self, self.variant.split(":")[0])(x, self.variant.partition(":")[2])
+
+    # -------------------------------------------------------------- sort + grouped GEMM + unsort
+    def sorted(self, x, how):
+        w, ids = self.route(x)
+        flat = ids.reshape(-1)
+        perm = flat.argsort(stable=True)
+        s = flat[perm]
+        if how == "histc_titan":   # torchtitan's range: bins of width 1 over [0, E] (ids < E from the top-k)
+            offs = torch.histc(flat.float(), bins=E, min=0, max=E).cumsum(0).to(torch.int32)
+        else:
+            offs = torch.histc(s.float(), bins=E, min=0, max=E - 1).cumsum(0).to(torch.int32)
+        if how == "offsets_written":
+            offs[0] += 1
+        sw = w.reshape(-1)[perm]
+        if how == "weights_written":
+            w.mul_(2)                      # after the gather: eager's sw keeps the old values
+        h = GMM(x[perm // K], self.gate_up, offs=offs)
+        if how == "bias_alpha":
+            h = h.add(self.b1[s], alpha=2.0)
+        elif how == "bias_pair_order":
+            h = h + self.b1[flat]          # one bias row per (token, slot) pair, on rows sorted by expert
+        elif how == "bias":
+            h = h + self.b1[s]
+        g, u = h.chunk(2, dim=-1)
+        y = GMM(F.silu(g) * u, self.down, offs=offs)
+        if how == "slot_weights":           # [1, K, 1] per-slot scales, not the routing weights
+            inv = perm.argsort()
+            return (y[inv].view(T, K, H) * torch.tensor([1.0, 0.25]).view(1, K, 1)).sum(1)
+        y = y * sw.unsqueeze(-1)
+        if how.startswith("index_add"):
+            acc = torch.zeros(2 * T if how == "index_add_acc_2T" else T, H)
+            return acc.index_add_(0, perm // K, y, alpha=0.5 if how == "index_add_alpha" else 1)
+        if how == "inv_descending":
+            inv = perm.argsort(descending=True)
+        elif how.startswith("inv_fill"):
+            inv = torch.empty_like(perm)
+            inv[perm] = torch.arange(perm.numel() - 1, -1, -1) if how == "inv_fill_reversed" else \
+                torch.arange(perm.numel())
+        else:
+            inv = perm.argsort()
+        return y[inv].view(T, K, H).sum(1)
+
+    # -------------------------------------------------------------- per-pair gathered weights + bmm
+    def batched(self, x, how):
+        w, ids = self.route(x)
+        flat = ids.reshape(-1)
+        h = torch.bmm(x.repeat_interleave(K, dim=0).unsqueeze(1), self.gate_up[flat]).squeeze(1)
+        if how == "bias_alpha":
+            h.add_(self.b1[flat], alpha=3.0)
+        elif how == "bias":
+            h.add_(self.b1[flat])
+        g, u = h.chunk(2, dim=-1)
+        y = torch.bmm((F.silu(g) * u).unsqueeze(1), self.down[flat]).squeeze(1)
+        return (y * w.reshape(-1)[:, None]).view(T, K, H).sum(1)
+
+    # -------------------------------------------------------------- every token through every expert
+    def dense(self, x, how):
+        w, ids = self.route(x)
+        r = torch.zeros(T, E).scatter_(1, ids, w)
+        if how == "matrix_written":
+            r.mul_(2.0)
+        elif how == "column_written":
+            r[:, 0] = 0.0
+        h = torch.bmm(x.unsqueeze(0).expand(E, T, H), self.gate_up)
+        g, u = h.chunk(2, dim=-1)
+        return (torch.bmm(F.silu(g) * u, self.down) * r.t().unsqueeze(-1)).sum(0)
+
+    # -------------------------------------------------------------- per-expert loop
+    def loop(self, x, how):
+        w, ids = self.route(x)
+        xin, out = x.clone(), torch.zeros_like(x)
+        for e in range(E):
+            tok, k = torch.where(ids == e)
+            h = xin[tok] @ self.gate_up[e]
+            g, u = h.chunk(2, dim=-1)
+            out.index_add_(0, tok, (F.silu(g) * u) @ self.down[e] * w[tok, k, None])
+            if how == "input_written":
+                xin.mul_(0.9)              # expert e+1 reads the scaled input
+        return out
+
+
+REWRITTEN = ["sorted:", "sorted:histc_titan", "sorted:bias", "sorted:index_add", "sorted:inv_fill", "batched:", "batched:bias", "dense:",
+             "loop:"]
+# (variant, reason code of the refusal; None: refused as an op the form does not have)
+REFUSED = [
+    ("sorted:inv_descending", None),          # argsort(descending=True) is not the inverse permutation
+    ("sorted:inv_fill_reversed", None),       # inv[perm] = arange(N - 1, -1, -1) is not either
+    ("sorted:index_add_alpha", None),         # index_add_(..., alpha=0.5) scales the rows
+    ("sorted:index_add_acc_2T", None),        # a [2T, H] accumulator: the output is not [T, H]
+    ("sorted:bias_alpha", None),              # add(rows, b[s], alpha=2) scales the bias
+    ("sorted:bias_pair_order", None),         # b[flat] on sorted rows adds another expert's bias
+    ("sorted:slot_weights", None),            # [1, K, 1] scales are not [T, K, 1] routing weights (crashed)
+    ("sorted:offsets_written", "written_in_place"),
+    ("sorted:weights_written", "written_in_place"),
+    ("batched:bias_alpha", None),
+    ("dense:matrix_written", "written_in_place"),
+    ("dense:column_written", "written_in_place"),
+    ("loop:input_written", "written_in_place"),
+]
+
+
+@pytest.mark.parametrize("variant", REWRITTEN)
+def test_the_supported_spellings_are_rewritten(variant):
+    check_compiled(Stacked(variant), [make_input((T, H))], expect_rewritten=1)
+
+
+@pytest.mark.parametrize("variant,code", REFUSED, ids=[v for v, _ in REFUSED])
+def test_near_miss_spellings_are_refused_and_match_eager(variant, code):
+    check_compiled(Stacked(variant), [make_input((T, H))], expect_rewritten=0, expect_refused=1)
+    if code is not None:
+        rep = moe_compile.explain(Stacked(variant), make_input((T, H)))
+        assert [r.code for r in rep.refused] == [code], str(rep)
+
+
+class SquareLinears(nn.Module):
+    """ModuleList experts with square weights (H == I), where ``flip(e)`` experts apply their weight
+    transposed: every expert is one linear of the same shape, but the stacked [E, I, H] buffer has no
+    single layout that serves W_e and W_e.t() alike."""
+
+    def __init__(self, flip):
+        super().__init__()
+        self.flip = flip
+        self.gate = nn.Linear(H, E, bias=False)
+        self.up = nn.ModuleList(nn.Linear(H, H, bias=False) for _ in range(E))
+        self.down = nn.ModuleList(nn.Linear(H, H, bias=False) for _ in range(E))
+
+    def forward(self, x):
+        w, ids = self.gate(x).softmax(-1).topk(K, -1)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            tok, k = torch.where(ids == e)
+            wt = self.up[e].weight
+            h = F.silu(F.linear(x[tok], wt.t() if self.flip(e) else wt))
+            out.index_add_(0, tok, self.down[e](h) * w[tok, k, None])
+        return out
+
+
+@pytest.mark.parametrize("flip", [lambda e: e % 2 == 1, lambda e: e == 0, lambda e: True],
+                         ids=["odd_transposed", "expert0_transposed", "all_transposed"])
+def test_square_expert_weights_some_transposed_match_eager(flip):
+    """Stacked with one layout for all (was: the odd experts' weights used untransposed; output
+    error 0.72, gradients up to 1.33); mixed layouts now stay a list, still one grouped op."""
+    check_compiled(SquareLinears(flip), [make_input((T, H))], expect_rewritten=1)
