@@ -17,8 +17,10 @@ computes, changes what eager computes and not what the rewrite computes::
 ``foreign_write(region)`` returns the first such write (the graph is unchanged either way); the
 writes the finders recognised (the combine's accumulation, ``inv[perm] = arange``, a sentinel
 ``clamp_``/``masked_fill_``, an in-place bias add or activation on the rows: every in-place node that
-is part of ``region.nodes``) are the region's own. Writes before the region's first node are seen by
-eager and the rewrite alike; writes after its end by neither.
+is part of ``region.nodes``) are the region's own. A write to an input of the region before its
+first node is seen by eager and the rewrite alike, and writes after its end by neither; a write to a
+tensor computed from the router's outputs (offsets, a routing matrix) counts from its definition,
+since the rewrite computes its own from ids and weights.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import operator
 
 import torch.fx as fx
 
-from .normalize import fn_name, canon, val
+from .normalize import canon, fn_name, val
 from .region import AccumulateInPlace, Region
 
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
