@@ -72,6 +72,8 @@ class MoEConfig:
             raise ValueError(f"MoEConfig: moe.mode={self.mode!r} is not one of {_INDUCTOR_MODES} (default 'default')")
         if isinstance(self.disable, str):
             object.__setattr__(self, "disable", (self.disable,))
+        elif isinstance(self.disable, (list, set, frozenset)):
+            object.__setattr__(self, "disable", tuple(self.disable))
         if not isinstance(self.disable, tuple) or not all(isinstance(p, str) for p in self.disable):
             raise ValueError(f"MoEConfig: moe.disable must be a pass name or a list of pass names, got "
                              f"{self.disable!r}")
@@ -110,7 +112,7 @@ class MoEConfig:
                     raise ValueError(f"MoEConfig: unknown option {key!r}"
                                      + (f" (did you mean {' or '.join(map(repr, close))}?)" if close else "")
                                      + f"; allowed: {cls.allowed_keys()}")
-                ours[name] = tuple(value) if name == "disable" and isinstance(value, (list, tuple, set)) else value
+                ours[name] = value
             else:
                 rest[key] = value
         rest = inductor_options(rest)

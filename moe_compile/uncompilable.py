@@ -37,11 +37,25 @@ def capture_error(gm: torch.fx.GraphModule, exc: BaseException) -> CaptureCompil
     its message names the cause and the fix (``capture_compile_error``); else None."""
     from .passes import reasons
 
-    if not captured_data_dependent(gm):
+    if not (captured_data_dependent(gm) and _data_dependent_error(exc)):
         return None
     detail = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
     return CaptureCompileError(f"moe_compile [capture_compile_error]: {reasons.message('capture_compile_error', detail)}"
                                f"\n  fix: {reasons.fix('capture_compile_error')}")
+
+
+def _data_dependent_error(exc: BaseException) -> bool:
+    """``exc`` (or an exception it was raised from) is torch failing on a data-dependent size."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, GuardOnDataDependentSymNode) or "data-dependent" in str(exc) \
+                or type(exc).__name__ in ("DataDependentOutputException", "DynamicOutputShapeException"):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def compile_unrewritten(compile_graph, gm, records, exc):

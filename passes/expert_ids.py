@@ -54,6 +54,7 @@ def routers(graph: fx.Graph):
 
 # expert ids drawn without a top-k: sampled (``multinomial(probs, k)``), random (``randint(E, (T, k))``) or
 # hashed (``token_ids % E``); never rewritten (a token may draw one expert twice), always listed
+MAX_DRAWN_EXPERTS = 1024   # more "experts" than this is a vocabulary (sampling a token), not a router
 OTHER_ROUTERS = {"multinomial": "a sampling router (multinomial)", "randint": "a random router (randint)",
                   "mod": "a hash router (ids % E)"}
 
@@ -69,12 +70,31 @@ def _other_router(n: fx.Node, op: str) -> tuple[int, int] | None:
     elif op == "randint":
         ints = [a for a in n.args if isinstance(a, int) and not isinstance(a, bool)]
         e = n.kwargs.get("high", ints[-1] if ints else None)
-    else:
+    else:   # ids % E: a hash of token ids (graph inputs), not of positions (arange)
         e = n.args[1] if len(n.args) > 1 else None
-    if not isinstance(e, int) or isinstance(e, bool) or e < 2:
+        if not _hashes_inputs(n.args[0]):
+            return None
+    if not isinstance(e, int) or isinstance(e, bool) or not 2 <= e <= MAX_DRAWN_EXPERTS:
         return None
     k = v.shape[-1] if v.dim() == 2 else 1
     return (e, k) if isinstance(k, int) else None
+
+
+def _hashes_inputs(x, depth: int = 8) -> bool:
+    """``x`` is computed from an integer graph input (token ids) and from no ``arange`` (positions)."""
+    seen, stack, found = set(), [x], False
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, fx.Node) or n in seen or len(seen) > 64:
+            continue
+        seen.add(n)
+        if canon(n) == "arange":
+            return False
+        v = val(n)
+        if n.op == "placeholder" and isinstance(v, torch.Tensor) and not v.is_floating_point():
+            found = True
+        stack.extend(n.all_input_nodes)
+    return found
 
 
 def router_kind(router: fx.Node, k: int) -> str:

@@ -257,6 +257,9 @@ class Finder:
             return [Finding.of("router_unknown")]
         if g.end is None or (g.weighted_at is not None and g.weighted_at != g.end):
             return [Finding.of("weights_before_last_op")]
+        for node, bound in g.clamps:   # clamp(max=E - 1) only: another bound moves rows to another expert
+            if bound != g.e - 1:
+                return [Finding.of("sentinel_mismatch", node, sentinel=bound + 1, experts=g.e)]
         if shape(g.x)[0] * g.k != val(g.ids).numel():
             return [Finding.of("token_count_mismatch", None, tokens=shape(g.x)[0], k=g.k, ids=val(g.ids).numel())]
         for m in g.nodes:  # every row-valued node must be consumed inside the region

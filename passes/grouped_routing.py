@@ -80,7 +80,10 @@ def sentinel(f, n, op, a0, r0, rk):
 
 
 def clamp_ids(f, n, op, a0, r0, rk):
+    """sorted_ids.clamp(max=E - 1) (transformers' EP sentinels; the bound is checked against E when
+    the group is finished: any other bound changes which expert a row belongs to)."""
     if arg(n, 1, "min") is None and as_int(arg(n, 2, "max")) is not None:
+        r0.g.clamps.append((n, arg(n, 2, "max")))
         f.set(n, "sorted_ids", r0.g)
         if op == "clamp_":
             r0.g.erase.append(n)
@@ -143,16 +146,29 @@ def inverse_fill(f, n, op, a0, r0, rk):
         return DONE
 
 
-def _counts_up(node: fx.Node, n: int) -> bool:
-    """``node`` is arange(n): 0, 1, ..., n - 1 (``arange(n)`` or ``arange(0, n[, 1])``)."""
+def _counts_up(node: fx.Node, n) -> bool:
+    """``node`` is arange(n): 0, 1, ..., n - 1 (``arange(n)`` or ``arange(0, n[, 1])``; ``n`` and the
+    bounds may be symbolic sizes under dynamic shapes)."""
     if canon(node) != "arange":
         return False
     pos = list(node.args) + [node.kwargs[k] for k in ("start", "end", "step") if k in node.kwargs]
     if "end" in node.kwargs and "start" not in node.kwargs and len(node.args) == 0:
         pos = [0, node.kwargs["end"], node.kwargs.get("step", 1)]
     if len(pos) == 1:
-        return pos[0] == n
-    return len(pos) in (2, 3) and pos[0] == 0 and pos[1] == n and (len(pos) == 2 or pos[2] == 1)
+        return _same_size(pos[0], n)
+    return len(pos) in (2, 3) and _same_size(pos[0], 0) and _same_size(pos[1], n) \
+        and (len(pos) == 2 or _same_size(pos[2], 1))
+
+
+def _same_size(a, b) -> bool:
+    """Two sizes (ints, SymInts, or nodes holding them) that are provably equal."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    a, b = val(a), val(b)
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:  # noqa: BLE001  (sizes that cannot be compared are not provably equal)
+        return False
 
 
 def inverse_argsort(f, n, op, a0, r0, rk):

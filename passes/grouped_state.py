@@ -63,6 +63,7 @@ class Group:
     aliases: tuple = ()
     findings: list = field(default_factory=list)
     linears: int = 0
+    clamps: list = field(default_factory=list)   # (node, bound) of sorted_ids.clamp(max=bound)
 
     def note(self, code: str, node: fx.Node | None = None, /, **detail) -> bool:
         """Record why this group cannot be rewritten (the first finding is the reason); True."""

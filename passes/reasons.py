@@ -162,11 +162,11 @@ REASONS: dict[str, Reason] = {
         "weights with sort + torch._grouped_mm as transformers' grouped_mm experts do; if the layer is already "
         "written so, please report it with moe_compile.explain's output"),
     "router_draws": Reason(
-        "looks like an MoE layer ({router} over {e} experts at {router_at} feeds {evidence}), but its ids are not "
-        "a top-k: a token may draw one expert twice, which the grouped form cannot hold{disabled}; it is compiled "
-        "as written",
-        "nothing to fix for correctness; to get the grouped rewrite, pick the experts with torch.topk (distinct "
-        "experts per token)"),
+        "looks like an MoE layer ({router} over {e} experts at {router_at} feeds {evidence}), but its expert ids "
+        "are drawn, not picked by a top-k/argmax over router scores, which is what the rewrite routes from{disabled}; "
+        "it is compiled as written",
+        "nothing to fix for correctness: the layer runs as stock torch.compile runs it; a router that picks its "
+        "experts with torch.topk gets the grouped rewrite"),
     "nested_region": Reason(
         "a top-{k} router over {e} experts runs inside `{subgraph}`, a torch.compiler.nested_compile_region "
         "subgraph called at {at}; the backend does not rewrite inside such subgraphs, so it is compiled as written",

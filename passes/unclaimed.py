@@ -231,6 +231,8 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
         if any(r in reach for r in claimed_roots):
             continue  # a sub-selection of a claimed router (e.g. group-limited top-k)
         found = _evidence(router, reach, params, e, claimed_nodes, order)
+        if canon(router) in OTHER_ROUTERS:   # drawn ids: only expert compute per expert counts (not an
+            found = [(kd, n) for kd, n in found if kd in ("selected", "stacked")]   # embedding of samples)
         if not found:
             continue
         module = common_module([router] + [n for _, n in found])
@@ -258,10 +260,13 @@ def _same_block(a: str, b: str) -> bool:
 
 
 def escaping_routers(gm: fx.GraphModule) -> list[fx.Node]:
-    """Routers whose ids reach the graph's output through views: the routing leaves the graph."""
+    """Top-k routers whose ids reach the graph's output through views: the routing leaves the graph
+    (drawn ids, ``OTHER_ROUTERS``, leave graphs in sampling code too: not evidence of MoE code)."""
     out_nodes = set(gm.graph.find_nodes(op="output"))
     found = []
     for router, ids, _e, _k in _routers(gm.graph):
+        if canon(router) in OTHER_ROUTERS:
+            continue
         stack, seen = list(ids), set()
         while stack:
             n = stack.pop()
@@ -327,9 +332,10 @@ def declares_experts_implementation(filename: str, lineno: int) -> bool:
     return False
 
 
-# a function that picks experts and then groups tokens by expert, whatever its names say
-_ROUTES = re.compile(r"\b(topk|argmax|multinomial)\(")
-_SELECTS = re.compile(r"==\s*\w+\b|\b(where|one_hot|nonzero|argsort|sort|bincount|histc)\(")
+# a function that picks experts with a top-k and then groups tokens by expert, whatever its names say
+# (narrow on purpose: an argmax + ``== labels`` accuracy, or a top-k / top-p sampler, is not MoE code)
+_ROUTES = re.compile(r"\btopk\(")
+_SELECTS = re.compile(r"\bwhere\(\s*[\w.]+\s*==|\b(one_hot|nonzero|argsort|bincount|histc)\(")
 
 
 def _routes_then_selects(filename: str, lineno: int, limit: int = 120) -> bool:

@@ -35,13 +35,18 @@ _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itru
                       operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
                       operator.ilshift, operator.irshift, operator.imatmul, operator.setitem}
 _NOT_WRITES = {"requires_grad_", "retain_grad", "share_memory_"}
+_INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+                    "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__", "__setitem__"}
+_VIEW_ATTRS = {"T", "mT", "H", "mH", "real", "imag", "data"}   # getattr(x, "T"), x.data, ...
 # ops whose result may share storage with their first argument (conservative: ``reshape``, ``contiguous``
 # and ``to`` alias when no copy is needed; every in-place op returns its ``self``)
 _VIEWS = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "t", "transpose", "permute",
           "expand", "expand_as", "view_as", "narrow", "select", "as_strided", "diagonal", "detach", "alias",
           "contiguous", "to", "type_as", "float", "half", "bfloat16", "double", "int", "long", "type",
           "chunk", "split", "unbind", "split_with_sizes", "movedim", "swapaxes", "mT", "real", "imag",
-          "unfold", "squeeze_", "unsqueeze_", "T", "H", "mH", "align_as", "reshape_as"}
+          "unfold", "squeeze_", "unsqueeze_", "align_as", "reshape_as", "ravel", "broadcast_to", "tensor_split",
+          "moveaxis", "hsplit", "vsplit", "dsplit", "_get_data_attr", "view_as_real", "view_as_complex",
+          "swapdims", "adjoint", "conj", "resolve_conj", "resolve_neg", "indices", "values"}
 
 
 def written(node: fx.Node) -> fx.Node | None:
@@ -52,12 +57,28 @@ def written(node: fx.Node) -> fx.Node | None:
     if isinstance(out, fx.Node):
         return out
     first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-    if node.op == "call_function" and node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
+    if node.op == "call_function" and node.target in _INPLACE_OPERATORS or _inplace_flag(node):
         return first
     name = node.target if node.op == "call_method" else fn_name(node.target)
-    if isinstance(name, str) and name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES:
+    if isinstance(name, str) and (name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES
+                                  or name in _INPLACE_DUNDERS):
         return first
     return None
+
+
+def _inplace_flag(node: fx.Node) -> bool:
+    """``F.relu(x, inplace=True)`` or ``F.relu(x, True)``: a function whose ``inplace`` argument is set."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op != "call_function" or True not in node.args[1:]:
+        return False
+    import inspect
+
+    try:
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+    except (TypeError, ValueError):   # builtins without a signature, or arguments that do not bind
+        return False
+    return bound.arguments.get("inplace") is True
 
 
 def _base(node, memo: dict) -> fx.Node:
@@ -71,7 +92,8 @@ def _base(node, memo: dict) -> fx.Node:
         nxt = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
         if nxt is None:
             break
-        if op in _VIEWS or written(node) is nxt or (op == "getitem" and _basic_index(node)):
+        if op in _VIEWS or written(node) is nxt or (op == "getitem" and _basic_index(node)) \
+                or (op == "getattr" and len(node.args) > 1 and node.args[1] in _VIEW_ATTRS):
             node = nxt
             continue
         break

@@ -455,3 +455,33 @@ def test_skipped_frame_found_by_what_the_code_does():
     up on, so the skipped frame is still listed with its fix (was: nothing listed, nothing warned)."""
     rep = moe_compile.explain(Block(Mixer()), make_input((6, 16)))
     assert [b.reason_code for b in rep.graph_breaks] == ["break_tolist"], str(rep)
+
+
+def _accuracy_step(lin, x, y):
+    logits = lin(x)
+    correct = (logits.argmax(-1) == y).sum()
+    return logits.sum() * int(correct.item())          # a graph break after an argmax and an ==
+
+
+def _sample(logits, k: int):
+    v, _ = torch.topk(logits, k)
+    probs = torch.where(logits < v[:, -1:], -float("inf"), logits).softmax(-1)
+    tok = torch.multinomial(probs, 1)
+    return tok if tok.sum() > 3 else tok + 1           # a graph break on sampled ids
+
+
+def _position_hash(lin, x):
+    pos = torch.arange(x.shape[0]) % 4                  # positions modulo a block size, then per-block rows
+    return sum(lin(x[pos == b]).sum() for b in range(4))
+
+
+@pytest.mark.parametrize("case", ["accuracy", "sampler", "position_hash"])
+def test_code_that_is_not_moe_is_not_reported(case):
+    """No MoE record and no MoE graph break for code that only resembles routing (an accuracy count, a
+    top-k sampler, positions modulo a block size): the name-free checks stay narrow."""
+    lin = nn.Linear(8, 5)
+    fn, args = {"accuracy": (_accuracy_step, (lin, torch.randn(4, 8), torch.randint(0, 5, (4,)))),
+                "sampler": (_sample, (torch.randn(2, 10), 3)),
+                "position_hash": (_position_hash, (nn.Linear(8, 8), torch.randn(12, 8)))}[case]
+    rep = moe_compile.explain(fn, *args)
+    assert not rep.refused and not rep.graph_breaks, str(rep)

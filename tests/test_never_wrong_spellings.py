@@ -8,6 +8,7 @@ Legend: T tokens, K top-k, E experts, H width, I expert width.
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transformers.grouped_mm_fallback)
 import moe_compile
 from helpers import check_compiled, make_input
+from moe_compile import records
 
 T, H, I, E, K = 16, 16, 8, 4, 2
 GMM = torch.ops.transformers.grouped_mm_fallback   # fp32 grouped GEMM Dynamo traces (torch._grouped_mm: bf16)
@@ -49,6 +51,8 @@ class Stacked(nn.Module):
         flat = ids.reshape(-1)
         perm = flat.argsort(stable=True)
         s = flat[perm]
+        if how == "clamp_low":
+            s = s.clamp(max=E - 2)
         if how == "histc_titan":   # torchtitan's range: bins of width 1 over [0, E] (ids < E from the top-k)
             offs = torch.histc(flat.float(), bins=E, min=0, max=E).cumsum(0).to(torch.int32)
         else:
@@ -58,6 +62,8 @@ class Stacked(nn.Module):
         sw = w.reshape(-1)[perm]
         if how == "weights_written":
             w.mul_(2)                      # after the gather: eager's sw keeps the old values
+        elif how == "weights_written_data":
+            w.data.mul_(2)
         h = GMM(x[perm // K], self.gate_up, offs=offs)
         if how == "bias_alpha":
             h = h.add(self.b1[s], alpha=2.0)
@@ -105,6 +111,8 @@ class Stacked(nn.Module):
             r.mul_(2.0)
         elif how == "column_written":
             r[:, 0] = 0.0
+        elif how == "row_written_T":
+            r.T[0] = 0.0
         h = torch.bmm(x.unsqueeze(0).expand(E, T, H), self.gate_up)
         g, u = h.chunk(2, dim=-1)
         return (torch.bmm(F.silu(g) * u, self.down) * r.t().unsqueeze(-1)).sum(0)
@@ -120,6 +128,17 @@ class Stacked(nn.Module):
             out.index_add_(0, tok, (F.silu(g) * u) @ self.down[e] * w[tok, k, None])
             if how == "input_written":
                 xin.mul_(0.9)              # expert e+1 reads the scaled input
+            elif how == "input_written_T":
+                xin.T.mul_(0.9)            # through a view Dynamo records as getattr(xin, "T")
+            elif how == "input_written_data":
+                xin.data.mul_(0.9)
+            elif how == "input_written_ravel":
+                xin.ravel().mul_(0.9)
+            elif how == "input_relu_positional":
+                with torch.no_grad():      # (with autograd, eager's own backward rejects the rewrite of xin)
+                    F.relu(xin, True)      # inplace passed positionally
+            elif how == "input_imul_dunder":
+                xin.__imul__(0.9)
         return out
 
 
@@ -134,12 +153,20 @@ REFUSED = [
     ("sorted:bias_alpha", None),              # add(rows, b[s], alpha=2) scales the bias
     ("sorted:bias_pair_order", None),         # b[flat] on sorted rows adds another expert's bias
     ("sorted:slot_weights", None),            # [1, K, 1] scales are not [T, K, 1] routing weights (crashed)
+    ("sorted:clamp_low", "sentinel_mismatch"),   # clamp(max=E - 2) moves expert E - 1's rows to E - 2
     ("sorted:offsets_written", "written_in_place"),
     ("sorted:weights_written", "written_in_place"),
     ("batched:bias_alpha", None),
     ("dense:matrix_written", "written_in_place"),
     ("dense:column_written", "written_in_place"),
     ("loop:input_written", "written_in_place"),
+    ("loop:input_written_T", "written_in_place"),
+    ("loop:input_written_data", "written_in_place"),
+    ("loop:input_written_ravel", "written_in_place"),
+    ("loop:input_relu_positional", "written_in_place"),
+    ("loop:input_imul_dunder", "written_in_place"),
+    ("dense:row_written_T", "written_in_place"),
+    ("sorted:weights_written_data", "written_in_place"),
 ]
 
 
@@ -185,3 +212,38 @@ def test_square_expert_weights_some_transposed_match_eager(flip):
     """Stacked with one layout for all (was: the odd experts' weights used untransposed; output
     error 0.72, gradients up to 1.33); mixed layouts now stay a list, still one grouped op."""
     check_compiled(SquareLinears(flip), [make_input((T, H))], expect_rewritten=1)
+
+
+class SortedAnyT(nn.Module):
+    """transformers' grouped_mm spelling of the inverse permutation, inv[perm] = arange(perm.size(0)),
+    in a layer whose token count varies (Dynamo recompiles it with dynamic sizes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Stacked("sorted:")
+
+    def forward(self, x):
+        m = self.inner
+        w, ids = m.route(x)
+        flat = ids.reshape(-1)
+        perm = flat.argsort(stable=True)
+        offs = torch.histc(flat[perm].float(), bins=E, min=0, max=E - 1).cumsum(0).to(torch.int32)
+        g, u = GMM(x[perm // K], m.gate_up, offs=offs).chunk(2, dim=-1)
+        y = GMM(F.silu(g) * u, m.down, offs=offs) * w.reshape(-1)[perm].unsqueeze(-1)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.size(0))
+        return y[inv].view(x.shape[0], K, H).sum(1)
+
+
+def test_inverse_fill_with_a_dynamic_size_is_rewritten():
+    """arange(N) is checked to be the identity's values: with dynamic sizes N is a symbol (was: every
+    recompile after a new token count refused as unsupported_row_op)."""
+    torch._dynamo.reset()
+    model = SortedAnyT()
+    compiled = torch.compile(copy.deepcopy(model), backend="moe", options={"moe.inductor": False})
+    before = dict(records.counters)
+    for t in (16, 24, 40):
+        x = make_input((t, H), seed=t)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
+    delta = {k: records.counters[k] - before.get(k, 0) for k in (records.REWRITTEN, records.REFUSED)}
+    assert delta == {"rewritten": 2, "refused": 0}, delta   # the static compile, then one dynamic one
