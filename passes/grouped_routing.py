@@ -96,8 +96,9 @@ def counts_histc(f, n, op, a0, r0, rk):
     if rk in ("sorted_ids", "flat"):
         g = f.sorted_group_of(r0, a0)
         bins, hi = arg(n, 1, "bins", 100), arg(n, 3, "max", 0)
-        if g is not None and arg(n, 2, "min", 0) == 0 and (hi == bins - 1 or hi == bins and g.ids is not None
-                                                          and (id_bound(g.ids) or bins + 1) <= bins):
+        bound = id_bound(g.ids) if g is not None and g.ids is not None else None
+        if g is not None and arg(n, 2, "min", 0) == 0 and (hi == bins - 1 or hi == bins and bound is not None
+                                                          and bound <= bins):
             f.set(n, "counts", g, bins)
         return DONE
 

@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from . import reasons
-from .normalize import canon, val, where_in_user_code
+from .normalize import ancestors, canon, descendants, val, where_in_user_code
 from .region import AccumulateInPlace, Candidate, Finding, Region, ReplaceOutput
 from .writes import foreign_write, written
 
@@ -160,9 +160,9 @@ def weights_path(region: Region) -> Finding | None:
     rows = set()   # values computed from an expert output
     for n in region.nodes:
         if canon(n) in _EXPERT_LINEARS:
-            rows |= _descendants(n)
-    ahead = _ancestors(sinks)
-    for n in sorted(_descendants(w) & ahead, key=_order(w.graph).__getitem__):
+            rows |= descendants([n])
+    ahead = ancestors(sinks)
+    for n in sorted(descendants([w]) & ahead, key=_order(w.graph).__getitem__):
         if n is w or n in sinks:
             continue
         if any(i in rows for i in n.all_input_nodes):
@@ -181,25 +181,6 @@ def _mask_op(n: fx.Node, w: fx.Node) -> bool:
     if op == "mul":
         return all(isinstance(val(a), torch.Tensor) and not val(a).is_floating_point() for a in others)
     return op == "where" and len(n.args) == 3 and n.args[2] == 0
-
-
-def _reachable(starts, step) -> set[fx.Node]:
-    """``starts`` and every node reached from them by ``step`` (users, or inputs)."""
-    seen, stack = set(), list(starts)
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(step(n))
-    return seen
-
-
-def _descendants(root: fx.Node) -> set[fx.Node]:
-    return _reachable([root], lambda n: n.users)
-
-
-def _ancestors(nodes) -> set[fx.Node]:
-    return _reachable(nodes, lambda n: n.all_input_nodes)
 
 
 def _order(graph: fx.Graph) -> dict:
@@ -224,17 +205,17 @@ def input_weights(region: Region) -> Finding | None:
         return None
     c = region.combine
     sinks = set(c.mutations) if isinstance(c, AccumulateInPlace) else {c.output}
-    rows = _descendants(region.x)   # the input rows and everything computed from them
-    for n in sorted(_descendants(router.weights) & _ancestors(sinks), key=_order(region.x.graph).__getitem__):
+    rows = descendants([region.x])   # the input rows and everything computed from them
+    for n in sorted(descendants([router.weights]) & ancestors(sinks), key=_order(region.x.graph).__getitem__):
         if n is router.weights or n in sinks or any(i in rows for i in n.all_input_nodes):
             continue  # where the weights meet the input rows, or after it
         if canon(n) not in _TRANSPARENT:
             return Finding.of("weights_not_transparent", n, op=canon(n) or n.op, node=n.name)
     if not region.form.startswith("dense") or not isinstance(c, ReplaceOutput):
         return None
-    desc_w = _descendants(router.weights)
+    desc_w = descendants([router.weights])
     meet = [n for n in desc_w - {router.weights} if any(i in rows and i not in desc_w for i in n.all_input_nodes)]
-    fn_nodes = set().union(*(_descendants(m) for m in meet)) & _ancestors([c.output])
+    fn_nodes = set().union(*(descendants([m]) for m in meet)) & ancestors([c.output])
     for n in sorted(fn_nodes, key=_order(region.x.graph).__getitem__):
         op = canon(n)
         if op in _ZERO_TO_ZERO and not _has_bias(n):

@@ -179,22 +179,51 @@ def common_module(nodes) -> str:
     return ".".join(prefix)
 
 
+def _reachable(starts, step) -> set[fx.Node]:
+    """The nodes among ``starts`` (anything else, e.g. None, is skipped) and every node reached from
+    them by ``step`` (a node's users, or its inputs)."""
+    seen, stack = set(), [n for n in starts if isinstance(n, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(step(n))
+    return seen
+
+
+def descendants(nodes) -> set[fx.Node]:
+    """``nodes`` and every node computed from them."""
+    return _reachable(nodes, lambda n: n.users)
+
+
+def ancestors(nodes) -> set[fx.Node]:
+    """``nodes`` and every node they are computed from."""
+    return _reachable(nodes, lambda n: n.all_input_nodes)
+
+
 _SAME_VALUES = {"to", "long", "int", "contiguous", "clone", "detach"}
+
+
+def _index_source(ids: fx.Node, through) -> fx.Node | None:
+    """The ``topk`` / ``max(dim)`` / ``argmax`` node whose index output ``ids`` is (its ``[1]`` or
+    ``.indices``, or the argmax itself), reached back through ops named in ``through``; else None."""
+    n = ids
+    while canon(n) in through and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    op = canon(n)
+    if op in ("getitem", "getattr") and isinstance(n.args[0], fx.Node) and canon(n.args[0]) in ("topk", "max") \
+            and n.args[1] in (1, "indices"):
+        return n.args[0]
+    return n if op == "argmax" else None
 
 
 def id_bound(ids: fx.Node) -> int | None:
     """B with every id of the integer tensor ``ids`` in [0, B): the size of the dim a ``topk`` /
     ``max(dim)`` / ``argmax`` picked from (through casts, copies and views), else None."""
-    n = ids
-    while canon(n) in _SAME_VALUES | {"view", "reshape", "flatten"} and isinstance(n.args[0], fx.Node):
-        n = n.args[0]
-    op = canon(n)
-    if op in ("getitem", "getattr") and isinstance(n.args[0], fx.Node) and canon(n.args[0]) in ("topk", "max") \
-            and n.args[1] in (1, "indices"):
-        n, op = n.args[0], canon(n.args[0])
-    if op not in ("topk", "max", "argmax") or not isinstance(n.args[0], fx.Node):
+    n = _index_source(ids, _SAME_VALUES | {"view", "reshape", "flatten"})
+    if n is None or not isinstance(n.args[0], fx.Node):
         return None
-    dim = arg(n, 2, "dim", -1) if op == "topk" else arg(n, 1, "dim", None)
+    dim = arg(n, 2, "dim", -1) if canon(n) == "topk" else arg(n, 1, "dim", None)
     s = shape(n.args[0])
     return s[dim] if isinstance(dim, int) and s and isinstance(s[dim], int) else None
 
@@ -205,12 +234,4 @@ def distinct_per_row(ids: fx.Node) -> bool:
     s = shape(ids)
     if s is not None and len(s) == 2 and s[-1] == 1:
         return True
-    n = ids
-    while canon(n) in _SAME_VALUES and isinstance(n.args[0], fx.Node):
-        n = n.args[0]
-    op = canon(n)
-    if op == "getitem" and isinstance(n.args[0], fx.Node) and canon(n.args[0]) in ("topk", "max") and n.args[1] == 1:
-        return True
-    if op == "getattr" and isinstance(n.args[0], fx.Node) and canon(n.args[0]) == "topk" and n.args[1] == "indices":
-        return True
-    return op == "argmax"
+    return _index_source(ids, _SAME_VALUES) is not None

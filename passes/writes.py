@@ -28,7 +28,7 @@ import operator
 
 import torch.fx as fx
 
-from .normalize import canon, fn_name, val
+from .normalize import ancestors, canon, descendants, fn_name, val
 from .region import AccumulateInPlace, Region
 
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
@@ -134,8 +134,8 @@ def foreign_write(region: Region) -> fx.Node | None:
     if isinstance(c, AccumulateInPlace):
         inputs |= {c.acc, *c.aliases} | ({c.base} if c.base is not None else set())
     # computed from the router's outputs on the way into the region (not the router itself, which stays)
-    derived = (_reachable([router.ids, router.weights], "users") & _reachable(region.nodes, "all_input_nodes")
-               - _reachable([router.ids, router.weights], "all_input_nodes")) | set(region.nodes)
+    outputs = [router.ids, router.weights]
+    derived = (descendants(outputs) & ancestors(region.nodes) - ancestors(outputs)) | set(region.nodes)
     memo: dict = {}
     since: dict = {}   # storage -> order from which a write to it counts
     for n in inputs:
@@ -152,12 +152,3 @@ def foreign_write(region: Region) -> fx.Node | None:
                 return n
     return None
 
-
-def _reachable(starts, step: str) -> set:
-    seen, stack = set(), [n for n in starts if isinstance(n, fx.Node)]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(getattr(n, step))
-    return seen
