@@ -135,7 +135,8 @@ class _Scope:
                 _note_break(exc)
             if _frames_tried() != self.frames:
                 _report_skipped_frames(self.session, self.t0)
-                self.session.after_call(True)
+                if exc is None:   # a call that raised ran nothing "as the default backend would"
+                    self.session.after_call(True)
 
 
 def _frames_tried() -> int:
@@ -400,6 +401,7 @@ def _moe_backend(gm, example_inputs, mode, options):
     config, inductor_options = MoEConfig.from_options(mode, options)
     session = records_mod.current_session()
     new_gm, records = pipeline.run_dynamo_stage(gm, example_inputs, config)
+    pipeline.check_ep_markers(new_gm, records)
     plan, inputs, stacked = None, example_inputs, []
     try:
         if new_gm is not gm:
@@ -412,6 +414,7 @@ def _moe_backend(gm, example_inputs, mode, options):
             raise err from exc
         if new_gm is gm or config.strict:
             raise
+        pipeline.check_ep_markers(gm, records)
         compiled, records = compile_unrewritten(
             lambda recs: _compile_rewritten(gm, example_inputs, config, inductor_options, recs), gm, records, exc)
         new_gm, plan, inputs, stacked = gm, None, example_inputs, []

@@ -12,7 +12,8 @@ An *expert container* is a module (not a torch.nn built-in such as Conv1d) whose
 Parameters share dim 0 = E: Hugging Face transformers 5 ``*Experts`` modules (``gate_up_proj
 [E, 2I, H]``, ``down_proj [E, H, I]``, optional biases ``[E, N]``) or plain code alike. Its direct
 2-D Parameters with E rows are per-expert biases and are sharded too (so a router weight [E, H]
-must live in another module, as in every HF model). For each container, in place:
+must live in another module, as in every HF model; one that does not fails the
+compile, named: passes/ep_markers.py). For each container, in place:
 
 * each sharded Parameter ``name`` keeps only rows [rank*E_local, (rank+1)*E_local), as a new
   Parameter ``_ep_local_<name>``; ``name`` leaves ``_parameters``;

@@ -147,6 +147,16 @@ def where_in_user_code(node: fx.Node) -> str:
     return last
 
 
+def source_name(n: fx.Node) -> str:
+    """Dynamo's name of a graph input (``L['self']._parameters['w']``), or ''."""
+    src = getattr(n, "_dynamo_source", None)
+    name = getattr(src, "name", None)   # a method in torch 2.11, a property in 2.13
+    try:
+        return str(name() if callable(name) else name or "")
+    except Exception:  # noqa: BLE001  (a source that cannot name itself)
+        return ""
+
+
 def module_path(node: fx.Node) -> str:
     """Qualified module name of the innermost nn.Module that produced the node ('' at top)."""
     stack = node.meta.get("nn_module_stack") or {}

@@ -48,7 +48,7 @@ import torch
 import torch.fx as fx
 
 from .expert_ids import ID_VIEWS, OTHER_ROUTERS, router_kind, router_root, routers as _routers
-from .normalize import canon, common_module, module_path, val, where_in_user_code
+from .normalize import canon, common_module, module_path, source_name, val, where_in_user_code
 
 MATMULS = {"linear", "matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum", "_grouped_mm", "grouped_mm",
            "transformers::grouped_mm_fallback", "moe_compile::grouped_mm", "moe_compile::grouped_mm_list",
@@ -105,7 +105,7 @@ def _params(gm: fx.GraphModule, example_inputs) -> set[fx.Node]:
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i, n in enumerate(phs):
         real = example_inputs[i] if example_inputs is not None and i < len(example_inputs) else None
-        if isinstance(real, torch.nn.Parameter) or "_parameters" in _source_name(n):
+        if isinstance(real, torch.nn.Parameter) or "_parameters" in source_name(n):
             out.add(n)
     for n in gm.graph.find_nodes(op="get_attr"):
         try:
@@ -114,15 +114,6 @@ def _params(gm: fx.GraphModule, example_inputs) -> set[fx.Node]:
         except AttributeError:
             pass
     return out
-
-
-def _source_name(n: fx.Node) -> str:
-    src = getattr(n, "_dynamo_source", None)
-    name = getattr(src, "name", None)
-    try:
-        return str(name() if callable(name) else name or "")
-    except Exception:  # noqa: BLE001  (a source that cannot name itself is not a parameter's)
-        return ""
 
 
 def _dims(n: fx.Node) -> tuple:

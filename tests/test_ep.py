@@ -14,6 +14,7 @@ Legend: T tokens per rank, K top-k, N = T*K, E experts, ep ranks, E_local = E / 
 from __future__ import annotations
 
 import copy
+import re
 import subprocess
 import sys
 import types
@@ -455,6 +456,55 @@ def test_marker_reaches_the_graph_and_raises_when_run(mesh1):
     assert marker.args[0].op == "placeholder" and marker.args[1:] == (4, mesh1.get_group().group_name)
     with pytest.raises(RuntimeError, match=r"ep_experts: .*rewrites the MoE layer"):
         torch.compile(f, backend="aot_eager", fullgraph=True)(model, x)  # fake impl + autograd trace fine
+
+
+class ExpertsWithRouter(nn.Module):
+    """3-D experts and, in the same module, the router weight [E, H]: parallelize_experts takes the
+    router for a per-expert bias and shards it (documented). ``alpha`` != 1 makes the combine one the
+    backend refuses (index_add with alpha), so the experts' markers stay in the graph too."""
+
+    def __init__(self, h=8, i=6, e=4, k=2, router_here=True, alpha=1.0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.k, self.alpha = k, alpha
+        if router_here:
+            self.router = nn.Parameter(torch.randn(e, h))
+        else:
+            self.gate = nn.Linear(h, e, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(e, h, 2 * i) * 0.1)
+        self.down = nn.Parameter(torch.randn(e, i, h) * 0.1)
+
+    def forward(self, x):
+        logits = x @ self.router.t() if hasattr(self, "router") else self.gate(x)
+        w, ids = logits.softmax(-1).topk(self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.gate_up.shape[0]):
+            tok, slot = torch.where(ids == e)
+            a, b = (x[tok] @ self.gate_up[e]).chunk(2, -1)
+            out = out.index_add(0, tok, (F.silu(a) * b) @ self.down[e] * w[tok, slot, None], alpha=self.alpha)
+        return out
+
+
+@pytest.mark.parametrize("router_here, alpha, expect", [
+    (True, 1.0, r"`router` of module '' \(E=4\), read at test_ep.py:\d+\..*a module of its own"),
+    (False, 0.5, r"`gate_up` of module ''.*`down` of module ''.*Not rewritten in this graph: '' at test_ep.py:\d+: "
+                 r"unsupported index_add.*\(fix: write expert outputs"),
+])
+def test_leftover_ep_markers_raise_at_compile_time(mesh1, caplog, router_here, alpha, expect):
+    """A sharded Parameter that no rewrite replaced (the router beside the experts; a refused layer)
+    fails the compile with its name, line, the refusal and the fix, not the marker's generic error on
+    the first call (after a "nothing rewritten ... runs as the default backend" warning); explain()
+    raises the same."""
+    from moe_compile.parallel import parallelize_experts
+
+    model = parallelize_experts(ExpertsWithRouter(router_here=router_here, alpha=alpha), mesh1)
+    torch._dynamo.reset()
+    with caplog.at_level("WARNING", logger="moe_compile"), pytest.raises(Exception, match="ep_markers: ") as err:
+        torch.compile(model, backend="moe")(torch.randn(5, 8))
+    assert re.search(expect, str(err.value)), str(err.value)
+    assert "rewrote no MoE region" not in caplog.text
+    with pytest.raises(Exception, match=expect):
+        moe_compile.explain(model, torch.randn(5, 8))
 
 
 class SwiGLU(nn.Module):

@@ -1,0 +1,93 @@
+"""ep_markers: expert-parallel weights that no rewrite replaced (finds only).
+
+Graph before and after: unchanged. ``parallelize_experts`` makes every sharded Parameter read as
+``moe_compile.ep_experts(local, E, group)``, a marker with the global [E, ...] shape that never
+computes: only the expert-parallel lowering replaces it (by the local shard, inside dispatch /
+combine). A marker still read in the graph to compile means the compiled code would raise on its
+first call, from inside the graph, far from the cause:
+
+* the MoE layer that reads it was refused (its record says why), or
+* the Parameter is not an expert weight: ``parallelize_experts`` shards every 2-D Parameter with E
+  rows beside a container's 3-D expert weights as a per-expert bias, so a router weight [E, H] kept
+  in the experts' own module is sharded too and the router reads the marker.
+
+``leftover_markers(gm)`` lists them (nested graph modules, e.g. checkpoint bodies, included); the
+backend raises ``error_message(...)`` at compile time instead.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from .normalize import module_path, source_name, where_in_user_code
+from .region import is_ep_marker
+
+
+@dataclass(frozen=True)
+class LeftoverMarker:
+    parameter: str      # the user's attribute name ("router"), or the graph input's name
+    module: str         # qualified module path ('' for the top module)
+    where: str          # file:line of the first reader in the user's code, or ''
+    num_experts: int
+
+
+def leftover_markers(gm: fx.GraphModule) -> tuple[LeftoverMarker, ...]:
+    found: dict[tuple, LeftoverMarker] = {}
+    for sub in gm.modules():
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        for n in sub.graph.nodes:
+            if n.op != "call_function" or not is_ep_marker(n) or not n.users:
+                continue
+            module, parameter = _owner(n)
+            found.setdefault((module, parameter), LeftoverMarker(parameter, module, _reader(n), n.args[1]))
+    return tuple(found.values())
+
+
+def _owner(marker: fx.Node) -> tuple[str, str]:
+    """(module path, attribute name) of the sharded Parameter behind the marker."""
+    from moe_compile.parallel import LOCAL_PREFIX
+
+    local = marker.args[0]
+    name = source_name(local) if isinstance(local, fx.Node) else ""
+    hit = re.search(r"^(.*?)\.?_parameters\['" + LOCAL_PREFIX + r"([^']+)'\]$", name)
+    if hit:
+        from .normalize import _clean_module_path
+
+        return _clean_module_path(hit.group(1)), hit.group(2)
+    return module_path(marker), getattr(local, "name", str(local))
+
+
+def _reader(marker: fx.Node) -> str:
+    """file:line of the nearest reader of the marker in the user's code (not parallel.py's property)."""
+    todo, seen = list(marker.users), set()
+    while todo:
+        n = todo.pop(0)
+        if n in seen:
+            continue
+        seen.add(n)
+        at = where_in_user_code(n)
+        if at and not at.startswith("parallel.py:"):
+            return at
+        todo += list(n.users)
+    return ""
+
+
+def error_message(leftovers: tuple[LeftoverMarker, ...], refused) -> str:
+    """The compile-time error for ``leftovers``; ``refused``: the graph's records of regions not rewritten."""
+    names = "; ".join(f"`{m.parameter}` of module '{m.module}' (E={m.num_experts})" + (f", read at {m.where}"
+                                                                                      if m.where else "")
+                      for m in leftovers)
+    text = (f"ep_markers: these Parameters were sharded over an expert-parallel mesh by "
+            f"moe_compile.parallelize_experts, but no expert-parallel rewrite replaced them, so the compiled "
+            f"code would fail when it runs: {names}.")
+    if refused:
+        text += " Not rewritten in this graph: " + "; ".join(
+            f"'{r.module}' at {r.where}: {r.reason} (fix: {r.fix})" for r in refused) + "."
+    text += (" If one of them is not an expert weight (a router weight [E, H] kept beside the 3-D expert weights): "
+             "parallelize_experts shards every 2-D Parameter with E rows of an expert container as a per-expert "
+             "bias; keep the router in a module of its own (e.g. a child nn.Linear(H, E)), as Hugging Face "
+             "models do, and call parallelize_experts on a freshly built model.")
+    return text
