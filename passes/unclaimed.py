@@ -331,16 +331,34 @@ _SELECTS = re.compile(r"\bwhere\(\s*[\w.]+\s*==|\b(one_hot|nonzero|argsort|binco
 
 def _routes_then_selects(filename: str, lineno: int, limit: int = 120) -> bool:
     """The function holding ``filename:lineno`` calls a router op (top-k, argmax, sampling) and then
-    groups by expert (``ids == e``, ``where``, ``one_hot``, ``nonzero``, a sort, counts) before that line."""
+    groups by expert (``ids == e``, ``where``, ``one_hot``, ``nonzero``, a sort, counts) before that line;
+    at the function's ``def`` line (a frame Dynamo gave up on as a whole: only its first line is
+    known), anywhere in its body."""
     body = []
     for i in range(lineno, max(lineno - limit, 0), -1):
         line = linecache.getline(filename, i)
         body.append(line)
         if line.lstrip().startswith("def "):
             break
+    if len(body) == 1 and body[0].lstrip().startswith("def "):
+        body = list(reversed(_function_body(filename, lineno, body[0], limit))) + body
     text = "".join(reversed(body))
     routed = _ROUTES.search(text)
     return bool(routed) and bool(_SELECTS.search(text, routed.end()))
+
+
+def _function_body(filename: str, lineno: int, header: str, limit: int) -> list[str]:
+    """The lines after the ``def`` at ``lineno`` that are indented deeper than it."""
+    indent = len(header) - len(header.lstrip())
+    out = []
+    for i in range(lineno + 1, lineno + limit):
+        line = linecache.getline(filename, i)
+        if not line:
+            break
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+            break
+        out.append(line)
+    return out
 
 
 def in_moe_code(frames) -> bool:

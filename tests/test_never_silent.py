@@ -457,6 +457,35 @@ def test_skipped_frame_found_by_what_the_code_does():
     assert [b.reason_code for b in rep.graph_breaks] == ["break_tolist"], str(rep)
 
 
+class NormedMixer(nn.Module):
+    """Experts with a BatchNorm (a ModuleList), no MoE name anywhere: torch's batch_norm checks the
+    data-dependent row count of `x[t]`, a graph break inside the loop, so Dynamo gives up on the whole
+    frame and Dynamo's record names only the frame's `def` line."""
+
+    def __init__(self, h=16, i=8, n=4, k=2):
+        super().__init__()
+        self.k = k
+        self.score = nn.Linear(h, n, bias=False)
+        self.parts = nn.ModuleList(nn.Sequential(nn.Linear(h, i), nn.BatchNorm1d(i), nn.GELU(), nn.Linear(i, h))
+                                   for _ in range(n))
+
+    def forward(self, x):
+        p, sel = torch.topk(self.score(x).softmax(-1), self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for j, part in enumerate(self.parts):
+            t, s = torch.where(sel == j)
+            out.index_add_(0, t, part(x[t]) * p[t, s, None])
+        return out
+
+
+def test_frame_given_up_as_a_whole_is_found_from_its_body():
+    """Was silent (nothing listed, nothing warned, the layer ran eagerly): with only the skipped frame's
+    first line known, its whole body is read for a router followed by a per-expert selection."""
+    rep = moe_compile.explain(NormedMixer(), make_input((16, 16)))
+    assert len(rep.graph_breaks) == 1 and not rep.regions, str(rep)
+    assert "Dynamo gave up on the frame `NormedMixer.forward`" in rep.graph_breaks[0].reason, str(rep)
+
+
 def _accuracy_step(lin, x, y):
     logits = lin(x)
     correct = (logits.argmax(-1) == y).sum()
