@@ -88,19 +88,19 @@ def _reach(starts) -> set[fx.Node]:
 
 
 def _param_of(n, params: set, depth: int = 8) -> fx.Node | None:
-    """The parameter node behind ``n`` (through views, casts and indexing), else None."""
-    while isinstance(n, fx.Node) and depth > 0:
-        if n in params:
-            return n
-        if (canon(n) or "") not in _PARAM_VIEWS or not n.args:
-            return None
+    """The parameter node behind ``n`` (through views, casts and indexing, as far back as they go:
+    ``W[e]`` of a ``W`` computed from parameters is ``W``), else None."""
+    while isinstance(n, fx.Node) and depth > 0 and (canon(n) or "") in _PARAM_VIEWS \
+            and n.args and isinstance(n.args[0], fx.Node):
         n = n.args[0]
         depth -= 1
-    return None
+    return n if isinstance(n, fx.Node) and n in params else None
 
 
 def _params(gm: fx.GraphModule, example_inputs) -> set[fx.Node]:
-    """Placeholders and get_attrs that hold nn.Parameters (Dynamo lifts parameters to inputs)."""
+    """Placeholders and get_attrs that hold nn.Parameters (Dynamo lifts parameters to inputs), and
+    the tensors computed from parameters alone (``W * 1.0``, ``W.flip(0)``, ``cat``/``stack`` of them):
+    expert weights whatever the code does to them before the routed tokens meet them."""
     out = set()
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i, n in enumerate(phs):
@@ -113,6 +113,9 @@ def _params(gm: fx.GraphModule, example_inputs) -> set[fx.Node]:
                 out.add(n)
         except AttributeError:
             pass
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_method") and n.all_input_nodes and out.issuperset(n.all_input_nodes):
+            out.add(n)
     return out
 
 

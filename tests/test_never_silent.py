@@ -12,6 +12,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import moe_compile
 import moe_compile.backend as backend
@@ -85,6 +86,42 @@ def test_unclaimed_moe_is_listed_and_warned_once(unknown_forms, caplog, spelling
         cm2(make_input((6, 16)))
         cm2(make_input((6, 16)))
     assert len(_warnings(caplog, "moe_unmatched")) == 2 and len(_nothing(caplog)) == 1
+
+
+class DerivedWeightsMoE(nn.Module):
+    """The routed tokens meet expert weights computed from the Parameters (``W * 1.0``, ``flip``,
+    ``cat``), in forms no finder knows (a dense einsum, a masked loop over all tokens)."""
+
+    def __init__(self, form, h=16, i=8, e=4, k=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.form, self.k, self.e = form, k, e
+        self.gate = nn.Linear(h, e, bias=False)
+        self.w1 = nn.Parameter(torch.randn(e, h, i) / 4)
+        self.w2 = nn.Parameter(torch.randn(e, i, h) / 3)
+
+    def forward(self, x):
+        w, ids = self.gate(x).softmax(-1).topk(self.k, dim=-1)
+        if self.form == "einsum":
+            r = torch.zeros(x.shape[0], self.e).scatter(1, ids, w)
+            h = F.gelu(torch.einsum("th,ehi->eti", x, self.w1 * 1.0))
+            return torch.einsum("eth,te->th", torch.einsum("eti,eih->eth", h, self.w2.flip(0)), r)
+        w12 = torch.cat([self.w1, self.w2.transpose(1, 2)], -1)
+        out = torch.zeros_like(x)
+        for e in range(self.e):
+            mine = (ids == e).any(-1, keepdim=True)
+            we = (w * (ids == e)).sum(-1, keepdim=True)
+            h = F.gelu(x @ w12[e][:, :8])
+            out = out + torch.where(mine, h @ w12[e][:, 8:].t() * we, 0)
+        return out
+
+
+@pytest.mark.parametrize("form", ["einsum", "masked_loop"])
+def test_unclaimed_moe_with_derived_expert_weights_is_listed(form):
+    """Was silent: the scan followed expert weights through views only."""
+    rep = moe_compile.explain(DerivedWeightsMoE(form), make_input((6, 16)))
+    assert [r.code for r in rep.refused] == ["moe_unmatched"] and not rep.rewritten, str(rep)
+    assert "top-2 router over 4 experts" in rep.refused[0].reason, str(rep)
 
 
 def test_must_not_match_is_not_flagged():
