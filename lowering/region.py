@@ -209,8 +209,8 @@ def _lower_whole(b: GraphBuilder, region: Region, ep):
     parallel: ``_ep_chain``): (last expert output, combined output, the expert rows' buffer or None)."""
     router = region.router
     if ep is not None:
-        t = val(region.x).shape[0]
-        return _ep_chain(b, region, ep, region.x, b.method("reshape", router.ids, t, router.top_k),
+        # -1, not T: a symbolic T would enter the graph as a raw SymInt (dynamic shapes)
+        return _ep_chain(b, region, ep, region.x, b.method("reshape", router.ids, -1, router.top_k),
                          _ep_weights(b, router))
     routed = b.fn(OPS.route_permute.default, router.ids, router.num_experts)
     perm, inv, offs = (b.fn(operator.getitem, routed, i) for i in range(3))
@@ -294,9 +294,9 @@ def _lower_chunked(b: GraphBuilder, region: Region, ep, sizes: list[int]):
     """``_ep_chain`` per chunk of tokens, so that one chunk's tokens travel while another chunk's
     expert GEMMs run (lowering/overlap.py issues each collective early and waits late); outputs cat."""
     router = region.router
-    t, k = val(region.x).shape[0], router.top_k
+    k = router.top_k
     w = _ep_weights(b, router)
-    splits = [b.fn(torch.split, v, sizes) for v in (region.x, b.method("reshape", router.ids, t, k))]
+    splits = [b.fn(torch.split, v, sizes) for v in (region.x, b.method("reshape", router.ids, -1, k))]
     w_split = b.fn(torch.split, w, sizes) if w is not None else None
     outs = []
     for i in range(len(sizes)):

@@ -103,7 +103,7 @@ class _Scope:
     frames in MoE code that Dynamo gave up on, and the nothing-rewritten warning. An exception
     leaving a graph break in MoE code (``fullgraph=True``) gets a note with the fix."""
 
-    __slots__ = ("session", "inner", "patched", "prev", "frames", "t0")
+    __slots__ = ("session", "inner", "patched", "prev", "frames", "t0", "handling")
 
     def __init__(self, session, inner, patched: bool):
         self.session, self.inner, self.patched = session, inner, patched
@@ -115,6 +115,7 @@ class _Scope:
         _local.session, _local.patched = self.session, self.patched
         self.frames = _frames_tried()
         self.t0 = time.time_ns() // 1000
+        self.handling = sys.exc_info()[1]   # a call made inside the caller's own `except` block
         try:
             return self.inner.__enter__()
         except BaseException:
@@ -131,6 +132,8 @@ class _Scope:
             # Dynamo exits this scope with (None, None, None) from a `finally`: an error on its way
             # out is the one being handled
             exc = exc if exc is not None else sys.exc_info()[1]
+            if exc is self.handling:
+                exc = None
             if exc is not None:
                 _note_break(exc)
             if _frames_tried() != self.frames:
@@ -412,9 +415,11 @@ def _moe_backend(gm, example_inputs, mode, options):
         err = capture_error(gm, exc) if new_gm is gm else None
         if err is not None:
             raise err from exc
-        if new_gm is gm or config.strict:
+        # Dynamo's restarts (e.g. a Python float the compile cannot keep symbolic) are not failures:
+        # Dynamo traces the frame again and calls the backend with the new graph
+        if new_gm is gm or config.strict or isinstance(exc, torch._dynamo.exc.RestartAnalysis):
             raise
-        pipeline.check_ep_markers(gm, records)
+        pipeline.check_ep_markers(gm, records, cause=exc)
         compiled, records = compile_unrewritten(
             lambda recs: _compile_rewritten(gm, example_inputs, config, inductor_options, recs), gm, records, exc)
         new_gm, plan, inputs, stacked = gm, None, example_inputs, []

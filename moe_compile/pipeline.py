@@ -376,7 +376,7 @@ def run_dynamo_stage(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.Gra
     return top.gm, records
 
 
-def check_ep_markers(gm: fx.GraphModule, records: list) -> None:
+def check_ep_markers(gm: fx.GraphModule, records: list, cause: BaseException | None = None) -> None:
     """Never a compiled graph that fails on its first call: expert-parallel markers that no rewrite
     replaced (passes/ep_markers.py) raise here, at compile time, with the refusals and the fix."""
     from moe_compile.passes.ep_markers import error_message, leftover_markers
@@ -385,7 +385,7 @@ def check_ep_markers(gm: fx.GraphModule, records: list) -> None:
     if left:
         from moe_compile.lowering.graph_edit import InvalidSetup
 
-        raise InvalidSetup(error_message(left, [r for r in records if r.status == REFUSED and not r.is_break]))
+        raise InvalidSetup(error_message(left, [r for r in records if r.status == REFUSED and not r.is_break], cause))
 
 
 def _not_rewritten(s: DynamoState) -> list[RegionRecord]:

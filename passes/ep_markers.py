@@ -11,8 +11,10 @@ first call, from inside the graph, far from the cause:
   rows beside a container's 3-D expert weights as a per-expert bias, so a router weight [E, H] kept
   in the experts' own module is sharded too and the router reads the marker.
 
-``leftover_markers(gm)`` lists them (nested graph modules, e.g. checkpoint bodies, included); the
-backend raises ``error_message(...)`` at compile time instead.
+``leftover_markers(gm)`` lists the live ones (nested graph modules, e.g. checkpoint bodies,
+included): a marker whose value reaches the graph's output or an in-place write to a graph input.
+A marker read only by dead code (``tmp.add_(W.sum())`` into a temporary never read again) is left
+to the compile's dead-code elimination. The backend raises ``error_message(...)`` at compile time.
 """
 from __future__ import annotations
 
@@ -39,11 +41,35 @@ def leftover_markers(gm: fx.GraphModule) -> tuple[LeftoverMarker, ...]:
         if not isinstance(sub, fx.GraphModule):
             continue
         for n in sub.graph.nodes:
-            if n.op != "call_function" or not is_ep_marker(n) or not n.users:
+            if n.op != "call_function" or not is_ep_marker(n) or not _live(n):
                 continue
             module, parameter = _owner(n)
             found.setdefault((module, parameter), LeftoverMarker(parameter, module, _reader(n), n.args[1]))
     return tuple(found.values())
+
+
+def _live(marker: fx.Node) -> bool:
+    """The marker's value reaches the output, or an in-place write into a graph input's storage
+    (followed through writes into temporaries and their later readers)."""
+    from .writes import _base, written
+
+    memo: dict = {}
+    todo, seen = list(marker.users), set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "output":
+            return True
+        target = written(n)
+        if target is not None:
+            base = _base(target, memo)
+            if base.op in ("placeholder", "get_attr"):
+                return True
+            todo += list(base.users)
+        todo += list(n.users)
+    return False
 
 
 def _owner(marker: fx.Node) -> tuple[str, str]:
@@ -57,7 +83,13 @@ def _owner(marker: fx.Node) -> tuple[str, str]:
         from .normalize import _clean_module_path
 
         return _clean_module_path(hit.group(1)), hit.group(2)
-    return module_path(marker), getattr(local, "name", str(local))
+    # an input of a nested body (a checkpoint) has no Dynamo source: its name spells the path,
+    # l_self_modules_experts_parameters__ep_local_gate_up_
+    name = getattr(local, "name", str(local))
+    hit = re.search(r"^l_(?:self_)?(.*?)_?parameters_+ep_local_(.+?)_?$", name)
+    if hit:
+        return ".".join(p for p in hit.group(1).split("modules_") if p).replace("_.", ".").strip("_"), hit.group(2)
+    return module_path(marker), name
 
 
 def _reader(marker: fx.Node) -> str:
@@ -75,14 +107,18 @@ def _reader(marker: fx.Node) -> str:
     return ""
 
 
-def error_message(leftovers: tuple[LeftoverMarker, ...], refused) -> str:
-    """The compile-time error for ``leftovers``; ``refused``: the graph's records of regions not rewritten."""
+def error_message(leftovers: tuple[LeftoverMarker, ...], refused, cause: BaseException | None = None) -> str:
+    """The compile-time error for ``leftovers``; ``refused``: the graph's records of regions not
+    rewritten; ``cause``: the error that made the backend compile the graph unrewritten."""
     names = "; ".join(f"`{m.parameter}` of module '{m.module}' (E={m.num_experts})" + (f", read at {m.where}"
                                                                                       if m.where else "")
                       for m in leftovers)
     text = (f"ep_markers: these Parameters were sharded over an expert-parallel mesh by "
             f"moe_compile.parallelize_experts, but no expert-parallel rewrite replaced them, so the compiled "
             f"code would fail when it runs: {names}.")
+    if cause is not None:
+        text += (f" The rewritten graph failed to compile ({type(cause).__name__}: {cause}), so the graph was "
+                 f"compiled unrewritten.")
     if refused:
         text += " Not rewritten in this graph: " + "; ".join(
             f"'{r.module}' at {r.where}: {r.reason} (fix: {r.fix})" for r in refused) + "."

@@ -100,7 +100,9 @@ def expert_operands(region: Region) -> Finding | None:
         else:
             for slot in st.linear[:2]:
                 if slot is not None:
-                    shapes = {tuple(val(n).shape) for n in mlp.slots[slot]}
+                    # str: a symbolic size (parameters with dynamic shapes) is not hashable; two
+                    # different symbols count as different sizes (refused, never wrong)
+                    shapes = {tuple(str(d) for d in val(n).shape) for n in mlp.slots[slot]}
                     if len(shapes) != 1:
                         return Finding.of("weight_shapes_differ", None, shapes=sorted(shapes))
     if not mlp.steps or not any(st.linear for st in mlp.steps):

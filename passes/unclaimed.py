@@ -10,9 +10,10 @@ module finds the rest, from the graph and from Dynamo's own records:
     router when what it selects reaches *expert compute* of the same layer (module paths share the
     MoE block, never two elements of one ModuleList):
 
-    stacked     a matmul-class op (linear, matmul, mm, bmm, einsum, grouped_mm) on a parameter of
+    stacked     a matmul-class op (linear, matmul, mm, bmm, einsum, grouped_mm) on a weight of
                 3 or more dims whose first dim is the router's expert count (``W[E, ...]``, ``W[e]``,
-                ``W[ids]``)
+                ``W[ids]``); the weight is a parameter, a buffer, or computed from them by scaling,
+                casts, reordering or joining (``W * 1.0``, ``q.float() * s``, ``flip``, ``cat``)
     selected    a matmul-class op on a 2-D parameter applied to rows picked by a per-expert
                 selection of the ids (``ids == e``, ``one_hot``, ``where``/``nonzero``)
     gathered    a parameter's rows gathered by the routed ids (``W[ids]``, ``embedding(ids, W)``) that
@@ -33,21 +34,20 @@ module finds the rest, from the graph and from Dynamo's own records:
 ``escaping_routers(gm)``
     Routers whose ids leave the graph (reach its output): the graph ends inside MoE code.
 
-``classify_break(frames, reason)`` / ``in_moe_code(frames)``
+``classify_break(frames, reason)``
     The reason code and fix of a graph break or skipped frame from its user stack (file, line, name,
-    source line); whether that stack is MoE code (class or function names such as ``*Experts``,
-    ``*SparseMoeBlock``, ``*Router``, ``*MoE``; source lines naming experts, routers or top-k).
+    source line); whether that stack is MoE code at all is ``passes/moe_source.in_moe_code``.
 """
 from __future__ import annotations
 
 import dataclasses
-import linecache
 import re
 
 import torch
 import torch.fx as fx
 
 from .expert_ids import ID_VIEWS, OTHER_ROUTERS, router_kind, router_root, routers as _routers
+from .moe_source import Frame, declares_experts_implementation, enclosing_class, in_moe_code  # noqa: F401
 from .normalize import canon, common_module, module_path, source_name, val, where_in_user_code
 
 MATMULS = {"linear", "matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum", "_grouped_mm", "grouped_mm",
@@ -98,9 +98,7 @@ def _param_of(n, params: set, depth: int = 8) -> fx.Node | None:
 
 
 def _params(gm: fx.GraphModule, example_inputs) -> set[fx.Node]:
-    """Placeholders and get_attrs that hold nn.Parameters (Dynamo lifts parameters to inputs), and
-    the tensors computed from parameters alone (``W * 1.0``, ``W.flip(0)``, ``cat``/``stack`` of them):
-    expert weights whatever the code does to them before the routed tokens meet them."""
+    """Placeholders and get_attrs that hold nn.Parameters (Dynamo lifts parameters to inputs)."""
     out = set()
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i, n in enumerate(phs):
@@ -113,8 +111,29 @@ def _params(gm: fx.GraphModule, example_inputs) -> set[fx.Node]:
                 out.add(n)
         except AttributeError:
             pass
+    return out
+
+
+# ops that keep stacked expert weights expert weights: scaling, casts, reordering, joining
+_WEIGHT_OPS = _PARAM_VIEWS | {"mul", "div", "truediv", "add", "sub", "neg", "flip", "roll", "cat", "stack", "clone",
+                              "repeat", "double", "type", "detach", "dequantize"}
+
+
+def _weights(gm: fx.GraphModule, params: set) -> set[fx.Node]:
+    """``params``, buffers, and what ``_WEIGHT_OPS`` compute from them and constants alone (``W * 1.0``,
+    ``W.flip(0)``, ``cat`` / ``stack`` of them, ``q.float() * scale``): the candidates for stacked expert
+    weights [E, ...]. Not for 2-D weights: a normalised prototype table or a merged LoRA weight gathered
+    by top-k ids is retrieval, not MoE (those only count as raw Parameters)."""
+    out = set(params) | {n for n in gm.graph.nodes if n.op == "placeholder" and "_buffers" in source_name(n)}
+    consts = set()
     for n in gm.graph.nodes:
-        if n.op in ("call_function", "call_method") and n.all_input_nodes and out.issuperset(n.all_input_nodes):
+        if n.op not in ("call_function", "call_method"):
+            continue
+        ins = n.all_input_nodes
+        if not ins:
+            consts.add(n)
+        elif (canon(n) or "") in _WEIGHT_OPS and any(a in out for a in ins) and all(a in out or a in consts
+                                                                                   for a in ins):
             out.add(n)
     return out
 
@@ -138,21 +157,21 @@ def _local(router_mod: str, other_mod: str) -> bool:
     return not any(rest and rest[0].isdigit() for rest in (rest_r, rest_o))
 
 
-def _stacked(n: fx.Node, params: set, e: int) -> fx.Node | None:
-    """A matmul-class ``n`` on a parameter [E, ...] (3+ dims): the parameter, else None."""
+def _stacked(n: fx.Node, weights: set, e: int) -> fx.Node | None:
+    """A matmul-class ``n`` on a weight [E, ...] (3+ dims, ``_weights``): the weight, else None."""
     if (canon(n) or "") not in MATMULS:
         return None
     for a in n.all_input_nodes:
-        p = _param_of(a, params)
+        p = _param_of(a, weights)
         if p is not None and len(_dims(p)) >= 3 and _dims(p)[0] == e:
             return p
     return None
 
 
-def _near_stacked(n: fx.Node, params: set, e: int, hops: int = 4) -> bool:
+def _near_stacked(n: fx.Node, weights: set, e: int, hops: int = 4) -> bool:
     """``n`` is the output of a stacked matmul, through at most ``hops`` single-input ops."""
     while isinstance(n, fx.Node) and hops >= 0:
-        if _stacked(n, params, e) is not None:
+        if _stacked(n, weights, e) is not None:
             return True
         ins = n.all_input_nodes
         if (canon(n) or "") in MATMULS or not ins:
@@ -162,9 +181,10 @@ def _near_stacked(n: fx.Node, params: set, e: int, hops: int = 4) -> bool:
     return False
 
 
-def _evidence(router: fx.Node, reach: set, params: set, e: int, skip: set, order: dict
+def _evidence(router: fx.Node, reach: set, params: set, weights: set, e: int, skip: set, order: dict
               ) -> list[tuple[str, fx.Node]]:
-    """(kind, node) of the expert compute that the router's selection reaches, in its MoE block."""
+    """(kind, node) of the expert compute that the router's selection reaches, in its MoE block
+    (``params``: the graph's Parameters; ``weights``: ``_weights``)."""
     rmod = module_path(router)
     selected = _reach([n for n in reach if (canon(n) or "") in _SELECTIONS
                        or (canon(n) == "where" and len(n.args) == 1)])
@@ -174,7 +194,7 @@ def _evidence(router: fx.Node, reach: set, params: set, e: int, skip: set, order
             continue
         op = canon(n) or ""
         if op in MATMULS:
-            if _stacked(n, params, e) is not None:
+            if _stacked(n, weights, e) is not None:
                 found.append(("stacked", n))
                 continue
             if n in selected and any(len(_dims(p)) == 2 for a in n.all_input_nodes
@@ -188,7 +208,7 @@ def _evidence(router: fx.Node, reach: set, params: set, e: int, skip: set, order
                 found.append(("gathered", n))
                 continue
         if op in ("mul", "einsum", "bmm", "matmul"):
-            if any(a not in reach and _near_stacked(a, params, e) for a in n.all_input_nodes):
+            if any(a not in reach and _near_stacked(a, weights, e) for a in n.all_input_nodes):
                 found.append(("weighted", n))
     return found
 
@@ -207,6 +227,7 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
     if not routers:
         return []
     params = _params(gm, example_inputs)
+    weights = _weights(gm, params)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     claimed_roots, claimed_nodes, claimed_modules = set(), set(), []
     for c in candidates:
@@ -224,7 +245,7 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
         reach = _reach(ids)
         if any(r in reach for r in claimed_roots):
             continue  # a sub-selection of a claimed router (e.g. group-limited top-k)
-        found = _evidence(router, reach, params, e, claimed_nodes, order)
+        found = _evidence(router, reach, params, weights, e, claimed_nodes, order)
         if canon(router) in OTHER_ROUTERS:   # drawn ids: only expert compute per expert counts (not an
             found = [(kd, n) for kd, n in found if kd in ("selected", "stacked")]   # embedding of samples)
         if not found:
@@ -275,106 +296,7 @@ def escaping_routers(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 # ------------------------------------------------------------------------------------ graph breaks
-@dataclasses.dataclass(frozen=True)
-class Frame:
-    """One frame of a user stack: file, line number, function name, source line."""
-    filename: str
-    lineno: int
-    name: str
-    line: str = ""
-
-    @property
-    def at(self) -> str:
-        return f"{self.filename.rsplit('/', 1)[-1]}:{self.lineno}"
-
-    @property
-    def source(self) -> str:
-        return (self.line or linecache.getline(self.filename, self.lineno) or "").strip()
-
-
-_MOE_NAME = re.compile(r"expert|router|routing|top_?k|gating|sparse_?moe|moe_?(block|layer|mlp)|moe$|^moe", re.I)
-_MOE_LINE = re.compile(r"expert|router|routing|top_?k", re.I)
-_CLASS = re.compile(r"^class\s+(\w+)")
 _DISTRIBUTED_HOOKS = re.compile(r"torch[/\\]distributed[/\\]")
-
-
-def enclosing_class(filename: str, lineno: int) -> tuple[str, int]:
-    """(name, line) of the top-level class whose body holds ``filename:lineno`` ('' if none)."""
-    for i in range(lineno, 0, -1):
-        line = linecache.getline(filename, i)
-        if line and not line[0].isspace() and line.strip() and not line.startswith(("#", "@", ")")):
-            m = _CLASS.match(line)
-            return (m.group(1), i) if m else ("", 0)
-    return "", 0
-
-
-def declares_experts_implementation(filename: str, lineno: int) -> bool:
-    """The class holding ``filename:lineno`` is decorated with transformers' @use_experts_implementation
-    (so ``experts_implementation="grouped_mm"`` applies to it), and transformers has that implementation."""
-    cls, at = enclosing_class(filename, lineno)
-    if not cls:
-        return False
-    i = at - 1
-    while i > 0 and linecache.getline(filename, i).startswith("@"):
-        if "use_experts_implementation" in linecache.getline(filename, i):
-            try:
-                from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-            except ImportError:
-                return False
-            return "grouped_mm" in ALL_EXPERTS_FUNCTIONS
-        i -= 1
-    return False
-
-
-# a function that picks experts with a top-k and then groups tokens by expert, whatever its names say
-# (narrow on purpose: an argmax + ``== labels`` accuracy, or a top-k / top-p sampler, is not MoE code)
-_ROUTES = re.compile(r"\btopk\(")
-_SELECTS = re.compile(r"\bwhere\(\s*[\w.]+\s*==|\b(one_hot|nonzero|argsort|bincount|histc)\(")
-
-
-def _routes_then_selects(filename: str, lineno: int, limit: int = 120) -> bool:
-    """The function holding ``filename:lineno`` calls a router op (top-k, argmax, sampling) and then
-    groups by expert (``ids == e``, ``where``, ``one_hot``, ``nonzero``, a sort, counts) before that line;
-    at the function's ``def`` line (a frame Dynamo gave up on as a whole: only its first line is
-    known), anywhere in its body."""
-    body = []
-    for i in range(lineno, max(lineno - limit, 0), -1):
-        line = linecache.getline(filename, i)
-        body.append(line)
-        if line.lstrip().startswith("def "):
-            break
-    if len(body) == 1 and body[0].lstrip().startswith("def "):
-        body = list(reversed(_function_body(filename, lineno, body[0], limit))) + body
-    text = "".join(reversed(body))
-    routed = _ROUTES.search(text)
-    return bool(routed) and bool(_SELECTS.search(text, routed.end()))
-
-
-def _function_body(filename: str, lineno: int, header: str, limit: int) -> list[str]:
-    """The lines after the ``def`` at ``lineno`` that are indented deeper than it."""
-    indent = len(header) - len(header.lstrip())
-    out = []
-    for i in range(lineno + 1, lineno + limit):
-        line = linecache.getline(filename, i)
-        if not line:
-            break
-        if line.strip() and len(line) - len(line.lstrip()) <= indent:
-            break
-        out.append(line)
-    return out
-
-
-def in_moe_code(frames) -> bool:
-    """Whether a user stack is inside MoE code: names of its classes and functions, its source line, or
-    a function of it that routes and then groups tokens by expert (whatever the names)."""
-    frames = list(frames)
-    for f in frames:
-        cls, _ = enclosing_class(f.filename, f.lineno)
-        if _MOE_NAME.search(cls) or _MOE_NAME.search(f.name or ""):
-            return True
-    if frames and _MOE_LINE.search(frames[-1].source):
-        return True
-    return any(_routes_then_selects(f.filename, f.lineno) for f in frames if f.filename and f.lineno)
 
 
 def classify_break(frames, reason: str) -> tuple[str, dict]:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import moe_compile
 import moe_compile.pipeline as pipeline
 from moe_compile import records
-from helpers import check_compiled, make_input, make_model, spy_static_inputs
+from helpers import FP32_REL, assert_close_rel, check_compiled, make_input, make_model, spy_static_inputs
 
 HERE = os.path.dirname(__file__)
 
@@ -102,6 +102,30 @@ def test_no_recompile_when_only_routing_changes():
 
 
 # ------------------------------------------------------------------------------ options
+class FloatAttrMoE(nn.Module):
+    """A float attribute the forward branches on: under dynamic=True Dynamo keeps it symbolic, and
+    compiling the graph raises Dynamo's TensorifyScalarRestartAnalysis (trace again, specialised)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.scale = make_model(), 1.0
+
+    def forward(self, x):
+        return self.inner(x) * self.scale if self.scale != 1 else self.inner(x)
+
+
+@pytest.mark.parametrize("options", [{"moe.inductor": False}, {}])
+def test_dynamo_restart_is_not_a_compile_failure(options):
+    """Was: the restart was caught as a failure of the rewritten graph, so the layer was compiled
+    unrewritten (refused, compile_error) on every dynamic=True compile of such a model."""
+    model, x = FloatAttrMoE(), make_input((7, 16))
+    torch._dynamo.reset()
+    with records.recording() as published:
+        out = torch.compile(model, backend="moe", options=options, dynamic=True)(x)
+    assert [(r.status, r.code) for g in published for r in g] == [("rewritten", "")], published
+    assert_close_rel(out.detach(), model(x).detach(), FP32_REL, "output")
+
+
 def test_unknown_option_lists_allowed_keys():
     torch._dynamo.reset()
     cm = torch.compile(DenseMLP(), backend="moe", options={"moe.foo": 1})

@@ -481,7 +481,8 @@ class ExpertsWithRouter(nn.Module):
         for e in range(self.gate_up.shape[0]):
             tok, slot = torch.where(ids == e)
             a, b = (x[tok] @ self.gate_up[e]).chunk(2, -1)
-            out = out.index_add(0, tok, (F.silu(a) * b) @ self.down[e] * w[tok, slot, None], alpha=self.alpha)
+            y = (F.silu(a) * b) @ self.down[e] * w[tok, slot, None]
+            out = out.index_add(0, tok, y, alpha=self.alpha) if self.alpha != 1 else out.index_add(0, tok, y)
         return out
 
 
@@ -505,6 +506,66 @@ def test_leftover_ep_markers_raise_at_compile_time(mesh1, caplog, router_here, a
     assert "rewrote no MoE region" not in caplog.text
     with pytest.raises(Exception, match=expect):
         moe_compile.explain(model, torch.randn(5, 8))
+
+
+class DeadReadOfExperts(ExpertsWithRouter):
+    """A read of the sharded weights that nothing uses (written into a temporary never read again):
+    dead code the compile removes, not a leftover marker."""
+
+    def forward(self, x):
+        tmp = torch.zeros(4)
+        tmp.add_(self.gate_up.sum((1, 2)))
+        return super().forward(x)
+
+
+class CheckpointedUp(ExpertsWithRouter):
+    """Each expert's up projection under torch.utils.checkpoint: a nested body the finders do not
+    assemble into the layer (refused), whose marker inputs have no Dynamo source name."""
+
+    def forward(self, x):
+        logits = self.gate(x)
+        w, ids = logits.softmax(-1).topk(self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.gate_up.shape[0]):
+            tok, slot = torch.where(ids == e)
+            h = torch.utils.checkpoint.checkpoint(lambda r: r @ self.gate_up[e], x[tok], use_reentrant=False)
+            a, b = h.chunk(2, -1)
+            out = out.index_add(0, tok, (F.silu(a) * b) @ self.down[e] * w[tok, slot, None])
+        return out
+
+
+def test_ep_markers_dead_reads_dynamic_shapes_and_failures(mesh1, monkeypatch):
+    """Review of the compile-time check: a dead read compiles (and matches eager); parameters with
+    dynamic shapes are rewritten (a legality rule hashed symbolic sizes: TypeError, so the layer was
+    compiled unrewritten); a checkpointed body's marker is named by its Parameter; when the rewritten
+    graph fails to compile, the error says so instead of blaming a router."""
+    from moe_compile.parallel import parallelize_experts
+    from moe_compile.records import recording
+
+    x = torch.randn(7, 8)
+    for cls, kw in ((DeadReadOfExperts, {}), (ExpertsWithRouter, {"dynamic": True})):
+        ref = cls(router_here=False)
+        model = parallelize_experts(copy.deepcopy(ref), mesh1)   # ep = 1: the same weights
+        torch._dynamo.reset()
+        with recording() as published, torch._dynamo.config.patch(force_parameter_static_shapes=False):
+            out = torch.compile(model, backend="moe", options={"moe.inductor": False}, **kw)(x)
+        assert [r.status for g in published for r in g] == ["rewritten"], published
+        assert_close(out.detach(), ref(x).detach(), f"{cls.__name__} {kw}")
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"`gate_up` of module ''.*Not rewritten in this graph"):
+        torch.compile(parallelize_experts(CheckpointedUp(router_here=False), mesh1), backend="moe")(x)
+
+    import moe_compile.pipeline as pipeline
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("a before_compile pass failed")
+
+    monkeypatch.setattr(pipeline, "run_before_compile", fail)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"ep_markers: .*The rewritten graph failed to compile \(RuntimeError: a "
+                                        r"before_compile pass failed\)"):
+        torch.compile(parallelize_experts(ExpertsWithRouter(router_here=False), mesh1), backend="moe")(x)
 
 
 class SwiGLU(nn.Module):

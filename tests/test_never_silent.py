@@ -90,7 +90,8 @@ def test_unclaimed_moe_is_listed_and_warned_once(unknown_forms, caplog, spelling
 
 class DerivedWeightsMoE(nn.Module):
     """The routed tokens meet expert weights computed from the Parameters (``W * 1.0``, ``flip``,
-    ``cat``), in forms no finder knows (a dense einsum, a masked loop over all tokens)."""
+    ``cat``) or buffers (a mask, int8 weights dequantised), in forms no finder knows (a dense einsum, a
+    masked loop over all tokens)."""
 
     def __init__(self, form, h=16, i=8, e=4, k=2):
         super().__init__()
@@ -99,9 +100,22 @@ class DerivedWeightsMoE(nn.Module):
         self.gate = nn.Linear(h, e, bias=False)
         self.w1 = nn.Parameter(torch.randn(e, h, i) / 4)
         self.w2 = nn.Parameter(torch.randn(e, i, h) / 3)
+        self.register_buffer("mask", (torch.rand(e, 1, i) > 0.2).float())
+        self.register_buffer("q1", torch.randint(-127, 127, (e, h, i), dtype=torch.int8))
+        self.register_buffer("s1", torch.full((e, 1, i), 0.01))
+        self.register_buffer("q2", torch.randint(-127, 127, (e, i, h), dtype=torch.int8))
+        self.register_buffer("s2", torch.full((e, 1, h), 0.01))
 
     def forward(self, x):
         w, ids = self.gate(x).softmax(-1).topk(self.k, dim=-1)
+        if self.form in ("buffer_mask", "int8"):
+            if self.form == "buffer_mask":
+                w1, w2 = self.w1 * self.mask, self.w2 * self.mask.transpose(1, 2)
+            else:
+                w1, w2 = self.q1.float() * self.s1, self.q2.float() * self.s2
+            r = torch.zeros(x.shape[0], self.e).scatter(1, ids, w)
+            h = F.gelu(torch.einsum("th,ehi->eti", x, w1))
+            return torch.einsum("eth,te->th", torch.einsum("eti,eih->eth", h, w2), r)
         if self.form == "einsum":
             r = torch.zeros(x.shape[0], self.e).scatter(1, ids, w)
             h = F.gelu(torch.einsum("th,ehi->eti", x, self.w1 * 1.0))
@@ -116,9 +130,10 @@ class DerivedWeightsMoE(nn.Module):
         return out
 
 
-@pytest.mark.parametrize("form", ["einsum", "masked_loop"])
+@pytest.mark.parametrize("form", ["einsum", "masked_loop", "buffer_mask", "int8"])
 def test_unclaimed_moe_with_derived_expert_weights_is_listed(form):
-    """Was silent: the scan followed expert weights through views only."""
+    """Was silent: the scan followed expert weights through views only (now also scaling, casts,
+    joins, buffers: a masked or int8-dequantised expert weight)."""
     rep = moe_compile.explain(DerivedWeightsMoE(form), make_input((6, 16)))
     assert [r.code for r in rep.refused] == ["moe_unmatched"] and not rep.rewritten, str(rep)
     assert "top-2 router over 4 experts" in rep.refused[0].reason, str(rep)
@@ -150,6 +165,23 @@ def test_nothing_rewritten_warns_once_and_rewritten_model_is_quiet(caplog):
         cm(make_input((6, 16)))
         cm(make_input((6, 16), seed=1))
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def test_nothing_rewritten_warns_for_a_call_inside_an_except_block(caplog):
+    """A first call made while the caller handles an exception (a fallback path) compiled and ran
+    fine: it still warns that nothing was rewritten (the scope took the handled exception for one
+    raised by the call, and the warning was lost for good: later calls compile nothing)."""
+    from test_backend import DenseMLP
+
+    torch._dynamo.reset()
+    cm = torch.compile(DenseMLP(), backend="moe", options=OPTS)
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        try:
+            raise KeyError("the caller's own error")
+        except KeyError:
+            cm(make_input((3, 16)))
+        cm(make_input((3, 16), seed=1))
+    assert len(_nothing(caplog)) == 1, caplog.text
 
 
 # ------------------------------------------------------------------------------ graph breaks
@@ -515,12 +547,33 @@ class NormedMixer(nn.Module):
         return out
 
 
-def test_frame_given_up_as_a_whole_is_found_from_its_body():
+def _no_op(fn):
+    return fn
+
+
+class NormedMixerDecorated(NormedMixer):
+    """The same forward, decorated and with a signature over several lines (formatter style): the
+    frame's first line is the decorator, and its body starts after a line at the def's indent."""
+
+    @_no_op
+    def forward(
+        self, x: torch.Tensor
+    ) -> torch.Tensor:
+        p, sel = torch.topk(self.score(x).softmax(-1), self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for j, part in enumerate(self.parts):
+            t, s = torch.where(sel == j)
+            out.index_add_(0, t, part(x[t]) * p[t, s, None])
+        return out
+
+
+@pytest.mark.parametrize("cls", [NormedMixer, NormedMixerDecorated])
+def test_frame_given_up_as_a_whole_is_found_from_its_body(cls):
     """Was silent (nothing listed, nothing warned, the layer ran eagerly): with only the skipped frame's
-    first line known, its whole body is read for a router followed by a per-expert selection."""
-    rep = moe_compile.explain(NormedMixer(), make_input((16, 16)))
+    first line known, its whole body is read for a router followed by a per-expert loop."""
+    rep = moe_compile.explain(cls(), make_input((16, 16)))
     assert len(rep.graph_breaks) == 1 and not rep.regions, str(rep)
-    assert "Dynamo gave up on the frame `NormedMixer.forward`" in rep.graph_breaks[0].reason, str(rep)
+    assert f"Dynamo gave up on the frame `{cls.__name__}.forward`" in rep.graph_breaks[0].reason, str(rep)
 
 
 def _accuracy_step(lin, x, y):
@@ -541,13 +594,62 @@ def _position_hash(lin, x):
     return sum(lin(x[pos == b]).sum() for b in range(4))
 
 
-@pytest.mark.parametrize("case", ["accuracy", "sampler", "position_hash"])
+def _greedy_until_eos(lm, emb, ids, steps=4, eos=3):
+    for _ in range(steps):
+        _, cand = lm(emb(ids)[:, -1]).topk(2, dim=-1)
+        ids = torch.cat([ids, cand[:, :1]], 1)
+        if (ids[:, -1] == eos).all():                   # Dynamo gives up on the whole frame (a loop)
+            break
+    return ids, (ids == eos).nonzero()
+
+
+def _knn_vote(feats, bank, labels, k=5, classes=10):
+    preds = []
+    for chunk in feats.split(4):
+        w, idx = (chunk @ bank.t()).topk(k, dim=-1)
+        print("chunk", chunk.shape[0])                  # a graph break in a loop: the frame is given up
+        preds.append((F.one_hot(labels[idx], classes) * w.exp().unsqueeze(-1)).sum(1).argmax(-1))
+    return torch.cat(preds)
+
+
+class _ProtoKNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.protos = nn.Parameter(torch.randn(32, 8))
+
+    def forward(self, x):
+        p = F.normalize(self.protos, dim=-1)            # a table computed from a Parameter, gathered by top-k
+        w, idx = (F.normalize(x, dim=-1) @ p.t()).topk(4, dim=-1)
+        return (p[idx] * w.softmax(-1).unsqueeze(-1)).sum(-2)
+
+
+class _KNNMemory(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mem, self.kp, self.vp = nn.Parameter(torch.randn(40, 8)), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, q):
+        keys, vals = self.kp(self.mem), self.vp(self.mem)
+        s, idx = (q @ keys.t()).topk(5, -1)
+        return torch.einsum("tk,tkd->td", s.softmax(-1), vals[idx])
+
+
+_NOT_MOE = ["accuracy", "sampler", "position_hash", "greedy_until_eos", "knn_vote", "proto_knn", "knn_memory"]
+
+
+@pytest.mark.parametrize("case", _NOT_MOE)
 def test_code_that_is_not_moe_is_not_reported(case):
     """No MoE record and no MoE graph break for code that only resembles routing (an accuracy count, a
-    top-k sampler, positions modulo a block size): the name-free checks stay narrow."""
+    top-k sampler, positions modulo a block size, frames Dynamo gives up on whole after a top-k and a
+    nonzero / one_hot, kNN lookups in tables computed from Parameters): the name-free checks stay narrow."""
     lin = nn.Linear(8, 5)
     fn, args = {"accuracy": (_accuracy_step, (lin, torch.randn(4, 8), torch.randint(0, 5, (4,)))),
                 "sampler": (_sample, (torch.randn(2, 10), 3)),
-                "position_hash": (_position_hash, (nn.Linear(8, 8), torch.randn(12, 8)))}[case]
+                "position_hash": (_position_hash, (nn.Linear(8, 8), torch.randn(12, 8))),
+                "greedy_until_eos": (_greedy_until_eos, (nn.Linear(8, 10), nn.Embedding(10, 8),
+                                                         torch.randint(0, 10, (2, 3)))),
+                "knn_vote": (_knn_vote, (torch.randn(8, 8), torch.randn(20, 8), torch.randint(0, 10, (20,)))),
+                "proto_knn": (_ProtoKNN(), (torch.randn(6, 8),)),
+                "knn_memory": (_KNNMemory(), (torch.randn(6, 8),))}[case]
     rep = moe_compile.explain(fn, *args)
     assert not rep.refused and not rep.graph_breaks, str(rep)

@@ -1,0 +1,133 @@
+"""moe_source: whether a user stack is MoE code, read from its source (finds only; no graph).
+
+Used for graph breaks and frames Dynamo gave up on (``passes/unclaimed.py``, the backend's capture
+scope), where only file names, line numbers and function names are known:
+
+``in_moe_code(frames)``
+    class or function names such as ``*Experts``, ``*SparseMoeBlock``, ``*Router``, ``*MoE``; a source
+    line naming experts, routers or top-k; or, whatever the names, a function that calls ``topk(`` and
+    then groups tokens by expert before the failing line. At a function's first line (a frame given
+    up as a whole: nothing says which line failed) its whole body counts, with a per-expert loop
+    (a ``for`` variable compared by ``==`` after the top-k).
+``enclosing_class`` / ``declares_experts_implementation``
+    the top-level class around a line, and whether transformers' ``@use_experts_implementation``
+    decorates it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import linecache
+import re
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    """One frame of a user stack: file, line number, function name, source line."""
+    filename: str
+    lineno: int
+    name: str
+    line: str = ""
+
+    @property
+    def at(self) -> str:
+        return f"{self.filename.rsplit('/', 1)[-1]}:{self.lineno}"
+
+    @property
+    def source(self) -> str:
+        return (self.line or linecache.getline(self.filename, self.lineno) or "").strip()
+
+
+_MOE_NAME = re.compile(r"expert|router|routing|top_?k|gating|sparse_?moe|moe_?(block|layer|mlp)|moe$|^moe", re.I)
+_MOE_LINE = re.compile(r"expert|router|routing|top_?k", re.I)
+_CLASS = re.compile(r"^class\s+(\w+)")
+
+
+def enclosing_class(filename: str, lineno: int) -> tuple[str, int]:
+    """(name, line) of the top-level class whose body holds ``filename:lineno`` ('' if none)."""
+    for i in range(lineno, 0, -1):
+        line = linecache.getline(filename, i)
+        if line and not line[0].isspace() and line.strip() and not line.startswith(("#", "@", ")")):
+            m = _CLASS.match(line)
+            return (m.group(1), i) if m else ("", 0)
+    return "", 0
+
+
+def declares_experts_implementation(filename: str, lineno: int) -> bool:
+    """The class holding ``filename:lineno`` is decorated with transformers' @use_experts_implementation
+    (so ``experts_implementation="grouped_mm"`` applies to it), and transformers has that implementation."""
+    cls, at = enclosing_class(filename, lineno)
+    if not cls:
+        return False
+    i = at - 1
+    while i > 0 and linecache.getline(filename, i).startswith("@"):
+        if "use_experts_implementation" in linecache.getline(filename, i):
+            try:
+                from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+            except ImportError:
+                return False
+            return "grouped_mm" in ALL_EXPERTS_FUNCTIONS
+        i -= 1
+    return False
+
+
+# a function that picks experts with a top-k and then groups tokens by expert, whatever its names say
+# (narrow on purpose: an argmax + ``== labels`` accuracy, or a top-k / top-p sampler, is not MoE code)
+_ROUTES = re.compile(r"\btopk\(")
+_SELECTS = re.compile(r"\bwhere\(\s*[\w.]+\s*==|\b(one_hot|nonzero|argsort|bincount|histc)\(")
+
+
+def _routes_then_selects(filename: str, lineno: int, limit: int = 120) -> bool:
+    """The function holding ``filename:lineno`` calls a router op (top-k, argmax, sampling) and then
+    groups by expert (``ids == e``, ``where``, ``one_hot``, ``nonzero``, a sort, counts) before that line.
+    At the first line of a function (its ``def`` or decorator: a frame Dynamo gave up on as a whole,
+    where nothing says which line failed), the whole body counts, but only with a per-expert loop: a
+    ``for`` variable compared by ``==`` after the top-k (``for e in ...: where(ids == e)``)."""
+    body = _function_body(filename, lineno)
+    if body is not None:
+        routed = _ROUTES.search(body)
+        return bool(routed) and any(re.search(rf"==\s*{v}\b|\b{v}\s*==", body[m.end():])
+                                    for m in _LOOP.finditer(body, routed.end()) for v in m.groups() if v)
+    lines = []
+    for i in range(lineno, max(lineno - limit, 0), -1):
+        line = linecache.getline(filename, i)
+        lines.append(line)
+        if line.lstrip().startswith("def "):
+            break
+    text = "".join(reversed(lines))
+    routed = _ROUTES.search(text)
+    return bool(routed) and bool(_SELECTS.search(text, routed.end()))
+
+
+_LOOP = re.compile(r"\bfor\s+(\w+)(?:\s*,\s*(\w+))?\s+in\b")
+
+
+def _function_body(filename: str, lineno: int) -> str | None:
+    """The body of the function whose ``def`` (or first decorator) is at ``lineno``, else None."""
+    import ast
+
+    first = linecache.getline(filename, lineno).lstrip()
+    if not first.startswith(("def ", "async def ", "@")):
+        return None
+    lines = linecache.getlines(filename)
+    try:
+        tree = ast.parse("".join(lines))
+    except (SyntaxError, ValueError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and lineno in (
+                node.lineno, *(d.lineno for d in node.decorator_list)):
+            return "".join(lines[node.body[0].lineno - 1:node.end_lineno])
+    return None
+
+
+def in_moe_code(frames) -> bool:
+    """Whether a user stack is inside MoE code: names of its classes and functions, its source line, or
+    a function of it that routes and then groups tokens by expert (whatever the names)."""
+    frames = list(frames)
+    for f in frames:
+        cls, _ = enclosing_class(f.filename, f.lineno)
+        if _MOE_NAME.search(cls) or _MOE_NAME.search(f.name or ""):
+            return True
+    if frames and _MOE_LINE.search(frames[-1].source):
+        return True
+    return any(_routes_then_selects(f.filename, f.lineno) for f in frames if f.filename and f.lineno)
