@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 
 from moe_compile.passes.normalize import canon, is_inplace_method, val
+from moe_compile.passes.writes import writes_in_place
 
 _ASSERT_TARGETS = {"_assert_scalar", "sym_constrain_range_for_size", "sym_constrain_range", "_assert_async",
                    "_check_is_size", "_check"}
@@ -69,20 +70,41 @@ class GraphBuilder:
 
 
 def is_impure(node: fx.Node) -> bool:
-    """Kept by dead-code elimination even without users: in-place methods, ``setitem``, asserts,
+    """Kept by dead-code elimination even without users: in-place methods and functions, ``setitem``, asserts,
     torch's side-effectful functions, and any call whose recorded value is not a tensor or a size
     (Dynamo records context changes this way: grad mode, autocast, functorch's vmap nesting around
     ``associative_scan``, API-usage logging)."""
     if node.op in ("placeholder", "output"):
         return True
     if node.op == "call_method":
-        return is_inplace_method(node)
+        return is_inplace_method(node) or writes_in_place(node)
     if node.op != "call_function":
         return False
-    if node.target in (operator.setitem,) or canon(node) in _ASSERT_TARGETS or node.is_impure():
+    if node.target in (operator.setitem,) or canon(node) in _ASSERT_TARGETS or node.is_impure() \
+            or _kept_write(node):
         return True
     return node.target.__module__ != "_operator" and not _computes_values(node) \
         if hasattr(node.target, "__module__") else False
+
+
+def _kept_write(node: fx.Node) -> bool:
+    """A torch function that writes its arguments (``torch.add(b, 1, out=b)``, ``torch.fill_``,
+    ``torch._foreach_add_``, ``torch.index_put_``, ``operator.iadd``; they record a tensor value like
+    pure calls) into storage that outlives it: an input's, or a tensor something else reads. A write
+    into a temporary nothing else reads is dead: ``out[tok] += y`` leaves ``iadd(out[tok], y)`` (a
+    copy, by advanced indexing) once the rewrite has erased the ``setitem`` that read it."""
+    if not writes_in_place(node):
+        return False
+    from moe_compile.passes.writes import _base, written
+
+    target = written(node)
+    targets = [target] if target is not None else [a for a in node.all_input_nodes]
+    memo: dict = {}
+    for t in targets:
+        base = _base(t, memo)
+        if base.op in ("placeholder", "get_attr") or any(u is not node for u in base.users):
+            return True
+    return False
 
 
 _VALUES = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)

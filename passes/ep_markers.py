@@ -12,7 +12,8 @@ first call, from inside the graph, far from the cause:
   in the experts' own module is sharded too and the router reads the marker.
 
 ``leftover_markers(gm)`` lists the live ones (nested graph modules, e.g. checkpoint bodies,
-included): a marker whose value reaches the graph's output or an in-place write to a graph input.
+included): a marker whose value reaches the graph's output or an in-place write into a tensor
+computed from a graph input (conservatively: through any op).
 A marker read only by dead code (``tmp.add_(W.sum())`` into a temporary never read again) is left
 to the compile's dead-code elimination. The backend raises ``error_message(...)`` at compile time.
 """
@@ -49,11 +50,12 @@ def leftover_markers(gm: fx.GraphModule) -> tuple[LeftoverMarker, ...]:
 
 
 def _live(marker: fx.Node) -> bool:
-    """The marker's value reaches the output, or an in-place write into a graph input's storage
-    (followed through writes into temporaries and their later readers)."""
-    from .writes import _base, written
+    """The marker's value reaches the output, or a write into a tensor computed from a graph input
+    or attribute (any op on the way may alias it: ``x.cpu()``, ``atleast_2d``); a write into a
+    temporary taints everything that temporary is computed from, and their readers."""
+    from .normalize import ancestors
+    from .writes import writes_in_place, written
 
-    memo: dict = {}
     todo, seen = list(marker.users), set()
     while todo:
         n = todo.pop()
@@ -62,12 +64,13 @@ def _live(marker: fx.Node) -> bool:
         seen.add(n)
         if n.op == "output":
             return True
-        target = written(n)
-        if target is not None:
-            base = _base(target, memo)
-            if base.op in ("placeholder", "get_attr"):
-                return True
-            todo += list(base.users)
+        if writes_in_place(n):
+            target = written(n)
+            targets = [target] if target is not None else [a for a in n.all_input_nodes if a not in seen]
+            for a in ancestors(targets):
+                if a.op in ("placeholder", "get_attr"):
+                    return True
+                todo += list(a.users)
         todo += list(n.users)
     return False
 

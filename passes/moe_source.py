@@ -8,7 +8,7 @@ scope), where only file names, line numbers and function names are known:
     line naming experts, routers or top-k; or, whatever the names, a function that calls ``topk(`` and
     then groups tokens by expert before the failing line. At a function's first line (a frame given
     up as a whole: nothing says which line failed) its whole body counts, with a per-expert loop
-    (a ``for`` variable compared by ``==`` after the top-k).
+    after the router (a ``for`` variable that both selects tokens and picks an expert).
 ``enclosing_class`` / ``declares_experts_implementation``
     the top-level class around a line, and whether transformers' ``@use_experts_implementation``
     decorates it.
@@ -80,13 +80,11 @@ def _routes_then_selects(filename: str, lineno: int, limit: int = 120) -> bool:
     """The function holding ``filename:lineno`` calls a router op (top-k, argmax, sampling) and then
     groups by expert (``ids == e``, ``where``, ``one_hot``, ``nonzero``, a sort, counts) before that line.
     At the first line of a function (its ``def`` or decorator: a frame Dynamo gave up on as a whole,
-    where nothing says which line failed), the whole body counts, but only with a per-expert loop: a
-    ``for`` variable compared by ``==`` after the top-k (``for e in ...: where(ids == e)``)."""
+    where nothing says which line failed), the whole body counts, with ``_per_expert_loop``."""
     body = _function_body(filename, lineno)
     if body is not None:
-        routed = _ROUTES.search(body)
-        return bool(routed) and any(re.search(rf"==\s*{v}\b|\b{v}\s*==", body[m.end():])
-                                    for m in _LOOP.finditer(body, routed.end()) for v in m.groups() if v)
+        routed = _ROUTES_WHOLE.search(body)
+        return bool(routed) and _per_expert_loop(body[routed.end():])
     lines = []
     for i in range(lineno, max(lineno - limit, 0), -1):
         line = linecache.getline(filename, i)
@@ -98,7 +96,26 @@ def _routes_then_selects(filename: str, lineno: int, limit: int = 120) -> bool:
     return bool(routed) and bool(_SELECTS.search(text, routed.end()))
 
 
-_LOOP = re.compile(r"\bfor\s+(\w+)(?:\s*,\s*(\w+))?\s+in\b")
+_ROUTES_WHOLE = re.compile(r"\btopk\(|\bargmax\(|\.max\(\s*(dim\s*=\s*)?-?\d")
+_LOOP = re.compile(r"\bfor\s+\(?\s*(\w+)(?:\s*,\s*(\w+))?\s*\)?\s+in\b")
+
+
+def _per_expert_loop(text: str) -> bool:
+    """A ``for`` loop in ``text`` whose variable both selects tokens (``ids == e``, ``ids.eq(e)``,
+    ``where(mask[e])``) and picks an expert (``self.w1[e]``, ``experts[e](...)``, or the loop's
+    element called: ``for e, expert in enumerate(self.experts): ... expert(x[tok])``). A per-class
+    metric (``labels == c``) selects but picks nothing."""
+    for m in _LOOP.finditer(text):
+        rest = text[m.end():]
+        index, element = m.groups()
+        names = [v for v in (index, element) if v]
+        selects = any(re.search(rf"==\s*{v}\b|\b{v}\s*==|\.eq\(\s*{v}\s*\)|\bwhere\(\s*[\w.]+\[\s*{v}\s*\]", rest)
+                      for v in names)
+        picks = any(re.search(rf"\bself\.[\w.]+\[\s*{v}\s*\]|\w\[\s*{v}\s*\]\s*\(", rest) for v in names) \
+            or (element is not None and re.search(rf"\b{element}\s*\(", rest) is not None)
+        if selects and picks:
+            return True
+    return False
 
 
 def _function_body(filename: str, lineno: int) -> str | None:

@@ -12,8 +12,8 @@ module finds the rest, from the graph and from Dynamo's own records:
 
     stacked     a matmul-class op (linear, matmul, mm, bmm, einsum, grouped_mm) on a weight of
                 3 or more dims whose first dim is the router's expert count (``W[E, ...]``, ``W[e]``,
-                ``W[ids]``); the weight is a parameter, a buffer, or computed from them by scaling,
-                casts, reordering or joining (``W * 1.0``, ``q.float() * s``, ``flip``, ``cat``)
+                ``W[ids]``); the weight is a parameter or computed from parameters, with buffers
+                and constants beside them (``W * 1.0``, ``W * mask``, ``flip``, ``cat``, ``W + A @ B``)
     selected    a matmul-class op on a 2-D parameter applied to rows picked by a per-expert
                 selection of the ids (``ids == e``, ``one_hot``, ``where``/``nonzero``)
     gathered    a parameter's rows gathered by the routed ids (``W[ids]``, ``embedding(ids, W)``) that
@@ -114,27 +114,24 @@ def _params(gm: fx.GraphModule, example_inputs) -> set[fx.Node]:
     return out
 
 
-# ops that keep stacked expert weights expert weights: scaling, casts, reordering, joining
-_WEIGHT_OPS = _PARAM_VIEWS | {"mul", "div", "truediv", "add", "sub", "neg", "flip", "roll", "cat", "stack", "clone",
-                              "repeat", "double", "type", "detach", "dequantize"}
-
-
 def _weights(gm: fx.GraphModule, params: set) -> set[fx.Node]:
-    """``params``, buffers, and what ``_WEIGHT_OPS`` compute from them and constants alone (``W * 1.0``,
-    ``W.flip(0)``, ``cat`` / ``stack`` of them, ``q.float() * scale``): the candidates for stacked expert
-    weights [E, ...]. Not for 2-D weights: a normalised prototype table or a merged LoRA weight gathered
-    by top-k ids is retrieval, not MoE (those only count as raw Parameters)."""
-    out = set(params) | {n for n in gm.graph.nodes if n.op == "placeholder" and "_buffers" in source_name(n)}
-    consts = set()
+    """``params`` and what is computed from them alone, with buffers and constants beside them
+    (``W * 1.0``, ``W.flip(0)``, ``cat`` / ``stack``, ``W * mask``, ``W + A @ B``, ``W / W.norm()``): the
+    candidates for stacked expert weights [E, ...] (3+ dims, dim 0 = the router's E). Not for 2-D
+    weights (a normalised prototype table gathered by top-k ids is retrieval, not MoE), and a buffer
+    alone is not a weight (a KV cache or a retrieval database laid out [N, ...] is not experts)."""
+    buffers = {n for n in gm.graph.nodes if n.op == "placeholder" and "_buffers" in source_name(n)}
+    out, beside = set(params), set(buffers)
     for n in gm.graph.nodes:
         if n.op not in ("call_function", "call_method"):
             continue
         ins = n.all_input_nodes
         if not ins:
-            consts.add(n)
-        elif (canon(n) or "") in _WEIGHT_OPS and any(a in out for a in ins) and all(a in out or a in consts
-                                                                                   for a in ins):
+            beside.add(n)        # a constant: torch.full(...), torch.ones(...)
+        elif any(a in out for a in ins) and all(a in out or a in beside for a in ins):
             out.add(n)
+        elif all(a in beside for a in ins):
+            beside.add(n)        # computed from buffers and constants: a mask, a dequantised table
     return out
 
 

@@ -66,6 +66,19 @@ def written(node: fx.Node) -> fx.Node | None:
     return None
 
 
+def writes_in_place(node: fx.Node) -> bool:
+    """``node`` writes into a tensor it was given: ``written`` finds one, or the call is an in-place op
+    on a list of tensors (``torch._foreach_add_``) or has a tuple ``out=`` (``torch.max(.., out=(v, i))``)."""
+    if written(node) is not None:
+        return True
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if isinstance(node.kwargs.get("out"), (tuple, list)):
+        return True
+    name = node.target if node.op == "call_method" else fn_name(node.target)
+    return isinstance(name, str) and name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES
+
+
 def _inplace_flag(node: fx.Node) -> bool:
     """``F.relu(x, inplace=True)`` or ``F.relu(x, True)``: a function whose ``inplace`` argument is set."""
     if node.kwargs.get("inplace") is True:

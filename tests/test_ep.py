@@ -534,6 +534,41 @@ class CheckpointedUp(ExpertsWithRouter):
         return out
 
 
+class LiveReadOfExperts(ExpertsWithRouter):
+    """The sharded weights read outside the layer into live state, through ops ``_base`` does not
+    follow as aliases (``.cpu()`` of a CPU tensor, ``atleast_2d``), a list write, a temporary that the
+    output reads: each would run the marker on the first call."""
+
+    def __init__(self, how):
+        super().__init__(router_here=False)
+        self.how = how
+        self.register_buffer("usage", torch.zeros(4))
+
+    def forward(self, x):
+        norms = self.gate_up.detach().norm(dim=(1, 2))
+        if self.how == "cpu_alias":
+            self.usage.cpu().add_(norms)
+        elif self.how == "atleast_2d":
+            torch.atleast_2d(self.usage).add_(norms)
+        elif self.how == "foreach":
+            torch._foreach_add_([self.usage], [norms])
+        acc = torch.zeros(4)
+        if self.how == "temporary":
+            acc.cpu().add_(norms)
+        return super().forward(x) + acc.sum()
+
+
+@pytest.mark.parametrize("how", ["cpu_alias", "atleast_2d", "foreach", "temporary"])
+def test_live_reads_of_sharded_weights_fail_the_compile(mesh1, how):
+    """Was: the compile passed (the write was taken for dead code) and the first call raised the
+    marker's generic error from inside the graph."""
+    from moe_compile.parallel import parallelize_experts
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"ep_markers: .*`gate_up` of module ''"):
+        torch.compile(parallelize_experts(LiveReadOfExperts(how), mesh1), backend="moe")(torch.randn(7, 8))
+
+
 def test_ep_markers_dead_reads_dynamic_shapes_and_failures(mesh1, monkeypatch):
     """Review of the compile-time check: a dead read compiles (and matches eager); parameters with
     dynamic shapes are rewritten (a legality rule hashed symbolic sizes: TypeError, so the layer was

@@ -247,3 +247,49 @@ def test_inverse_fill_with_a_dynamic_size_is_rewritten():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
     delta = {k: records.counters[k] - before.get(k, 0) for k in (records.REWRITTEN, records.REFUSED)}
     assert delta == {"rewritten": 2, "refused": 0}, delta   # the static compile, then one dynamic one
+
+
+# writes by torch functions in a graph whose MoE layer is rewritten (found by a second review): the
+# rewrite's dead-code elimination took a call that records a tensor value for pure, so the write went
+_BUFFER_WRITES = {
+    "foreach_add_": lambda b: torch._foreach_add_([b], [torch.ones(4)]),
+    "add_out": lambda b: torch.add(b, 1, out=b),
+    "index_put_": lambda b: torch.index_put_(b, (torch.arange(4),), torch.ones(4)),
+    "fill_": lambda b: torch.fill_(b, 1.0),
+    "relu_": lambda b: torch.relu_(b.sub_(-1)),
+    "method add_": lambda b: b.add_(1),
+    "temporary_out": lambda b: _write_then_read(b),
+}
+
+
+def _write_then_read(b):
+    t = torch.zeros(4)
+    torch.add(t, 1, out=t)     # a write into a temporary that is read afterwards: kept
+    b.copy_(t)
+
+
+class CountsCalls(nn.Module):
+    """A rewritten layer and a buffer updated in place beside it, by ``write``."""
+
+    def __init__(self, write: str):
+        super().__init__()
+        self.write = write
+        self.moe = Stacked("loop")
+        self.register_buffer("usage", torch.zeros(4))
+
+    def forward(self, x):
+        _BUFFER_WRITES[self.write](self.usage)
+        return self.moe(x)
+
+
+@pytest.mark.parametrize("write", list(_BUFFER_WRITES))
+@pytest.mark.parametrize("options", [{"moe.inductor": False}, {}], ids=["aot", "inductor"])
+def test_in_place_writes_by_functions_survive_the_rewrite(write, options):
+    """Was wrong: after one compiled call the buffer stayed [0, 0, 0, 0] (eager: [1, 1, 1, 1]) for every
+    write spelled as a torch function (out=, foreach, fill_, index_put_), not as a Tensor method."""
+    model = CountsCalls(write)
+    torch._dynamo.reset()
+    with records.recording() as published:
+        torch.compile(model, backend="moe", options=options)(make_input((T, H)))
+    assert [r.status for g in published for r in g] == ["rewritten"], published
+    assert model.usage.tolist() == [1.0] * 4, model.usage
