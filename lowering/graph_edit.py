@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from moe_compile.passes.normalize import canon, is_inplace_method, val
-from moe_compile.passes.writes import writes_in_place
+from moe_compile.passes.writes import storage_base, writes_in_place, written
 
 _ASSERT_TARGETS = {"_assert_scalar", "sym_constrain_range_for_size", "sym_constrain_range", "_assert_async",
                    "_check_is_size", "_check"}
@@ -95,13 +95,10 @@ def _kept_write(node: fx.Node) -> bool:
     copy, by advanced indexing) once the rewrite has erased the ``setitem`` that read it."""
     if not writes_in_place(node):
         return False
-    from moe_compile.passes.writes import _base, written
-
     target = written(node)
-    targets = [target] if target is not None else [a for a in node.all_input_nodes]
     memo: dict = {}
-    for t in targets:
-        base = _base(t, memo)
+    for t in [target] if target is not None else node.all_input_nodes:   # a list or a tuple out=: any input
+        base = storage_base(t, memo)
         if base.op in ("placeholder", "get_attr") or any(u is not node for u in base.users):
             return True
     return False

@@ -15,6 +15,7 @@ scope), where only file names, line numbers and function names are known:
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import linecache
 import re
@@ -120,8 +121,6 @@ def _per_expert_loop(text: str) -> bool:
 
 def _function_body(filename: str, lineno: int) -> str | None:
     """The body of the function whose ``def`` (or first decorator) is at ``lineno``, else None."""
-    import ast
-
     first = linecache.getline(filename, lineno).lstrip()
     if not first.startswith(("def ", "async def ", "@")):
         return None

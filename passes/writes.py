@@ -57,11 +57,8 @@ def written(node: fx.Node) -> fx.Node | None:
     if isinstance(out, fx.Node):
         return out
     first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-    if node.op == "call_function" and node.target in _INPLACE_OPERATORS or _inplace_flag(node):
-        return first
-    name = node.target if node.op == "call_method" else fn_name(node.target)
-    if isinstance(name, str) and (name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES
-                                  or name in _INPLACE_DUNDERS):
+    if node.op == "call_function" and node.target in _INPLACE_OPERATORS or _inplace_flag(node) \
+            or _inplace_name(node) or _name(node) in _INPLACE_DUNDERS:
         return first
     return None
 
@@ -69,13 +66,18 @@ def written(node: fx.Node) -> fx.Node | None:
 def writes_in_place(node: fx.Node) -> bool:
     """``node`` writes into a tensor it was given: ``written`` finds one, or the call is an in-place op
     on a list of tensors (``torch._foreach_add_``) or has a tuple ``out=`` (``torch.max(.., out=(v, i))``)."""
-    if written(node) is not None:
-        return True
-    if node.op not in ("call_function", "call_method"):
-        return False
-    if isinstance(node.kwargs.get("out"), (tuple, list)):
-        return True
-    name = node.target if node.op == "call_method" else fn_name(node.target)
+    return written(node) is not None or node.op in ("call_function", "call_method") and (
+        isinstance(node.kwargs.get("out"), (tuple, list)) or _inplace_name(node))
+
+
+def _name(node: fx.Node):
+    return node.target if node.op == "call_method" else fn_name(node.target)
+
+
+def _inplace_name(node: fx.Node) -> bool:
+    """``t.add_``, ``torch.fill_``, ``torch._foreach_add_``: a trailing ``_`` (not a dunder, not
+    ``requires_grad_`` and the like)."""
+    name = _name(node)
     return isinstance(name, str) and name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES
 
 
@@ -94,7 +96,7 @@ def _inplace_flag(node: fx.Node) -> bool:
     return bound.arguments.get("inplace") is True
 
 
-def _base(node, memo: dict) -> fx.Node:
+def storage_base(node, memo: dict) -> fx.Node:
     """The storage ``node`` may share: walked back through views, basic indexing and in-place ops."""
     start = node
     while isinstance(node, fx.Node):
@@ -152,15 +154,15 @@ def foreign_write(region: Region) -> fx.Node | None:
     memo: dict = {}
     since: dict = {}   # storage -> order from which a write to it counts
     for n in inputs:
-        b = _base(n, memo)
+        b = storage_base(n, memo)
         since[b] = min(since.get(b, start), start)
     for n in derived - inputs:
-        b = _base(n, memo)
+        b = storage_base(n, memo)
         since[b] = min(since.get(b, order[n]), order[n])
     for n in nodes[:end]:
         target = written(n)
         if target is not None and n not in own:
-            b = _base(target, memo)
+            b = storage_base(target, memo)
             if b in since and order[n] > since[b]:
                 return n
     return None
