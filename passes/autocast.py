@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from .normalize import canon, val
 from .region import Region
-from .unclaimed import MATMULS
+from .token_paths import MATMULS
 
 
 @dataclass(frozen=True)

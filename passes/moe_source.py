@@ -4,8 +4,8 @@ Used for graph breaks and frames Dynamo gave up on (``passes/unclaimed.py``, the
 scope), where only file names, line numbers and function names are known:
 
 ``in_moe_code(frames)``
-    class or function names such as ``*Experts``, ``*SparseMoeBlock``, ``*Router``, ``*MoE``; a source
-    line naming experts, routers or top-k; or, whatever the names, a function that calls ``topk(`` and
+    class or function names such as ``*Experts``, ``*SparseMoeBlock``, ``*Router``, ``*MoE``,
+    ``TopKGate``; a source line naming experts or routers (not a bare ``topk``); or, whatever the names, a function that calls ``topk(`` and
     then groups tokens by expert before the failing line. At a function's first line (a frame given
     up as a whole: nothing says which line failed) its whole body counts, with a per-expert loop
     after the router (a ``for`` variable that both selects tokens and picks an expert).
@@ -38,8 +38,11 @@ class Frame:
         return (self.line or linecache.getline(self.filename, self.lineno) or "").strip()
 
 
-_MOE_NAME = re.compile(r"expert|router|routing|top_?k|gating|sparse_?moe|moe_?(block|layer|mlp)|moe$|^moe", re.I)
-_MOE_LINE = re.compile(r"expert|router|routing|top_?k", re.I)
+# not a bare "topk": metrics, samplers, beam search and top-k pooling call it too (a router they
+# hold is found from the graph: its ids leave it, or the function routes and then groups tokens)
+_MOE_NAME = re.compile(r"expert|router|routing|gating|(top_?k|noisy)_?gate$|sparse_?moe|moe_?(block|layer|mlp)|moe$|^moe",
+                       re.I)
+_MOE_LINE = re.compile(r"expert|router|routing", re.I)
 _CLASS = re.compile(r"^class\s+(\w+)")
 
 

@@ -10,6 +10,8 @@ Before (transformers' DogeCDMoE, product-key retrieval experts)::
 Each expert is a single vector: the layer is already one gathered batched product with static shapes
 and no host sync, and a grouped GEMM of width 1 per expert would only be slower. It is not rewritten,
 and not silently: every such layer becomes a refused candidate with reason ``retrieval_experts``.
+Rows that meet nothing of the token but the router's own scores (``softmax(top-k scores) * values(ids)``:
+a memory layer, a kNN read; ``passes/token_paths.py``) are retrieval, not experts, and not reported.
 """
 from __future__ import annotations
 
@@ -18,13 +20,14 @@ import torch.fx as fx
 
 from .normalize import _clean_module_path, canon, shape, val, where_in_user_code
 from .region import Candidate, Finding
+from .token_paths import beside_router, graph_params
 
 _INT_VIEWS = {"getitem", "gather", "view", "reshape", "add", "mul", "unsqueeze", "flatten", "to", "long", "int",
               "contiguous", "clone"}
 
 
-def _from_topk(ids: fx.Node, limit: int = 32) -> bool:
-    """ids is computed from topk/argmax indices through integer index arithmetic."""
+def _from_topk(ids: fx.Node, limit: int = 32) -> fx.Node | None:
+    """The topk/argmax whose indices ``ids`` is computed from through integer index arithmetic, else None."""
     seen, stack = set(), [ids]
     while stack and len(seen) < limit:
         n = stack.pop()
@@ -33,11 +36,11 @@ def _from_topk(ids: fx.Node, limit: int = 32) -> bool:
         seen.add(n)
         op = canon(n)
         if op in ("topk", "argmax", "max"):
-            return True
+            return n
         v = val(n)
         if op in _INT_VIEWS and not (isinstance(v, torch.Tensor) and v.is_floating_point()):
             stack.extend(n.all_input_nodes)
-    return False
+    return None
 
 
 def _parent_module(n: fx.Node) -> str:
@@ -48,14 +51,19 @@ def _parent_module(n: fx.Node) -> str:
 
 def find_retrieval_regions(gm: fx.GraphModule) -> list[Candidate]:
     found: dict[str, Candidate] = {}
+    params = None
     for n in gm.graph.nodes:
         if canon(n) != "embedding" or len(n.args) < 2:
             continue
         ids, table = n.args[0], n.args[1]
-        if not isinstance(ids, fx.Node) or not isinstance(table, fx.Node) or not _from_topk(ids):
+        router = _from_topk(ids) if isinstance(ids, fx.Node) and isinstance(table, fx.Node) else None
+        users = [u for u in n.users if canon(u) in ("matmul", "bmm", "mul", "einsum")]
+        if router is None or not users:
             continue
-        if not any(canon(u) in ("matmul", "bmm", "mul", "einsum") for u in n.users):
-            continue
+        params = graph_params(gm, None) if params is None else params
+        beside = beside_router(gm.graph, router, params)
+        if not any(a is not n and a in beside for u in users for a in u.all_input_nodes):
+            continue   # rows that meet only the router's scores: a memory / kNN read, not experts
         module = _parent_module(n)
         if module in found:
             continue

@@ -49,14 +49,10 @@ import torch.fx as fx
 from .expert_ids import ID_VIEWS, OTHER_ROUTERS, router_kind, router_root, routers as _routers
 from .moe_source import Frame, declares_experts_implementation, enclosing_class, in_moe_code  # noqa: F401
 from .normalize import canon, common_module, module_path, source_name, val, where_in_user_code
+from .token_paths import MATMULS, beside_router, graph_params, param_of, router_params
 
-MATMULS = {"linear", "matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum", "_grouped_mm", "grouped_mm",
-           "transformers::grouped_mm_fallback", "moe_compile::grouped_mm", "moe_compile::grouped_mm_list",
-           "moe_compile::grouped_mm_list_cat"}
-# ops that keep a parameter a parameter (views, casts, per-expert indexing)
-_PARAM_VIEWS = {"view", "reshape", "transpose", "permute", "t", "contiguous", "to", "float", "half", "bfloat16",
-                "type_as", "getitem", "index_select", "unflatten", "flatten", "expand", "chunk", "split",
-                "narrow", "squeeze", "unsqueeze", "mT", "moe_compile::ep_experts"}
+_QUANTISED = {torch.int8, torch.uint8, *(getattr(torch, f"float8_{k}") for k in ("e4m3fn", "e5m2")
+                                         if hasattr(torch, f"float8_{k}"))}
 _SELECTIONS = {"eq", "one_hot", "nonzero", "argwhere"}
 _GATHERS = {"getitem", "index_select", "embedding", "take", "gather", "F.embedding"}
 _INPLACE = {"setitem", "index_put_", "index_add_", "index_copy_", "scatter_", "scatter_add_", "scatter_reduce_",
@@ -87,41 +83,16 @@ def _reach(starts) -> set[fx.Node]:
     return seen
 
 
-def _param_of(n, params: set, depth: int = 8) -> fx.Node | None:
-    """The parameter node behind ``n`` (through views, casts and indexing, as far back as they go:
-    ``W[e]`` of a ``W`` computed from parameters is ``W``), else None."""
-    while isinstance(n, fx.Node) and depth > 0 and (canon(n) or "") in _PARAM_VIEWS \
-            and n.args and isinstance(n.args[0], fx.Node):
-        n = n.args[0]
-        depth -= 1
-    return n if isinstance(n, fx.Node) and n in params else None
-
-
-def _params(gm: fx.GraphModule, example_inputs) -> set[fx.Node]:
-    """Placeholders and get_attrs that hold nn.Parameters (Dynamo lifts parameters to inputs)."""
-    out = set()
-    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for i, n in enumerate(phs):
-        real = example_inputs[i] if example_inputs is not None and i < len(example_inputs) else None
-        if isinstance(real, torch.nn.Parameter) or "_parameters" in source_name(n):
-            out.add(n)
-    for n in gm.graph.find_nodes(op="get_attr"):
-        try:
-            if isinstance(getattr(gm, n.target), torch.nn.Parameter):
-                out.add(n)
-        except AttributeError:
-            pass
-    return out
-
-
 def _weights(gm: fx.GraphModule, params: set) -> set[fx.Node]:
     """``params`` and what is computed from them alone, with buffers and constants beside them
     (``W * 1.0``, ``W.flip(0)``, ``cat`` / ``stack``, ``W * mask``, ``W + A @ B``, ``W / W.norm()``): the
     candidates for stacked expert weights [E, ...] (3+ dims, dim 0 = the router's E). Not for 2-D
     weights (a normalised prototype table gathered by top-k ids is retrieval, not MoE), and a buffer
-    alone is not a weight (a KV cache or a retrieval database laid out [N, ...] is not experts)."""
+    alone is not a weight (a KV cache or a retrieval database laid out [N, ...] is not experts) unless
+    it holds quantised values (int8 / uint8 / float8: frozen quantised experts, dequantised in the forward)."""
     buffers = {n for n in gm.graph.nodes if n.op == "placeholder" and "_buffers" in source_name(n)}
-    out, beside = set(params), set(buffers)
+    quantised = {n for n in buffers if isinstance(v := val(n), torch.Tensor) and v.dtype in _QUANTISED}
+    out, beside = set(params) | quantised, buffers - quantised
     for n in gm.graph.nodes:
         if n.op not in ("call_function", "call_method"):
             continue
@@ -159,7 +130,7 @@ def _stacked(n: fx.Node, weights: set, e: int) -> fx.Node | None:
     if (canon(n) or "") not in MATMULS:
         return None
     for a in n.all_input_nodes:
-        p = _param_of(a, weights)
+        p = param_of(a, weights)
         if p is not None and len(_dims(p)) >= 3 and _dims(p)[0] == e:
             return p
     return None
@@ -185,6 +156,8 @@ def _evidence(router: fx.Node, reach: set, params: set, weights: set, e: int, sk
     rmod = module_path(router)
     selected = _reach([n for n in reach if (canon(n) or "") in _SELECTIONS
                        or (canon(n) == "where" and len(n.args) == 1)])
+    own = router_params(router, params)     # a classifier's weight reused after its argmax is not an expert
+    beside: list[set] = []                  # the values that carry the tokens past the router, when needed
     found = []
     for n in sorted(reach, key=order.__getitem__):
         if n in skip or not _local(rmod, module_path(n)):
@@ -194,14 +167,18 @@ def _evidence(router: fx.Node, reach: set, params: set, weights: set, e: int, sk
             if _stacked(n, weights, e) is not None:
                 found.append(("stacked", n))
                 continue
-            if n in selected and any(len(_dims(p)) == 2 for a in n.all_input_nodes
-                                     if (p := _param_of(a, params)) is not None):
+            if n in selected and any(len(_dims(p)) == 2 and p not in own for a in n.all_input_nodes
+                                     if (p := param_of(a, params)) is not None):
                 found.append(("selected", n))
                 continue
         if op in _GATHERS and n.args:
-            srcs = [a for a in n.all_input_nodes if a not in reach and _param_of(a, params) is not None
-                    and len(_dims(_param_of(a, params))) >= 2]
-            if srcs and any((canon(u) or "") in MATMULS | {"mul", "einsum"} for u in n.users):
+            srcs = [p for a in n.all_input_nodes if a not in reach and (p := param_of(a, params)) is not None
+                    and (len(_dims(p)) >= 3 or len(_dims(p)) == 2 and p not in own)]
+            users = [u for u in n.users if (canon(u) or "") in MATMULS | {"mul", "einsum"}]
+            if srcs and users and not beside:
+                beside.append(beside_router(n.graph, router, params))
+            # the gathered rows meet the token itself, not only the router's scores (a kNN / memory read)
+            if srcs and any(a is not n and a in beside[0] for u in users for a in u.all_input_nodes):
                 found.append(("gathered", n))
                 continue
         if op in ("mul", "einsum", "bmm", "matmul"):
@@ -223,7 +200,7 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
     routers = list(_routers(gm.graph))
     if not routers:
         return []
-    params = _params(gm, example_inputs)
+    params = graph_params(gm, example_inputs)
     weights = _weights(gm, params)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     claimed_roots, claimed_nodes, claimed_modules = set(), set(), []

@@ -106,14 +106,18 @@ class DerivedWeightsMoE(nn.Module):
         self.register_buffer("q2", torch.randint(-127, 127, (e, i, h), dtype=torch.int8))
         self.s2 = nn.Parameter(torch.full((e, 1, h), 0.01))
         self.a1, self.b1 = nn.Parameter(torch.randn(e, h, 2) / 4), nn.Parameter(torch.zeros(e, 2, i))
+        self.register_buffer("t1", torch.full((e, 1, i), 0.01))     # frozen scales of frozen int8 experts
+        self.register_buffer("t2", torch.full((e, 1, h), 0.01))
 
     def forward(self, x):
         w, ids = self.gate(x).softmax(-1).topk(self.k, dim=-1)
-        if self.form in ("buffer_mask", "int8", "lora"):
+        if self.form in ("buffer_mask", "int8", "int8_buffers", "lora"):
             if self.form == "lora":           # per-expert low-rank updates merged into the weights
                 w1, w2 = self.w1 + self.a1 @ self.b1, self.w2 / self.w2.norm(dim=(1, 2), keepdim=True)
             elif self.form == "buffer_mask":
                 w1, w2 = self.w1 * self.mask, self.w2 * self.mask.transpose(1, 2)
+            elif self.form == "int8_buffers":
+                w1, w2 = self.q1.float() * self.t1, self.q2.float() * self.t2   # nothing learned: buffers only
             else:
                 w1, w2 = self.q1.float() * self.s1, self.q2.float() * self.s2   # learned scales (QAT)
             r = torch.zeros(x.shape[0], self.e).scatter(1, ids, w)
@@ -133,13 +137,41 @@ class DerivedWeightsMoE(nn.Module):
         return out
 
 
-@pytest.mark.parametrize("form", ["einsum", "masked_loop", "buffer_mask", "int8", "lora"])
+@pytest.mark.parametrize("form", ["einsum", "masked_loop", "buffer_mask", "int8", "int8_buffers", "lora"])
 def test_unclaimed_moe_with_derived_expert_weights_is_listed(form):
     """Was silent: the scan followed expert weights through views only (now through anything computed
-    from Parameters, buffers and constants beside them: a masked or int8-dequantised expert weight)."""
+    from Parameters, buffers and constants beside them: a masked or int8-dequantised expert weight;
+    and from quantised buffers alone: int8 experts with frozen scales)."""
     rep = moe_compile.explain(DerivedWeightsMoE(form), make_input((6, 16)))
     assert [r.code for r in rep.refused] == ["moe_unmatched"] and not rep.rewritten, str(rep)
     assert "top-2 router over 4 experts" in rep.refused[0].reason, str(rep)
+
+
+class _VectorExperts(nn.Module):
+    """PEER-style experts kept as raw Parameters, one vector per expert: the gathered rows meet the
+    token (``x . down[ids]``), so this is MoE, whatever weights the scores; ``weights_from`` picks
+    the top-k values or the scores before the top-k."""
+
+    def __init__(self, weights_from="topk", h=16, e=12, k=3):
+        super().__init__()
+        self.weights_from, self.k = weights_from, k
+        self.gate = nn.Linear(h, e, bias=False)
+        self.down, self.up = nn.Parameter(torch.randn(e, h) / 4), nn.Parameter(torch.randn(e, h) / 4)
+
+    def forward(self, x):
+        scores = self.gate(x)
+        w, ids = scores.topk(self.k, -1)
+        w = w.softmax(-1) if self.weights_from == "topk" else scores.softmax(-1).gather(-1, ids)
+        h = F.gelu(torch.einsum("th,tkh->tk", x, self.down[ids])) * w
+        return torch.einsum("tk,tkh->th", h, self.up[ids])
+
+
+@pytest.mark.parametrize("weights_from", ["topk", "scores"])
+def test_vector_experts_that_meet_the_token_are_listed(weights_from):
+    """The token-path rule that drops kNN and memory reads keeps experts whose rows meet the token."""
+    rep = moe_compile.explain(_VectorExperts(weights_from), make_input((6, 16)))
+    assert [r.code for r in rep.refused] == ["moe_unmatched"] and not rep.rewritten, str(rep)
+    assert "expert weight rows gathered by the routed ids" in rep.refused[0].reason, str(rep)
 
 
 def test_must_not_match_is_not_flagged():
@@ -680,15 +712,69 @@ class _TopkKVCache(nn.Module):
         return torch.einsum("thk,tkhd->thd", att, self.v_cache[idx]).reshape(x.shape[0], -1)
 
 
+class _ParamKNN(nn.Module):
+    """A kNN read of a raw Parameter table: the rows meet only the top-k scores."""
+
+    def __init__(self):
+        super().__init__()
+        self.keys, self.vals = nn.Parameter(torch.randn(20, 8)), nn.Parameter(torch.randn(20, 8))
+
+    def forward(self, q):
+        w, i = (q @ self.keys.t()).topk(3, -1)
+        return (w.softmax(-1)[..., None] * self.vals[i]).sum(1)
+
+
+class _MemoryLayer(nn.Module):
+    """A memory layer (keys a Parameter, values an nn.Embedding): retrieval, whichever scores weight it."""
+
+    def __init__(self, all_scores=False):
+        super().__init__()
+        self.all_scores, self.q = all_scores, nn.Linear(8, 8)
+        self.keys, self.values = nn.Parameter(torch.randn(32, 8)), nn.Embedding(32, 8)
+
+    def forward(self, x):
+        sc = self.q(x) @ self.keys.t()
+        w, i = sc.topk(4, -1)
+        if self.all_scores:                              # the weights from the scores before the top-k
+            return x + torch.einsum("tk,tkd->td", sc.softmax(-1).gather(-1, i), self.values(i))
+        return x + (w.softmax(-1)[..., None] * self.values(i)).sum(-2)
+
+
+def _select_correct(lin, x, y):
+    keep = x[lin(x).argmax(-1) == y]                    # the rows a prediction got right, through the same Linear
+    return lin(keep).sum()
+
+
+class _ClassActivationMap(nn.Module):
+    """The classifier's own weight row of its argmax class, applied to the features (CAM)."""
+
+    def __init__(self):
+        super().__init__()
+        self.feat, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 5)
+
+    def forward(self, img):
+        f = self.feat(img)
+        c = self.fc(f.mean((2, 3))).argmax(-1)
+        return torch.einsum("bc,bchw->bhw", self.fc.weight[c], f)
+
+
+def _recall_at_topk(logits, y):                         # named *topk*, syncs: a metric, not a router
+    return (logits.topk(2, -1).indices == y[:, None]).any(-1).float().sum().item()
+
+
 _NOT_MOE = ["accuracy", "sampler", "position_hash", "greedy_until_eos", "knn_vote", "proto_knn", "knn_memory",
-            "topk_kv_cache", "per_class_recall"]
+            "topk_kv_cache", "per_class_recall", "param_knn", "memory_layer", "memory_layer_all_scores",
+            "select_correct", "class_activation_map", "topk_named_metric"]
 
 
 @pytest.mark.parametrize("case", _NOT_MOE)
 def test_code_that_is_not_moe_is_not_reported(case):
     """No MoE record and no MoE graph break for code that only resembles routing (an accuracy count, a
     top-k sampler, positions modulo a block size, frames Dynamo gives up on whole after a top-k and a
-    nonzero / one_hot, kNN lookups in tables computed from Parameters): the name-free checks stay narrow."""
+    nonzero / one_hot, kNN lookups in tables computed from Parameters): the name-free checks stay narrow.
+    Since the token-path rule (passes/token_paths.py): memory layers and kNN reads of raw Parameters
+    (rows that meet only the top-k scores), a classifier's own weight reused after its argmax (CAM,
+    rows it got right fed through it again); and a metric named *topk* that syncs."""
     lin = nn.Linear(8, 5)
     fn, args = {"accuracy": (_accuracy_step, (lin, torch.randn(4, 8), torch.randint(0, 5, (4,)))),
                 "sampler": (_sample, (torch.randn(2, 10), 3)),
@@ -699,6 +785,12 @@ def test_code_that_is_not_moe_is_not_reported(case):
                 "proto_knn": (_ProtoKNN(), (torch.randn(6, 8),)),
                 "knn_memory": (_KNNMemory(), (torch.randn(6, 8),)),
                 "topk_kv_cache": (_TopkKVCache(), (torch.randn(6, 8),)),
-                "per_class_recall": (_per_class_recall, (torch.randn(8, 5), torch.randint(0, 5, (8,))))}[case]
+                "per_class_recall": (_per_class_recall, (torch.randn(8, 5), torch.randint(0, 5, (8,)))),
+                "param_knn": (_ParamKNN(), (torch.randn(6, 8),)),
+                "memory_layer": (_MemoryLayer(), (torch.randn(6, 8),)),
+                "memory_layer_all_scores": (_MemoryLayer(all_scores=True), (torch.randn(6, 8),)),
+                "select_correct": (_select_correct, (nn.Linear(8, 8), torch.randn(6, 8), torch.randint(0, 8, (6,)))),
+                "class_activation_map": (_ClassActivationMap(), (torch.randn(2, 3, 6, 6),)),
+                "topk_named_metric": (_recall_at_topk, (torch.randn(6, 5), torch.randint(0, 5, (6,))))}[case]
     rep = moe_compile.explain(fn, *args)
     assert not rep.refused and not rep.graph_breaks, str(rep)

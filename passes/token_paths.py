@@ -1,0 +1,99 @@
+"""token_paths: which Parameters a router reads, and which values carry the tokens past it (finds only).
+
+Graph before and after: unchanged. An expert computes on the token: its weight meets the token's
+hidden state. Code that only resembles routing does not:
+
+* retrieval (a kNN vote over a Parameter table, a memory layer): values gathered by the top-k ids
+  are averaged with the top-k scores, and nothing but the router's output meets them;
+* a classifier's own weight reused after its argmax (a class activation map ``fc.weight[c]``, the
+  rows a prediction selects fed back through the same Linear): the "experts" are the router.
+
+``graph_params(gm, example_inputs)``
+    the placeholders and get_attrs that hold nn.Parameters (Dynamo lifts them to graph inputs).
+``param_of(n, params)``
+    the Parameter behind ``n`` through views, casts and indexing, else None.
+``gates(router, params)``
+    the matmul-class nodes the router's scores come from (one with a Parameter operand: the gate
+    linear, ``q @ keys.T``), walked back from the scores through the ops between; the hidden
+    state a gate reads is not walked.
+``router_params(router, params)``
+    the Parameters those gates read.
+``beside_router(graph, router, params)``
+    the values computed from the graph's other inputs (activations, not Parameters or buffers) by
+    a path through neither the router nor its gates: what carries the tokens themselves.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .normalize import canon, source_name
+
+MATMULS = {"linear", "matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum", "_grouped_mm", "grouped_mm",
+           "transformers::grouped_mm_fallback", "moe_compile::grouped_mm", "moe_compile::grouped_mm_list",
+           "moe_compile::grouped_mm_list_cat"}
+# ops that keep a parameter a parameter (views, casts, per-expert indexing)
+PARAM_VIEWS = {"view", "reshape", "transpose", "permute", "t", "contiguous", "to", "float", "half", "bfloat16",
+               "type_as", "getitem", "index_select", "unflatten", "flatten", "expand", "chunk", "split",
+               "narrow", "squeeze", "unsqueeze", "mT", "moe_compile::ep_experts"}
+_GATE_WALK = 32   # nodes walked back from a router's scores to its gates (a softmax, a bias, a norm between)
+
+
+def graph_params(gm: fx.GraphModule, example_inputs) -> set[fx.Node]:
+    """Placeholders and get_attrs that hold nn.Parameters (Dynamo lifts parameters to inputs)."""
+    out = set()
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, n in enumerate(phs):
+        real = example_inputs[i] if example_inputs is not None and i < len(example_inputs) else None
+        if isinstance(real, torch.nn.Parameter) or "_parameters" in source_name(n):
+            out.add(n)
+    for n in gm.graph.find_nodes(op="get_attr"):
+        try:
+            if isinstance(getattr(gm, n.target), torch.nn.Parameter):
+                out.add(n)
+        except AttributeError:
+            pass
+    return out
+
+
+def param_of(n, params: set, depth: int = 8) -> fx.Node | None:
+    """The parameter node behind ``n`` (through views, casts and indexing, as far back as they go:
+    ``W[e]`` of a ``W`` computed from parameters is ``W``), else None."""
+    while isinstance(n, fx.Node) and depth > 0 and (canon(n) or "") in PARAM_VIEWS \
+            and n.args and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+        depth -= 1
+    return n if isinstance(n, fx.Node) and n in params else None
+
+
+def gates(router: fx.Node, params: set) -> list[fx.Node]:
+    scores = router.args[0] if router.args and isinstance(router.args[0], fx.Node) else None
+    found, todo, seen = [], [scores] if scores is not None else [], set()
+    while todo and len(seen) < _GATE_WALK:
+        n = todo.pop()
+        if n in seen or n.op != "call_function" and n.op != "call_method":
+            continue
+        seen.add(n)
+        if (canon(n) or "") in MATMULS:
+            if any(param_of(a, params) is not None for a in n.all_input_nodes):
+                found.append(n)
+            continue   # the hidden state a matmul reads is the token's, not the router's
+        todo += n.all_input_nodes
+    return found
+
+
+def router_params(router: fx.Node, params: set) -> set[fx.Node]:
+    return {p for g in gates(router, params) for a in g.all_input_nodes if (p := param_of(a, params)) is not None}
+
+
+def beside_router(graph: fx.Graph, router: fx.Node, params: set) -> set[fx.Node]:
+    blocked = {router, *gates(router, params)}
+    todo = [n for n in graph.nodes if n.op == "placeholder" and n not in params and "_buffers" not in source_name(n)]
+    seen: set[fx.Node] = set()
+    while todo:
+        n = todo.pop()
+        if n in seen or n in blocked:
+            continue
+        seen.add(n)
+        todo += n.users
+    return seen
