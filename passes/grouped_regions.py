@@ -81,7 +81,7 @@ ROW_RULES: dict[str, tuple] = {
     **{op: (rows.scatter_back,) for op in ("index_add_", "index_add", "scatter_add_", "scatter_add")},
     **{op: (rows.grouped_gemm,) for op in GMM_OPS},
     "bmm": (rows.dense_linear, rows.batched_bmm), "matmul": (rows.dense_linear,),
-    "unsqueeze": (rows.batched_unsqueeze,),
+    "unsqueeze": (rows.batched_unsqueeze,), "getitem": (rows.batched_unsqueeze,),
     "squeeze": (rows.batched_squeeze,),
     **{op: (rows.bias_add,) for op in ("add_", "add", "iadd", "add_inplace")},
     "mul": (rows.weights_mul,),

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from .grouped_state import CASTS, DONE, as_int
+from .expert_ids import router_root
 from .normalize import arg, canon, id_bound, shape, val
 
 
@@ -37,7 +38,26 @@ def sort_ids(f, n, op, a0, r0, rk):
         g = f.group("sorted", n)
         g.flat, g.ids, g.k = a0, r0.info, (val(r0.info).shape[-1] if val(r0.info).dim() == 2 else 1)
         f.set(n, "sort" if op == "sort" else "perm", g)
+        how = _not_the_ids(r0.info)
+        if how:
+            g.note("sort_key", n, node=a0.name, how=how)
         return DONE
+
+
+def _not_the_ids(ids: fx.Node) -> str:
+    """Why the sorted values are not a router's ids flattened token-major ('' when they are, or when no
+    router is in sight): computed from them (``ids * 2``), or a transposed view (K-major)."""
+    if router_root(ids) is not None:
+        return ""
+    n, hops = ids, 0
+    while isinstance(n, fx.Node) and hops < 8 and n.all_input_nodes:
+        op = canon(n) or ""
+        if op in ("t", "transpose", "permute", "mT") and router_root(n.args[0]) is not None:
+            return "the ids transposed (K-major: row r is slot r // T)"
+        n, hops = n.all_input_nodes[0], hops + 1
+        if router_root(n) is not None:
+            return f"a value computed from the ids (`{op}`)"
+    return ""
 
 
 def sort_parts(f, n, op, a0, r0, rk):
@@ -61,7 +81,7 @@ def sorted_by_perm(f, n, op, a0, r0, rk):
 def token_of_row(f, n, op, a0, r0, rk):
     """perm // K."""
     if op == "floordiv" or n.kwargs.get("rounding_mode") == "floor":
-        if n.args[1] != r0.g.k:
+        if n.args[1] != r0.g.k and not any(x.code == "sort_key" for x in r0.g.findings):
             r0.g.findings[:] = []
             r0.g.note("topk_mismatch", n, what=f"rows are gathered with perm // {n.args[1]}", k=r0.g.k)
         f.set(n, "tok", r0.g)

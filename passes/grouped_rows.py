@@ -19,7 +19,7 @@ import torch.fx as fx
 from .grouped_combine import combine_add, row_weights, unsort
 from .grouped_state import CASTS, DONE, FRESH, as_int, is_last_dim, shared_ok
 from .loop_dataflow import ROWWISE_BINARY, ROWWISE_UNARY
-from .normalize import arg, canon, val
+from .normalize import ancestors, arg, canon, val
 
 
 def sentinel_mask(f, g, n, op, rows_in):
@@ -67,10 +67,26 @@ def dense_linear(f, g, n, op, rows_in):
 
 
 def batched_unsqueeze(f, g, n, op, rows_in):
+    """rows.unsqueeze(1) / (-1), or the same spelled as an index: rows[:, None] / rows[..., None]."""
     r0 = f.r(n.args[0])
-    if g.family == "batched" and r0 and r0.kind == "rows" and arg(n, 1, "dim") in (-1, 1):
-        f.set(n, "unsq", g, (n.args[0], arg(n, 1, "dim")))
+    dim = arg(n, 1, "dim") if op == "unsqueeze" else _none_index_dim(n)
+    if g.family == "batched" and r0 and r0.kind == "rows" and dim in (-1, 1):
+        f.set(n, "unsq", g, (n.args[0], dim))
         return DONE
+
+
+def _none_index_dim(n) -> int | None:
+    """The dim a 2-D ``x[idx]`` inserts when ``idx`` is one None among full slices (``x[:, None]``: 1,
+    ``x[..., None]`` / ``x[:, :, None]``: -1), else None."""
+    idx = n.args[1] if len(n.args) > 1 else None
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if idx.count(None) != 1 or not all(i is None or i is Ellipsis or i == slice(None) for i in idx) \
+            or idx.count(Ellipsis) > 1:
+        return None
+    at = idx.index(None)
+    if Ellipsis in idx:
+        return -1 if idx[-1] is None and len(idx) == 2 and idx[0] is Ellipsis else None
+    return {1: 1, 2: -1}.get(at)
 
 
 def batched_bmm(f, g, n, op, rows_in):
@@ -145,6 +161,8 @@ def weights_mul(f, g, n, op, rows_in):
     if ro is not None and ro.kind == "routing":
         return g.note("routing_matrix_layout")
     if g.family == "dense" and isinstance(other, fx.Node) and not shared_ok(other):
+        if any(canon(a) in ("topk", "argmax") or canon(a) == "max" and len(a.args) > 1 for a in ancestors([other])):
+            return g.note("routing_matrix_form", other, node=other.name)   # top-k ids, another spelling
         return g.note("soft_moe", other, node=other.name)
 
 

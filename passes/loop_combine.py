@@ -69,20 +69,20 @@ def combine(a, n: fx.Node, op: str, r0):
         ri, c = a.r(index), as_contrib(src, a.r(src))
         if dim != 0 or n.kwargs.get("alpha", 1) != 1 or not isinstance(ri, Index) or ri.kind != "tok" \
                 or c is None or c.rows.e != ri.e or c.rows.enum != ri.enum:
-            return a.refuse_write(s, n, "unsupported_write", c, op="index_add_")
+            return _unsupported(a, s, n, c, ri, "index_add_")
         return _add(a, s, n, c, inplace=op == "index_add_")
     if op == "scatter_add_":
         dim, index, src = arg(n, 1, "dim"), arg(n, 2, "index"), arg(n, 3, "src")
         ri, c = a.r(index), as_contrib(src, a.r(src))
         if dim != 0 or not isinstance(ri, ScatterIndex) or c is None or c.rows.e != ri.e or c.rows.enum != ri.enum:
-            return a.refuse_write(s, n, "unsupported_write", c, op="scatter_add_")
+            return _unsupported(a, s, n, c, ri, "scatter_add_")
         return _add(a, s, n, c, inplace=True)
     if op == "index_put_":
         indices, values = arg(n, 1, "indices"), arg(n, 2, "values")
         accumulate = arg(n, 3, "accumulate", False)
         ri, c = a.r(indices[0]) if len(indices) == 1 else None, as_contrib(values, a.r(values))
         if not accumulate or not isinstance(ri, (Index, TokMask)) or c is None:
-            return a.refuse_write(s, n, "unsupported_write", c, op="index_put_")
+            return _unsupported(a, s, n, c, ri, "index_put_")
         return _add(a, s, n, c, inplace=True)
     # setitem(acc, index, value)
     index, value = n.args[1], n.args[2]
@@ -102,9 +102,19 @@ def combine(a, n: fx.Node, op: str, r0):
         return _add(a, s, n, c, inplace=True)
     if top1:
         return a.refuse_write(s, n, "overwrite_then_add", c, acc=s.alloc.name)
-    if c is not None:
-        return a.refuse_write(s, n, "overwrite_topk", c)
+    if c is not None and c.rows.x not in (s.alloc, *s.aliases):   # not the experts' own input edited in
+        return a.refuse_write(s, n, "overwrite_topk", c)             # the loop (its row-op finding says so)
     return STOP
+
+
+def _unsupported(a, s: Storage, n: fx.Node, c, ri, op: str):
+    """A write the rewrite cannot reproduce; when its value is no expert output because of an op on
+    that expert's rows (``x[tok].detach()``), that op is the reason, not the write."""
+    found = a.row_findings.get(getattr(ri, "e", None)) if c is None else None
+    if found:
+        s.findings.append(found[0])
+        return STOP
+    return a.refuse_write(s, n, "unsupported_write", c, op=op)
 
 
 def _add(a, s: Storage, n: fx.Node, c: Contrib, inplace: bool):

@@ -94,6 +94,9 @@ REASONS: dict[str, Reason] = {
     "token_count_mismatch": Reason("{tokens} tokens x top_k {k} != {ids} routed ids",
                                    "route every token to exactly top_k experts"),
     "topk_mismatch": Reason("{what} but the router has top_k {k}", "gather rows with perm // top_k"),
+    "sort_key": Reason("the rows are sorted by `{node}`, {how}, not by the router's ids flattened token-major",
+                       "sort `ids.reshape(-1)` (row r is token r // top_k, slot r % top_k) and gather rows with "
+                       "perm // top_k"),
     "sentinel_mismatch": Reason("sentinel mask ids >= {sentinel} but the experts number {experts}",
                                 "mask ids >= num_experts"),
     "two_regions_mixed": Reason("`{node}` mixes the rows of two MoE regions", "keep each MoE layer's rows apart"),
@@ -112,6 +115,13 @@ REASONS: dict[str, Reason] = {
         "the dense expert outputs are combined by `{node}`, which is not a sparse top-k routing matrix "
         "(zeros(T, E).scatter(1, ids, w)); every expert contributes to every token (soft MoE), so routed compute "
         "would change it", "nothing to fix: a soft MoE runs every expert on every token and is compiled as written"),
+    "routing_matrix_form": Reason(
+        "the dense expert outputs are combined by `{node}`, built from the top-k ids but not as the sparse routing "
+        "matrix zeros(T, E).scatter(1, ids, w) (here: a scatter_add, a reduce, another base, a renormalisation or a "
+        "write after the scatter), so which experts reach a token cannot be read from it",
+        "if each token uses only its top-k experts, build it as `torch.zeros(T, E).scatter(1, ids, w)` with w final "
+        "(renormalise w before the scatter) to have the layer run on its routed tokens only; otherwise nothing to "
+        "fix: it is compiled as written"),
     "dense_unrouted": Reason(
         "the dense experts are summed without a routing matrix: every token uses every expert (not a sparse MoE)",
         "nothing to fix: compiled as written"),

@@ -50,13 +50,13 @@ from .expert_ids import ID_VIEWS, OTHER_ROUTERS, router_kind, router_root, route
 from .moe_source import Frame, declares_experts_implementation, enclosing_class, in_moe_code  # noqa: F401
 from .normalize import canon, common_module, module_path, source_name, val, where_in_user_code
 from .token_paths import MATMULS, beside_router, graph_params, param_of, router_params
+from .writes import written
 
 _QUANTISED = {torch.int8, torch.uint8, *(getattr(torch, f"float8_{k}") for k in ("e4m3fn", "e5m2")
                                          if hasattr(torch, f"float8_{k}"))}
 _SELECTIONS = {"eq", "one_hot", "nonzero", "argwhere"}
 _GATHERS = {"getitem", "index_select", "embedding", "take", "gather", "F.embedding"}
-_INPLACE = {"setitem", "index_put_", "index_add_", "index_copy_", "scatter_", "scatter_add_", "scatter_reduce_",
-            "masked_fill_", "masked_scatter_", "copy_", "add_inplace", "mul_inplace", "iadd", "index_fill_"}
+
 
 @dataclasses.dataclass(frozen=True)
 class Unclaimed:
@@ -78,8 +78,9 @@ def _reach(starts) -> set[fx.Node]:
             continue
         seen.add(n)
         stack.extend(n.users)
-        if (canon(n) or "") in _INPLACE and n.args and isinstance(n.args[0], fx.Node):
-            stack.append(n.args[0])
+        target = written(n)
+        if target is not None:
+            stack.append(target)
     return seen
 
 

@@ -65,6 +65,38 @@ def test_explain_refused_gives_reason():
     assert "0 MoE region(s) rewritten, 1 refused" in text and "overwrites" in text
 
 
+class RowEdits(nn.Module):
+    """A where + index_add_ loop whose odd experts read detached rows, or that edits its own input rows."""
+
+    def __init__(self, edit, h=16, i=24, e=4, k=2):
+        super().__init__()
+        self.edit, self.e, self.k = edit, e, k
+        self.gate = nn.Linear(h, e, bias=False)
+        self.up = nn.ModuleList(nn.Linear(h, i, bias=False) for _ in range(e))
+        self.down = nn.ModuleList(nn.Linear(i, h, bias=False) for _ in range(e))
+
+    def forward(self, x):
+        w, ids = self.gate(x).softmax(-1).topk(self.k, -1)
+        out, xin = torch.zeros_like(x), x.clone()
+        for e in range(self.e):
+            tok, slot = torch.where(ids == e)
+            xs = xin[tok].detach() if self.edit == "detach_odd" and e % 2 else xin[tok]
+            out.index_add_(0, tok, self.down[e](torch.relu(self.up[e](xs))) * w[tok, slot, None])
+            if self.edit == "input_edit":
+                xin[tok] = xin[tok] * 0.5
+        return out
+
+
+def test_refusal_names_the_op_on_the_rows():
+    """Was `unsupported_write` ("unsupported index_add_", fixed by the very spelling used) for detached rows,
+    and a second `overwrite_topk` record for an edit of the experts' input: one record, the row op named."""
+    for edit, op in (("detach_odd", "detach"), ("input_edit", "setitem")):
+        torch.manual_seed(0)
+        rep = moe_compile.explain(RowEdits(edit), make_input((32, 16)))
+        assert [r.code for r in rep.refused] == ["unsupported_row_op"], str(rep)
+        assert f"`{op}`" in rep.refused[0].reason, str(rep)
+
+
 def test_explain_nothing_to_do():
     rep = moe_compile.explain(nn.Linear(16, 16), make_input((3, 16)))
     assert rep.regions == () and "0 MoE region(s) rewritten, 0 refused" in str(rep)

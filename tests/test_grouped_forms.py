@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transformers.grouped_mm_fallback)
+import moe_compile
 from helpers import DENSE_BF16_GRAD_REL, DENSE_BF16_REL, Router, check_compiled, make_input
 
 
@@ -43,11 +44,14 @@ class SortedMoE(nn.Module):
     """sort -> gather -> grouped_mm -> unsort, in several spellings.
 
     counts: histc | one_hot;  combine: inv (inv[perm] = arange) | argsort | index_add | scatter_add;
-    weigh: "sorted" (before unsort) | "view" (on the [T, K, H] view, only with inv/argsort)."""
+    weigh: "sorted" (before unsort) | "view" (on the [T, K, H] view, only with inv/argsort);
+    key: what is sorted: "ids" (flattened token-major) | "times2" (ids * 2: the same order) | "kmajor"
+    (``ids.t().reshape(-1)``, slot-major, while rows are still gathered with perm // K)."""
 
     def __init__(self, h=16, i=16, e=4, k=2, router="softmax_topk", routing="random", bias=False,
-                 counts="histc", combine="inv", weigh="sorted", sort="sort", sentinel=False):
+                 counts="histc", combine="inv", weigh="sorted", sort="sort", sentinel=False, key="ids"):
         super().__init__()
+        self.key = key
         self.h, self.e, self.k, self.counts, self.combine, self.weigh, self.sort = h, e, k, counts, combine, weigh, sort
         self.sentinel = sentinel  # transformers <= 5.17 (the GPU image) masks EP sentinels unconditionally
         self.router = Router(h, e, k, router, routing)
@@ -60,7 +64,10 @@ class SortedMoE(nn.Module):
         w, ids = self.router(x)
         k = ids.shape[-1] if ids.dim() == 2 else 1
         flat, fw = ids.reshape(-1), w.reshape(-1)
-        if self.sort == "sort":
+        if self.key != "ids":
+            _, perm = torch.sort(flat * 2 if self.key == "times2" else ids.t().reshape(-1))
+            ids_g = flat[perm]
+        elif self.sort == "sort":
             ids_g, perm = torch.sort(flat)
         else:
             perm = torch.argsort(flat, stable=True)
@@ -107,11 +114,12 @@ class SortedMoE(nn.Module):
 
 
 class BatchedMoE(nn.Module):
-    """HF batched_mm: repeat_interleave tokens, gather per-pair weights W[ids], bmm, sum over top-k."""
+    """HF batched_mm: repeat_interleave tokens, gather per-pair weights W[ids], bmm, sum over top-k;
+    ``index=True`` spells the unsqueezes as indexing (``hs[..., None]``, ``a[:, None]``)."""
 
-    def __init__(self, h=16, i=12, e=4, k=2, router="softmax_topk", routing="random", bias=False):
+    def __init__(self, h=16, i=12, e=4, k=2, router="softmax_topk", routing="random", bias=False, index=False):
         super().__init__()
-        self.h, self.k = h, k
+        self.h, self.k, self.index = h, k, index
         self.router = Router(h, e, k, router, routing)
         self.experts = Experts3D(h, i, e, bias)
 
@@ -122,11 +130,12 @@ class BatchedMoE(nn.Module):
         w, ids = self.router(x)
         ex, flat = self.experts, ids.reshape(-1)
         hs = x.repeat_interleave(self.k, dim=0)
-        h = torch.bmm(ex.gate_up[flat], hs.unsqueeze(-1)).squeeze(-1)
+        h = torch.bmm(ex.gate_up[flat], hs[..., None] if self.index else hs.unsqueeze(-1)).squeeze(-1)
         if ex.gate_up_b is not None:
             h.add_(ex.gate_up_b[flat])
         g, u = h.chunk(2, dim=-1)
-        h = torch.bmm((F.silu(g) * u).unsqueeze(1), ex.down[flat].transpose(1, 2)).squeeze(1)
+        a = F.silu(g) * u
+        h = torch.bmm(a[:, None] if self.index else a.unsqueeze(1), ex.down[flat].transpose(1, 2)).squeeze(1)
         if ex.down_b is not None:
             h.add_(ex.down_b[flat])
         h = h * w.reshape(-1).unsqueeze(-1)
@@ -137,11 +146,13 @@ class DenseMoE(nn.Module):
     """Every token through every expert (bmm on 3-D weights), combined by a [T, E] routing matrix:
     sparse top-k (zeros.scatter(1, ids, w)), or ``soft`` (a full softmax: must be refused), or
     ``sampled`` (ids drawn with replacement: a row may name an expert twice, and scatter keeps one of
-    the two weights, so a routed rewrite that adds both would be wrong: must be refused)."""
+    the two weights, so a routed rewrite that adds both would be wrong: must be refused); ``matrix``
+    spells the sparse one another way: "scatter_add", "renorm" (divided by its row sums after the scatter)."""
 
-    def __init__(self, h=16, i=12, e=4, k=2, router="softmax_topk", routing="random", soft=False, sampled=False):
+    def __init__(self, h=16, i=12, e=4, k=2, router="softmax_topk", routing="random", soft=False, sampled=False,
+                 matrix="scatter"):
         super().__init__()
-        self.h, self.e, self.soft, self.sampled = h, e, soft, sampled
+        self.h, self.e, self.soft, self.sampled, self.matrix = h, e, soft, sampled, matrix
         self.router = Router(h, e, k, router, routing)
         self.experts = Experts3D(h, i, e)
 
@@ -155,9 +166,14 @@ class DenseMoE(nn.Module):
             probs = F.softmax(self.router.proj(x), dim=-1)
             ids = torch.multinomial(probs, 2, replacement=True)
             routing = torch.zeros(t, self.e, dtype=x.dtype).scatter(1, ids, probs.gather(1, ids))
+        elif self.matrix == "scatter_add":
+            w, ids = self.router(x)
+            routing = torch.zeros(t, self.e, dtype=x.dtype).scatter_add(1, ids, w.to(x.dtype))
         else:
             w, ids = self.router(x)
             routing = torch.zeros(t, self.e, dtype=x.dtype).scatter(1, ids, w.to(x.dtype))
+            if self.matrix == "renorm":
+                routing = routing / routing.sum(-1, keepdim=True)
         xe = x.unsqueeze(0).expand(self.e, t, self.h)
         h = torch.bmm(xe, self.experts.gate_up.transpose(1, 2))
         g, u = h.chunk(2, dim=-1)
@@ -189,6 +205,15 @@ def test_sorted_spellings(kw):
     _run(SortedMoE, **kw)
 
 
+@pytest.mark.parametrize("key, how", [("times2", "a value computed from the ids (`mul`)"),
+                                      ("kmajor", "the ids transposed (K-major")])
+def test_sorted_by_a_key_that_is_not_the_ids_is_refused_with_that_reason(key, how):
+    """Was "the router has top_k 1" (ids * 2) or "top_k 16" (K-major): the sort key is named instead."""
+    _run(SortedMoE, expect=0, refused=1, key=key)
+    rep = moe_compile.explain(SortedMoE(key=key), make_input((2, 8, 16)))
+    assert [r.code for r in rep.refused] == ["sort_key"] and how in rep.refused[0].reason, str(rep)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("routing", ["empty", "hot"])
 def test_sorted_routing_and_dtype(dtype, routing):
@@ -208,6 +233,11 @@ def test_batched(dtype, bias):
          grad_rel=DENSE_BF16_GRAD_REL if low else None)
 
 
+def test_batched_unsqueeze_spelled_as_index():
+    """``x[..., None]`` / ``x[:, None]`` for the unsqueezes: was moe_unmatched, now rewritten."""
+    _run(BatchedMoE, index=True, bias=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("routing", ["random", "hot"])
 def test_dense(dtype, routing):
@@ -224,6 +254,15 @@ def test_dense_soft_moe_is_refused_with_reason():
     _run(DenseMoE, expect=0, refused=1, soft=True)
     rep = explain(model, make_input((2, 8, 16)))
     assert len(rep.refused) == 1 and "soft MoE" in rep.refused[0].reason, str(rep)
+
+
+@pytest.mark.parametrize("matrix", ["scatter_add", "renorm"])
+def test_dense_with_another_top_k_routing_matrix_is_refused_with_that_reason(matrix):
+    """Was "soft MoE: every expert contributes to every token": the matrix comes from the top-k ids."""
+    _run(DenseMoE, expect=0, refused=1, matrix=matrix)
+    rep = moe_compile.explain(DenseMoE(matrix=matrix), make_input((2, 8, 16)))
+    assert [r.code for r in rep.refused] == ["routing_matrix_form"], str(rep)
+    assert "soft MoE" not in rep.refused[0].reason and "zeros(T, E).scatter(1, ids, w)" in rep.refused[0].fix
 
 
 def test_dense_with_ids_that_may_repeat_is_refused():
