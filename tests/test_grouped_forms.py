@@ -208,9 +208,11 @@ def test_sorted_spellings(kw):
 @pytest.mark.parametrize("key, how", [("times2", "a value computed from the ids (`mul`)"),
                                       ("kmajor", "the ids transposed (K-major")])
 def test_sorted_by_a_key_that_is_not_the_ids_is_refused_with_that_reason(key, how):
-    """Was "the router has top_k 1" (ids * 2) or "top_k 16" (K-major): the sort key is named instead."""
-    _run(SortedMoE, expect=0, refused=1, key=key)
-    rep = moe_compile.explain(SortedMoE(key=key), make_input((2, 8, 16)))
+    """Was "the router has top_k 1" (ids * 2) or "top_k 16" (K-major): the sort key is named instead.
+    bf16 (F.grouped_mm): the unrewritten fp32 graph needs transformers' fallback op, whose backward
+    does not compile on every torch / transformers pair (torch 2.11 with transformers 5.17)."""
+    _run(SortedMoE, torch.bfloat16, expect=0, refused=1, key=key)
+    rep = moe_compile.explain(SortedMoE(key=key).to(torch.bfloat16), make_input((2, 8, 16), torch.bfloat16))
     assert [r.code for r in rep.refused] == ["sort_key"] and how in rep.refused[0].reason, str(rep)
 
 
