@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .normalize import canon, source_name
+from .normalize import canon, source_name, val
 
 MATMULS = {"linear", "matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum", "_grouped_mm", "grouped_mm",
            "transformers::grouped_mm_fallback", "moe_compile::grouped_mm", "moe_compile::grouped_mm_list",
@@ -88,7 +88,8 @@ def router_params(router: fx.Node, params: set) -> set[fx.Node]:
 
 def beside_router(graph: fx.Graph, router: fx.Node, params: set) -> set[fx.Node]:
     blocked = {router, *gates(router, params)}
-    todo = [n for n in graph.nodes if n.op == "placeholder" and n not in params and "_buffers" not in source_name(n)]
+    todo = [n for n in graph.nodes if n.op == "placeholder" and n not in params and "_buffers" not in source_name(n)
+            and isinstance(val(n), torch.Tensor)]    # not the sizes of dynamic shapes
     seen: set[fx.Node] = set()
     while todo:
         n = todo.pop()
