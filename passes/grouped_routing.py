@@ -38,15 +38,13 @@ def sort_ids(f, n, op, a0, r0, rk):
         g = f.group("sorted", n)
         g.flat, g.ids, g.k = a0, r0.info, (val(r0.info).shape[-1] if val(r0.info).dim() == 2 else 1)
         f.set(n, "sort" if op == "sort" else "perm", g)
-        how = _not_the_ids(r0.info)
-        if how:
-            g.note("sort_key", n, node=a0.name, how=how)
         return DONE
 
 
 def _not_the_ids(ids: fx.Node) -> str:
-    """Why the sorted values are not a router's ids flattened token-major ('' when they are, or when no
-    router is in sight): computed from them (``ids * 2``), or a transposed view (K-major)."""
+    """Why the sorted values, whose rows are gathered with a divisor other than their top_k, are not a
+    router's ids flattened token-major ('' when no router is in sight): computed from them (``ids * 2``,
+    which the group takes for top-1 ids), or a transposed view (K-major: the group reads T as top_k)."""
     if router_root(ids) is not None:
         return ""
     n, hops = ids, 0
@@ -81,9 +79,13 @@ def sorted_by_perm(f, n, op, a0, r0, rk):
 def token_of_row(f, n, op, a0, r0, rk):
     """perm // K."""
     if op == "floordiv" or n.kwargs.get("rounding_mode") == "floor":
-        if n.args[1] != r0.g.k and not any(x.code == "sort_key" for x in r0.g.findings):
+        if n.args[1] != r0.g.k:
             r0.g.findings[:] = []
-            r0.g.note("topk_mismatch", n, what=f"rows are gathered with perm // {n.args[1]}", k=r0.g.k)
+            how = _not_the_ids(r0.g.ids)
+            if how:
+                r0.g.note("sort_key", n, node=r0.g.flat.name, how=how)
+            else:
+                r0.g.note("topk_mismatch", n, what=f"rows are gathered with perm // {n.args[1]}", k=r0.g.k)
         f.set(n, "tok", r0.g)
         return DONE
 

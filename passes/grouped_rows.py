@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from .expert_ids import router_root
 from .grouped_combine import combine_add, row_weights, unsort
 from .grouped_state import CASTS, DONE, FRESH, as_int, is_last_dim, shared_ok
 from .loop_dataflow import ROWWISE_BINARY, ROWWISE_UNARY
@@ -161,9 +162,34 @@ def weights_mul(f, g, n, op, rows_in):
     if ro is not None and ro.kind == "routing":
         return g.note("routing_matrix_layout")
     if g.family == "dense" and isinstance(other, fx.Node) and not shared_ok(other):
-        if any(canon(a) in ("topk", "argmax") or canon(a) == "max" and len(a.args) > 1 for a in ancestors([other])):
+        if _top_k_matrix(ancestors([other])):
             return g.note("routing_matrix_form", other, node=other.name)   # top-k ids, another spelling
         return g.note("soft_moe", other, node=other.name)
+
+
+_PLACES = {"scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_", "one_hot",
+           "index_put", "index_put_", "setitem"}
+
+
+_COMPARES = {"ge", "gt", "le", "lt", "eq", "ne"}
+_SELECTS = {"topk", "kthvalue", "sort", "argsort", "argmax"}
+
+
+def _top_k_matrix(nodes: set[fx.Node]) -> bool:
+    """A routing matrix computed from ``nodes`` keeps some experts of each token: values put at a
+    router's ids (``scatter(1, ids, w)``, ``one_hot(ids)``, ``m[.., ids] = w``), or a mask that compares
+    with a selection (``scores >= scores.topk(k).values[:, -1:]``). A ``max`` used to shift the logits of a
+    softmax (``z - z.max(-1, keepdim=True).values``) selects nothing: that matrix is soft."""
+    if any(_places_ids(n) for n in nodes):
+        return True
+    picks = {n for n in nodes if canon(n) in _SELECTS or canon(n) == "max" and len(n.args) > 1}
+    return bool(picks) and any(canon(n) in _COMPARES and ancestors([n]) & picks for n in nodes)
+
+
+def _places_ids(n: fx.Node) -> bool:
+    """``n`` puts values at a router's expert ids: ``scatter(1, ids, w)``, ``one_hot(ids)``, ``m[.., ids] = w``."""
+    return canon(n) in _PLACES and any(router_root(a) is not None for a in n.all_input_nodes
+                                       if isinstance(a, fx.Node))
 
 
 def cast_after_weights(f, g, n, op, rows_in):

@@ -102,9 +102,16 @@ def combine(a, n: fx.Node, op: str, r0):
         return _add(a, s, n, c, inplace=True)
     if top1:
         return a.refuse_write(s, n, "overwrite_then_add", c, acc=s.alloc.name)
-    if c is not None and c.rows.x not in (s.alloc, *s.aliases):   # not the experts' own input edited in
-        return a.refuse_write(s, n, "overwrite_topk", c)             # the loop (its row-op finding says so)
+    if c is not None and not _edits_expert_input(a, s, c):
+        return a.refuse_write(s, n, "overwrite_topk", c)
     return STOP
+
+
+def _edits_expert_input(a, s: Storage, c: Contrib) -> bool:
+    """``xin[tok] = f(xin[tok])`` while the experts add their outputs into another tensor: an edit of
+    the experts' input (its row-op finding is the reason), not an expert output that overwrites."""
+    return c.rows.x in (s.alloc, *s.aliases) and any(
+        t is not s and any(d.rows.x is c.rows.x for d in t.contribs.values()) for t in a.storages)
 
 
 def _unsupported(a, s: Storage, n: fx.Node, c, ri, op: str):

@@ -10,7 +10,7 @@ Before (transformers' DogeCDMoE, product-key retrieval experts)::
 Each expert is a single vector: the layer is already one gathered batched product with static shapes
 and no host sync, and a grouped GEMM of width 1 per expert would only be slower. It is not rewritten,
 and not silently: every such layer becomes a refused candidate with reason ``retrieval_experts``.
-Rows that meet nothing of the token but the router's own scores (``softmax(top-k scores) * values(ids)``:
+Rows that meet nothing of the token but the routing (``softmax(top-k scores) * values(ids)``:
 a memory layer, a kNN read; ``passes/token_paths.py``) are retrieval, not experts, and not reported.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from .normalize import _clean_module_path, canon, shape, val, where_in_user_code
 from .region import Candidate, Finding
-from .token_paths import beside_router, graph_params
+from .token_paths import graph_params, token_values
 
 _INT_VIEWS = {"getitem", "gather", "view", "reshape", "add", "mul", "unsqueeze", "flatten", "to", "long", "int",
               "contiguous", "clone"}
@@ -51,7 +51,7 @@ def _parent_module(n: fx.Node) -> str:
 
 def find_retrieval_regions(gm: fx.GraphModule) -> list[Candidate]:
     found: dict[str, Candidate] = {}
-    params = None
+    tokens = None
     for n in gm.graph.nodes:
         if canon(n) != "embedding" or len(n.args) < 2:
             continue
@@ -60,9 +60,8 @@ def find_retrieval_regions(gm: fx.GraphModule) -> list[Candidate]:
         users = [u for u in n.users if canon(u) in ("matmul", "bmm", "mul", "einsum")]
         if router is None or not users:
             continue
-        params = graph_params(gm, None) if params is None else params
-        beside = beside_router(gm.graph, router, params)
-        if not any(a is not n and a in beside for u in users for a in u.all_input_nodes):
+        tokens = token_values(gm.graph, graph_params(gm, None)) if tokens is None else tokens
+        if not any(a is not n and a in tokens for u in users for a in u.all_input_nodes):
             continue   # rows that meet only the router's scores: a memory / kNN read, not experts
         module = _parent_module(n)
         if module in found:

@@ -3,8 +3,9 @@
 Graph before and after: unchanged. An expert computes on the token: its weight meets the token's
 hidden state. Code that only resembles routing does not:
 
-* retrieval (a kNN vote over a Parameter table, a memory layer): values gathered by the top-k ids
-  are averaged with the top-k scores, and nothing but the router's output meets them;
+* retrieval (a kNN vote over a Parameter table, a memory layer, a product-key memory): values
+  gathered by the top-k ids are averaged with weights from the scores, and nothing but the
+  routing meets them;
 * a classifier's own weight reused after its argmax (a class activation map ``fc.weight[c]``, the
   rows a prediction selects fed back through the same Linear): the "experts" are the router.
 
@@ -17,16 +18,19 @@ hidden state. Code that only resembles routing does not:
     linear, ``q @ keys.T``), walked back from the scores through the ops between; the hidden
     state a gate reads is not walked.
 ``router_params(router, params)``
-    the Parameters those gates read.
-``beside_router(graph, router, params)``
-    the values computed from the graph's other inputs (activations, not Parameters or buffers) by
-    a path through neither the router nor its gates: what carries the tokens themselves.
+    the Parameter of the router's gate when it has exactly one (a router that reads several
+    Linears, e.g. each expert's own, scores experts, as in autonomy-of-experts routing: none).
+``token_values(graph, params)``
+    the values computed from the graph's tensor inputs (activations, not Parameters or buffers)
+    by a path through no router and no router's scores (a projection that feeds both the scores and
+    the experts still carries the tokens): what carries the tokens themselves.
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 
+from .expert_ids import routers
 from .normalize import canon, source_name, val
 
 MATMULS = {"linear", "matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum", "_grouped_mm", "grouped_mm",
@@ -83,11 +87,18 @@ def gates(router: fx.Node, params: set) -> list[fx.Node]:
 
 
 def router_params(router: fx.Node, params: set) -> set[fx.Node]:
-    return {p for g in gates(router, params) for a in g.all_input_nodes if (p := param_of(a, params)) is not None}
+    found = gates(router, params)
+    if len(found) != 1:
+        return set()
+    return {p for a in found[0].all_input_nodes if (p := param_of(a, params)) is not None}
 
 
-def beside_router(graph: fx.Graph, router: fx.Node, params: set) -> set[fx.Node]:
-    blocked = {router, *gates(router, params)}
+def token_values(graph: fx.Graph, params: set) -> set[fx.Node]:
+    blocked = set()
+    for router, *_ in routers(graph):
+        blocked.add(router)
+        if router.args and isinstance(router.args[0], fx.Node):
+            blocked.add(router.args[0])          # the scores: weights taken from them are routing too
     todo = [n for n in graph.nodes if n.op == "placeholder" and n not in params and "_buffers" not in source_name(n)
             and isinstance(val(n), torch.Tensor)]    # not the sizes of dynamic shapes
     seen: set[fx.Node] = set()

@@ -49,11 +49,12 @@ import torch.fx as fx
 from .expert_ids import ID_VIEWS, OTHER_ROUTERS, router_kind, router_root, routers as _routers
 from .moe_source import Frame, declares_experts_implementation, enclosing_class, in_moe_code  # noqa: F401
 from .normalize import canon, common_module, module_path, source_name, val, where_in_user_code
-from .token_paths import MATMULS, beside_router, graph_params, param_of, router_params
+from .token_paths import MATMULS, graph_params, param_of, router_params, token_values
 from .writes import written
 
-_QUANTISED = {torch.int8, torch.uint8, *(getattr(torch, f"float8_{k}") for k in ("e4m3fn", "e5m2")
-                                         if hasattr(torch, f"float8_{k}"))}
+# frozen quantised expert weights (int4 packed into int32, as GPTQ / AWQ store them); not int64 (index tables)
+_QUANTISED = {torch.int8, torch.uint8, torch.int16, torch.int32,
+              *(getattr(torch, f"float8_{k}") for k in ("e4m3fn", "e5m2") if hasattr(torch, f"float8_{k}"))}
 _SELECTIONS = {"eq", "one_hot", "nonzero", "argwhere"}
 _GATHERS = {"getitem", "index_select", "embedding", "take", "gather", "F.embedding"}
 
@@ -90,7 +91,8 @@ def _weights(gm: fx.GraphModule, params: set) -> set[fx.Node]:
     candidates for stacked expert weights [E, ...] (3+ dims, dim 0 = the router's E). Not for 2-D
     weights (a normalised prototype table gathered by top-k ids is retrieval, not MoE), and a buffer
     alone is not a weight (a KV cache or a retrieval database laid out [N, ...] is not experts) unless
-    it holds quantised values (int8 / uint8 / float8: frozen quantised experts, dequantised in the forward)."""
+    it holds quantised values (int8 / uint8 / int16 / int32 / float8: frozen quantised experts, dequantised in
+    the forward)."""
     buffers = {n for n in gm.graph.nodes if n.op == "placeholder" and "_buffers" in source_name(n)}
     quantised = {n for n in buffers if isinstance(v := val(n), torch.Tensor) and v.dtype in _QUANTISED}
     out, beside = set(params) | quantised, buffers - quantised
@@ -150,7 +152,7 @@ def _near_stacked(n: fx.Node, weights: set, e: int, hops: int = 4) -> bool:
     return False
 
 
-def _evidence(router: fx.Node, reach: set, params: set, weights: set, e: int, skip: set, order: dict
+def _evidence(router: fx.Node, reach: set, params: set, weights: set, e: int, skip: set, order: dict, tokens: list
               ) -> list[tuple[str, fx.Node]]:
     """(kind, node) of the expert compute that the router's selection reaches, in its MoE block
     (``params``: the graph's Parameters; ``weights``: ``_weights``)."""
@@ -158,7 +160,6 @@ def _evidence(router: fx.Node, reach: set, params: set, weights: set, e: int, sk
     selected = _reach([n for n in reach if (canon(n) or "") in _SELECTIONS
                        or (canon(n) == "where" and len(n.args) == 1)])
     own = router_params(router, params)     # a classifier's weight reused after its argmax is not an expert
-    beside: list[set] = []                  # the values that carry the tokens past the router, when needed
     found = []
     for n in sorted(reach, key=order.__getitem__):
         if n in skip or not _local(rmod, module_path(n)):
@@ -176,10 +177,10 @@ def _evidence(router: fx.Node, reach: set, params: set, weights: set, e: int, sk
             srcs = [p for a in n.all_input_nodes if a not in reach and (p := param_of(a, params)) is not None
                     and (len(_dims(p)) >= 3 or len(_dims(p)) == 2 and p not in own)]
             users = [u for u in n.users if (canon(u) or "") in MATMULS | {"mul", "einsum"}]
-            if srcs and users and not beside:
-                beside.append(beside_router(n.graph, router, params))
-            # the gathered rows meet the token itself, not only the router's scores (a kNN / memory read)
-            if srcs and any(a is not n and a in beside[0] for u in users for a in u.all_input_nodes):
+            if srcs and users and not tokens:
+                tokens.append(token_values(n.graph, params))
+            # the gathered rows meet the token itself, not only the routing (a kNN / memory read)
+            if srcs and any(a is not n and a in tokens[0] for u in users for a in u.all_input_nodes):
                 found.append(("gathered", n))
                 continue
         if op in ("mul", "einsum", "bmm", "matmul"):
@@ -204,6 +205,7 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
     params = graph_params(gm, example_inputs)
     weights = _weights(gm, params)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    tokens: list[set] = []   # token_values(gm.graph, params), computed when first needed
     claimed_roots, claimed_nodes, claimed_modules = set(), set(), []
     for c in candidates:
         region = getattr(c, "region", None)
@@ -220,7 +222,7 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
         reach = _reach(ids)
         if any(r in reach for r in claimed_roots):
             continue  # a sub-selection of a claimed router (e.g. group-limited top-k)
-        found = _evidence(router, reach, params, weights, e, claimed_nodes, order)
+        found = _evidence(router, reach, params, weights, e, claimed_nodes, order, tokens)
         if canon(router) in OTHER_ROUTERS:   # drawn ids: only expert compute per expert counts (not an
             found = [(kd, n) for kd, n in found if kd in ("selected", "stacked")]   # embedding of samples)
         if not found:
@@ -250,8 +252,9 @@ def _same_block(a: str, b: str) -> bool:
 
 
 def escaping_routers(gm: fx.GraphModule) -> list[fx.Node]:
-    """Top-k routers whose ids reach the graph's output through views: the routing leaves the graph
-    (drawn ids, ``OTHER_ROUTERS``, leave graphs in sampling code too: not evidence of MoE code)."""
+    """Top-k routers whose ids reach the graph's output through views, or as per-expert masks
+    (``one_hot(ids)``, ``ids[..., None] == arange(E)``): the routing leaves the graph (drawn ids,
+    ``OTHER_ROUTERS``, leave graphs in sampling code too: not evidence of MoE code)."""
     out_nodes = set(gm.graph.find_nodes(op="output"))
     found = []
     for router, ids, _e, _k in _routers(gm.graph):
@@ -266,8 +269,20 @@ def escaping_routers(gm: fx.GraphModule) -> list[fx.Node]:
             if any(u in out_nodes for u in n.users):
                 found.append(router)
                 break
-            stack.extend(u for u in n.users if (canon(u) or "") in ID_VIEWS)
+            stack.extend(u for u in n.users if (canon(u) or "") in ID_VIEWS | {"bool"} or _expert_mask(u, n))
     return found
+
+
+def _expert_mask(n: fx.Node, ids: fx.Node) -> bool:
+    """``one_hot(ids)``, or ``ids`` compared with expert numbers (``== arange(E)``, ``== e``): not with
+    another tensor of the data (labels), which is a metric."""
+    op = canon(n) or ""
+    if op == "one_hot":
+        return True
+    if op != "eq":
+        return False
+    other = [a for a in n.args[:2] if a is not ids]
+    return bool(other) and (isinstance(other[0], int) or isinstance(other[0], fx.Node) and canon(other[0]) == "arange")
 
 
 # ------------------------------------------------------------------------------------ graph breaks

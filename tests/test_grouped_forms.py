@@ -45,8 +45,9 @@ class SortedMoE(nn.Module):
 
     counts: histc | one_hot;  combine: inv (inv[perm] = arange) | argsort | index_add | scatter_add;
     weigh: "sorted" (before unsort) | "view" (on the [T, K, H] view, only with inv/argsort);
-    key: what is sorted: "ids" (flattened token-major) | "times2" (ids * 2: the same order) | "kmajor"
-    (``ids.t().reshape(-1)``, slot-major, while rows are still gathered with perm // K)."""
+    key: what is sorted: "ids" (flattened token-major) | "stacked" (the same ids rebuilt by a stack) |
+    "times2" (ids * 2: the same order) | "kmajor" (``ids.t().reshape(-1)``, slot-major, while rows are
+    still gathered with perm // K)."""
 
     def __init__(self, h=16, i=16, e=4, k=2, router="softmax_topk", routing="random", bias=False,
                  counts="histc", combine="inv", weigh="sorted", sort="sort", sentinel=False, key="ids"):
@@ -64,7 +65,9 @@ class SortedMoE(nn.Module):
         w, ids = self.router(x)
         k = ids.shape[-1] if ids.dim() == 2 else 1
         flat, fw = ids.reshape(-1), w.reshape(-1)
-        if self.key != "ids":
+        if self.key == "stacked":   # the same ids, rebuilt (PhiMoE's sparsemixer cats two argmaxes)
+            flat = torch.stack([ids[:, j] for j in range(k)], -1).reshape(-1)
+        if self.key in ("times2", "kmajor"):
             _, perm = torch.sort(flat * 2 if self.key == "times2" else ids.t().reshape(-1))
             ids_g = flat[perm]
         elif self.sort == "sort":
@@ -147,7 +150,9 @@ class DenseMoE(nn.Module):
     sparse top-k (zeros.scatter(1, ids, w)), or ``soft`` (a full softmax: must be refused), or
     ``sampled`` (ids drawn with replacement: a row may name an expert twice, and scatter keeps one of
     the two weights, so a routed rewrite that adds both would be wrong: must be refused); ``matrix``
-    spells the sparse one another way: "scatter_add", "renorm" (divided by its row sums after the scatter)."""
+    spells the sparse one another way: "scatter_add", "renorm" (divided by its row sums after the scatter),
+    "threshold" (the softmax where the scores reach the k-th largest), or is soft another way:
+    "shifted_softmax" (exp(z - max z) / sum: a max that selects nothing)."""
 
     def __init__(self, h=16, i=12, e=4, k=2, router="softmax_topk", routing="random", soft=False, sampled=False,
                  matrix="scatter"):
@@ -166,6 +171,13 @@ class DenseMoE(nn.Module):
             probs = F.softmax(self.router.proj(x), dim=-1)
             ids = torch.multinomial(probs, 2, replacement=True)
             routing = torch.zeros(t, self.e, dtype=x.dtype).scatter(1, ids, probs.gather(1, ids))
+        elif self.matrix in ("threshold", "shifted_softmax"):
+            z = self.router.proj(x)
+            if self.matrix == "threshold":
+                routing = torch.where(z >= z.topk(2, -1).values[:, -1:], F.softmax(z, -1), 0.0).to(x.dtype)
+            else:
+                z = (z - z.max(-1, keepdim=True).values).exp()
+                routing = (z / z.sum(-1, keepdim=True)).to(x.dtype)
         elif self.matrix == "scatter_add":
             w, ids = self.router(x)
             routing = torch.zeros(t, self.e, dtype=x.dtype).scatter_add(1, ids, w.to(x.dtype))
@@ -197,6 +209,7 @@ SORTED_SPELLINGS = [
     dict(bias=True),                                           # GPT-OSS-style per-expert biases
     dict(sentinel=True),                                       # transformers 5.17: EP sentinel masks
     dict(sentinel=True, bias=True),
+    dict(key="stacked"),                                       # ids rebuilt from their columns (PhiMoE)
 ]
 
 
@@ -258,13 +271,21 @@ def test_dense_soft_moe_is_refused_with_reason():
     assert len(rep.refused) == 1 and "soft MoE" in rep.refused[0].reason, str(rep)
 
 
-@pytest.mark.parametrize("matrix", ["scatter_add", "renorm"])
+@pytest.mark.parametrize("matrix", ["scatter_add", "renorm", "threshold"])
 def test_dense_with_another_top_k_routing_matrix_is_refused_with_that_reason(matrix):
     """Was "soft MoE: every expert contributes to every token": the matrix comes from the top-k ids."""
     _run(DenseMoE, expect=0, refused=1, matrix=matrix)
     rep = moe_compile.explain(DenseMoE(matrix=matrix), make_input((2, 8, 16)))
     assert [r.code for r in rep.refused] == ["routing_matrix_form"], str(rep)
     assert "soft MoE" not in rep.refused[0].reason and "zeros(T, E).scatter(1, ids, w)" in rep.refused[0].fix
+
+
+def test_dense_soft_matrix_with_a_max_is_soft_moe():
+    """A softmax written out (exp(z - max z)) is soft: its max selects no expert. Was reported as a top-k
+    routing matrix in another spelling."""
+    _run(DenseMoE, expect=0, refused=1, matrix="shifted_softmax")
+    rep = moe_compile.explain(DenseMoE(matrix="shifted_softmax"), make_input((2, 8, 16)))
+    assert [r.code for r in rep.refused] == ["soft_moe"], str(rep)
 
 
 def test_dense_with_ids_that_may_repeat_is_refused():

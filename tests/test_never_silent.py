@@ -108,14 +108,20 @@ class DerivedWeightsMoE(nn.Module):
         self.a1, self.b1 = nn.Parameter(torch.randn(e, h, 2) / 4), nn.Parameter(torch.zeros(e, 2, i))
         self.register_buffer("t1", torch.full((e, 1, i), 0.01))     # frozen scales of frozen int8 experts
         self.register_buffer("t2", torch.full((e, 1, h), 0.01))
+        self.register_buffer("p1", torch.randint(0, 2 ** 31 - 1, (e, h, i // 8), dtype=torch.int32))  # int4 x 8
+        self.register_buffer("p2", torch.randint(0, 2 ** 31 - 1, (e, i, h // 8), dtype=torch.int32))  # per int32
 
     def forward(self, x):
         w, ids = self.gate(x).softmax(-1).topk(self.k, dim=-1)
-        if self.form in ("buffer_mask", "int8", "int8_buffers", "lora"):
+        if self.form in ("buffer_mask", "int8", "int8_buffers", "int4_in_int32", "lora"):
             if self.form == "lora":           # per-expert low-rank updates merged into the weights
                 w1, w2 = self.w1 + self.a1 @ self.b1, self.w2 / self.w2.norm(dim=(1, 2), keepdim=True)
             elif self.form == "buffer_mask":
                 w1, w2 = self.w1 * self.mask, self.w2 * self.mask.transpose(1, 2)
+            elif self.form == "int4_in_int32":   # GPTQ / AWQ-style packing, frozen scales
+                shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+                w1 = ((self.p1[..., None] >> shifts) & 0xF).flatten(-2).float() * self.t1
+                w2 = ((self.p2[..., None] >> shifts) & 0xF).flatten(-2).float() * self.t2
             elif self.form == "int8_buffers":
                 w1, w2 = self.q1.float() * self.t1, self.q2.float() * self.t2   # nothing learned: buffers only
             else:
@@ -137,11 +143,12 @@ class DerivedWeightsMoE(nn.Module):
         return out
 
 
-@pytest.mark.parametrize("form", ["einsum", "masked_loop", "buffer_mask", "int8", "int8_buffers", "lora"])
+@pytest.mark.parametrize("form", ["einsum", "masked_loop", "buffer_mask", "int8", "int8_buffers", "int4_in_int32",
+                                  "lora"])
 def test_unclaimed_moe_with_derived_expert_weights_is_listed(form):
     """Was silent: the scan followed expert weights through views only (now through anything computed
     from Parameters, buffers and constants beside them: a masked or int8-dequantised expert weight;
-    and from quantised buffers alone: int8 experts with frozen scales)."""
+    and from quantised buffers alone: int8 experts, or int4 packed in int32, with frozen scales)."""
     rep = moe_compile.explain(DerivedWeightsMoE(form), make_input((6, 16)))
     assert [r.code for r in rep.refused] == ["moe_unmatched"] and not rep.rewritten, str(rep)
     assert "top-2 router over 4 experts" in rep.refused[0].reason, str(rep)
@@ -154,24 +161,64 @@ class _VectorExperts(nn.Module):
 
     def __init__(self, weights_from="topk", h=16, e=12, k=3):
         super().__init__()
-        self.weights_from, self.k = weights_from, k
-        self.gate = nn.Linear(h, e, bias=False)
+        self.weights_from, self.k, self.e = weights_from, k, e
+        self.gate = nn.Linear(h, e + h if weights_from == "shared_projection" else e, bias=False)
         self.down, self.up = nn.Parameter(torch.randn(e, h) / 4), nn.Parameter(torch.randn(e, h) / 4)
 
     def forward(self, x):
         scores = self.gate(x)
+        if self.weights_from == "shared_projection":   # the router's logits and the experts' input: one matmul
+            scores, x = scores[:, :self.e], scores[:, self.e:]
         w, ids = scores.topk(self.k, -1)
         w = w.softmax(-1) if self.weights_from == "topk" else scores.softmax(-1).gather(-1, ids)
         h = F.gelu(torch.einsum("th,tkh->tk", x, self.down[ids])) * w
         return torch.einsum("tk,tkh->th", h, self.up[ids])
 
 
-@pytest.mark.parametrize("weights_from", ["topk", "scores"])
+@pytest.mark.parametrize("weights_from", ["topk", "scores", "shared_projection"])
 def test_vector_experts_that_meet_the_token_are_listed(weights_from):
-    """The token-path rule that drops kNN and memory reads keeps experts whose rows meet the token."""
+    """The token-path rule that drops kNN and memory reads keeps experts whose rows meet the token, also
+    when one projection gives both the router's logits and the experts' input."""
     rep = moe_compile.explain(_VectorExperts(weights_from), make_input((6, 16)))
     assert [r.code for r in rep.refused] == ["moe_unmatched"] and not rep.rewritten, str(rep)
     assert "expert weight rows gathered by the routed ids" in rep.refused[0].reason, str(rep)
+
+
+class _MaskThenBreak(nn.Module):
+    """Per-expert masks built from the router's ids, then a graph break, then the expert loop on the
+    masks: ``ids[..., None] == arange(E)`` and load statistics (``.tolist()``), or Switch's top-1
+    ``one_hot(argmax)`` and a ``print``. No name and no source line says MoE."""
+
+    def __init__(self, form, h=16, e=4):
+        super().__init__()
+        self.form, self.e = form, e
+        self.proj = nn.Linear(h, e)
+        self.ffn = nn.ModuleList(nn.Linear(h, h) for _ in range(e))
+        self.stats = None
+
+    def forward(self, x):
+        probs = self.proj(x).softmax(-1)
+        if self.form == "arange":
+            w, idx = probs.topk(2, -1)
+            sel = idx.unsqueeze(-1) == torch.arange(self.e)
+            self.stats = sel.sum((0, 1)).tolist()
+            masks = [(sel[:, :, e].any(-1), (w * sel[:, :, e]).sum(-1)) for e in range(self.e)]
+        else:
+            onehot = F.one_hot(probs.argmax(-1), self.e).bool()
+            print("dispatching")
+            masks = [(onehot[:, e], probs[:, e]) for e in range(self.e)]
+        out = torch.zeros_like(x)
+        for e, (rows, we) in enumerate(masks):
+            out[rows] += we[rows, None] * self.ffn[e](x[rows])
+        return out
+
+
+@pytest.mark.parametrize("form", ["arange", "one_hot"])
+def test_graph_break_after_per_expert_masks_is_listed(form, capsys):
+    """Was silent: the graph before the break ends with the router's per-expert masks, not its ids."""
+    torch.manual_seed(0)
+    rep = moe_compile.explain(_MaskThenBreak(form), make_input((8, 16)))
+    assert rep.graph_breaks and not rep.rewritten, str(rep)
 
 
 def test_must_not_match_is_not_flagged():
@@ -740,6 +787,24 @@ class _MemoryLayer(nn.Module):
         return x + (w.softmax(-1)[..., None] * self.values(i)).sum(-2)
 
 
+class _ProductKeyMemory(nn.Module):
+    """Lample et al.'s product-key memory: two sub-key top-ks, a top-k of their sums, values weighted by it."""
+
+    def __init__(self, n=4, k=2, d=8):
+        super().__init__()
+        self.n, self.k, self.q = n, k, nn.Linear(d, d)
+        self.k1, self.k2 = nn.Parameter(torch.randn(n, d // 2)), nn.Parameter(torch.randn(n, d // 2))
+        self.values = nn.Embedding(n * n, d)
+
+    def forward(self, x):
+        q1, q2 = self.q(x).chunk(2, -1)
+        s1, i1 = (q1 @ self.k1.t()).topk(self.k, -1)
+        s2, i2 = (q2 @ self.k2.t()).topk(self.k, -1)
+        w, j = (s1[:, :, None] + s2[:, None, :]).flatten(1).topk(self.k, -1)
+        ids = (i1[:, :, None] * self.n + i2[:, None, :]).flatten(1).gather(1, j)
+        return x + (w.softmax(-1)[..., None] * self.values(ids)).sum(1)
+
+
 def _select_correct(lin, x, y):
     keep = x[lin(x).argmax(-1) == y]                    # the rows a prediction got right, through the same Linear
     return lin(keep).sum()
@@ -764,7 +829,7 @@ def _recall_at_topk(logits, y):                         # named *topk*, syncs: a
 
 _NOT_MOE = ["accuracy", "sampler", "position_hash", "greedy_until_eos", "knn_vote", "proto_knn", "knn_memory",
             "topk_kv_cache", "per_class_recall", "param_knn", "memory_layer", "memory_layer_all_scores",
-            "select_correct", "class_activation_map", "topk_named_metric"]
+            "select_correct", "class_activation_map", "topk_named_metric", "product_key_memory"]
 
 
 @pytest.mark.parametrize("case", _NOT_MOE)
@@ -791,6 +856,7 @@ def test_code_that_is_not_moe_is_not_reported(case):
                 "memory_layer_all_scores": (_MemoryLayer(all_scores=True), (torch.randn(6, 8),)),
                 "select_correct": (_select_correct, (nn.Linear(8, 8), torch.randn(6, 8), torch.randint(0, 8, (6,)))),
                 "class_activation_map": (_ClassActivationMap(), (torch.randn(2, 3, 6, 6),)),
-                "topk_named_metric": (_recall_at_topk, (torch.randn(6, 5), torch.randint(0, 5, (6,))))}[case]
+                "topk_named_metric": (_recall_at_topk, (torch.randn(6, 5), torch.randint(0, 5, (6,)))),
+                "product_key_memory": (_ProductKeyMemory(), (torch.randn(6, 8),))}[case]
     rep = moe_compile.explain(fn, *args)
     assert not rep.refused and not rep.graph_breaks, str(rep)

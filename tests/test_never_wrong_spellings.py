@@ -121,11 +121,18 @@ class Stacked(nn.Module):
     def loop(self, x, how):
         w, ids = self.route(x)
         xin, out = x.clone(), torch.zeros_like(x)
+        if how == "reads_accumulator":     # out = x.clone(); out[tok] += w * expert(out[tok]): at top-k > 1 an
+            xin = out = x.clone()          # expert reads rows that earlier experts already added to
         for e in range(E):
             tok, k = torch.where(ids == e)
             h = xin[tok] @ self.gate_up[e]
             g, u = h.chunk(2, dim=-1)
-            out.index_add_(0, tok, (F.silu(g) * u) @ self.down[e] * w[tok, k, None])
+            y = (F.silu(g) * u) @ self.down[e] * w[tok, k, None]
+            if how == "overwrite_own_rows":   # xin[tok] = expert(xin[tok]): the second expert of a token
+                xin[tok] = y                  # overwrites the first's output, and reads it
+                out = xin
+                continue
+            out.index_add_(0, tok, y)
             if how == "input_written":
                 xin.mul_(0.9)              # expert e+1 reads the scaled input
             elif how == "input_written_T":
@@ -167,6 +174,8 @@ REFUSED = [
     ("loop:input_imul_dunder", "written_in_place"),
     ("dense:row_written_T", "written_in_place"),
     ("sorted:weights_written_data", "written_in_place"),
+    ("loop:reads_accumulator", "partial_read"),
+    ("loop:overwrite_own_rows", "overwrite_topk"),   # was refused, as moe_unmatched (no reason of its own)
 ]
 
 
