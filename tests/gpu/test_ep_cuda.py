@@ -33,7 +33,7 @@ def _rel(got, ref):
     return (got.double() - ref.double()).norm().item() / max(ref.double().norm().item(), 1e-12)
 
 
-def _body(rank, world, init_file, cudagraphs):
+def _body(rank, world, init_file, cudagraphs, chunks):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -48,7 +48,7 @@ def _body(rank, world, init_file, cudagraphs):
         torch.manual_seed(0)
         full = cases.LoopMoE(h=64, i=48, e=4 * world, k=2).cuda().to(torch.bfloat16)
         model = moe_compile.parallelize_experts(copy.deepcopy(full), mesh)
-        opts = {"moe.ep_overlap_chunks": 2, **({"triton.cudagraphs": True} if cudagraphs else {})}
+        opts = {"moe.ep_overlap_chunks": chunks, **({"triton.cudagraphs": True} if cudagraphs else {})}
         compiled = torch.compile(model, backend="moe", options=opts)
         gens = [torch.Generator(device="cuda").manual_seed(r) for r in range(world)]
         xs = [torch.randn(64, 64, device="cuda", dtype=torch.bfloat16, generator=g) for g in gens]
@@ -80,9 +80,10 @@ def _body(rank, world, init_file, cudagraphs):
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("chunks", [1, 2], ids=["chunks1", "chunks2"])   # 1: the default
 @pytest.mark.parametrize("cudagraphs", [False, True], ids=["inductor", "cudagraphs"])
-def test_ep2_step_sync_free_and_matches_unsharded(cudagraphs):
+def test_ep2_step_sync_free_and_matches_unsharded(cudagraphs, chunks):
     world = min(torch.cuda.device_count(), 2)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_body, args=(world, os.path.join(tmp, "store"), cudagraphs), nprocs=world,
+        mp.start_processes(_body, args=(world, os.path.join(tmp, "store"), cudagraphs, chunks), nprocs=world,
                            start_method="spawn")
