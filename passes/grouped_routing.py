@@ -70,9 +70,16 @@ def cast_keeps_kind(f, n, op, a0, r0, rk):
 
 
 def sorted_by_perm(f, n, op, a0, r0, rk):
-    """flat[perm]: the sorted ids."""
-    if f.r(n.args[1]) and f.r(n.args[1]).kind == "perm":
-        f.set(n, "sorted_ids", f.r(n.args[1]).g)
+    """flat[perm]: the sorted ids. The group's expert ids are the values it sorted, so ``flat`` must be
+    those (``(ids * 2).reshape(-1)`` sorted, then ``ids.reshape(-1)[perm]`` read as the sorted ids would
+    give the rewrite ids * 2 as expert ids while the offsets count ids)."""
+    rp = f.r(n.args[1])
+    if rp and rp.kind == "perm":
+        g = rp.g
+        if a0 is not g.flat and r0.info is not g.ids:
+            g.note("sort_key", n, node=g.flat.name,
+                   how=f"while `{a0.name}`, another tensor, is reordered by its permutation as the sorted ids")
+        f.set(n, "sorted_ids", g)
         return DONE
 
 

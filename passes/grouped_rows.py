@@ -21,6 +21,7 @@ from .grouped_combine import combine_add, row_weights, unsort
 from .grouped_state import CASTS, DONE, FRESH, as_int, is_last_dim, shared_ok
 from .loop_dataflow import ROWWISE_BINARY, ROWWISE_UNARY
 from .normalize import ancestors, arg, canon, val
+from .token_paths import MATMULS
 
 
 def sentinel_mask(f, g, n, op, rows_in):
@@ -162,7 +163,7 @@ def weights_mul(f, g, n, op, rows_in):
     if ro is not None and ro.kind == "routing":
         return g.note("routing_matrix_layout")
     if g.family == "dense" and isinstance(other, fx.Node) and not shared_ok(other):
-        if _top_k_matrix(ancestors([other])):
+        if _top_k_matrix(_this_layer(other)):
             return g.note("routing_matrix_form", other, node=other.name)   # top-k ids, another spelling
         return g.note("soft_moe", other, node=other.name)
 
@@ -172,7 +173,21 @@ _PLACES = {"scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce
 
 
 _COMPARES = {"ge", "gt", "le", "lt", "eq", "ne"}
-_SELECTS = {"topk", "kthvalue", "sort", "argsort", "argmax"}
+_SELECTS = {"topk", "kthvalue", "sort", "argsort", "argmax", "amax"}
+
+
+def _this_layer(matrix: fx.Node) -> set[fx.Node]:
+    """``matrix`` and what it is computed from, back to the products that read the layer's input (a
+    router's Linear): not into the layers before (an earlier sparse layer's top-k is not this one's)."""
+    seen, todo = set(), [matrix]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if (canon(n) or "") not in MATMULS:
+            todo += n.all_input_nodes
+    return seen
 
 
 def _top_k_matrix(nodes: set[fx.Node]) -> bool:
@@ -182,7 +197,7 @@ def _top_k_matrix(nodes: set[fx.Node]) -> bool:
     softmax (``z - z.max(-1, keepdim=True).values``) selects nothing: that matrix is soft."""
     if any(_places_ids(n) for n in nodes):
         return True
-    picks = {n for n in nodes if canon(n) in _SELECTS or canon(n) == "max" and len(n.args) > 1}
+    picks = {n for n in nodes if canon(n) in _SELECTS or canon(n) == "max" and (len(n.args) > 1 or "dim" in n.kwargs)}
     return bool(picks) and any(canon(n) in _COMPARES and ancestors([n]) & picks for n in nodes)
 
 

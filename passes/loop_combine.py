@@ -11,13 +11,18 @@ rewrite cannot reproduce records a ``region.Finding`` there instead::
     acc[tok] = acc[tok] + c                      (Dynamo's spelling of acc[tok] += c)
     acc[tok] = c | acc[mask] = c                 top-1 only, acc starting as zeros (a sum of one term),
                                                  or as a base (out = x.clone(): routed rows replaced)
+
+and the reads of an accumulator as an expert's rows (``expert_rows``): half-accumulated at top-k > 1
+(``partial_read``), or the next layer's rows gathered from it directly (``rows_of_next_layer``).
 """
 from __future__ import annotations
 
 import torch.fx as fx
 
-from .loop_roles import STOP, AccRead, AccSum, Contrib, Index, ScatterIndex, Storage, TokMask, as_contrib
-from .normalize import arg, canon
+from .loop_roles import STOP, AccRead, AccSum, Contrib, Index, Rows, ScatterIndex, Storage, TokMask, as_contrib
+from .normalize import arg, canon, where_in_user_code
+from .region import Finding
+from .writes import storage_base
 
 
 def acc_read(a, n, op, r0):
@@ -141,3 +146,38 @@ def _add(a, s: Storage, n: fx.Node, c: Contrib, inplace: bool):
     a.storage_of[n] = s
     a.pattern.add(n)
     return ("acc", s)
+
+
+def expert_rows(a, n: fx.Node, src: fx.Node, ids, e: int, enum) -> Rows:
+    """Expert e's rows of ``src``. Read from an accumulator other experts already added to, at top-k > 1,
+    they hold those experts' outputs (``out = x.clone(); out[tok] += w * expert(out[tok])``), which the
+    rewrite, reading the input once, would not see: the accumulator is refused. ``src`` may be a view of
+    it (``xin = out.view(T, H)``, ``out[:]``, ``out.detach()``): the same storage.
+
+    Rows that another router's experts gather from the accumulator itself (the next MoE layer reading
+    this one's sum directly) would keep reading the accumulator's first value once this layer is
+    rewritten (their own rewrite takes ``src`` as its input): this accumulator is refused. Through a
+    view taken after the sum (``x = out.reshape(-1, H)`` in the next layer), the view is one of the
+    accumulator's readers, which the rewrite rewires."""
+    s, view = a.storage_of.get(src), None
+    if s is None:
+        s = a.storage_of.get(storage_base(src, {}))
+        view = _first_view(a, s, src) if s is not None else None
+    if s is not None and s.version > 0:
+        at = where_in_user_code(n) or "?"
+        if any(c.rows.ids.root is not ids.root for c in s.contribs.values()):
+            if view is None or (view, s.version) not in s.readers:
+                s.findings.append(Finding.of("rows_of_next_layer", n, reader=n.name, at=at))
+        elif ids.k != 1:
+            s.findings.append(Finding.of("partial_read", n, reader=n.name, at=at))
+    return Rows(src, ids, e, enum)
+
+
+def _first_view(a, s: Storage, src: fx.Node) -> fx.Node | None:
+    """The node of ``src``'s view chain that reads accumulator ``s`` itself."""
+    n = src
+    while isinstance(n, fx.Node) and n.args and isinstance(n.args[0], fx.Node):
+        if a.storage_of.get(n.args[0]) is s:
+            return n
+        n = n.args[0]
+    return None

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from .loop_combine import acc_read, acc_sum, combine
+from .loop_combine import acc_read, acc_sum, combine, expert_rows
 from .loop_roles import (STOP, Contrib, Ids, Index, OneHot, PendingScatter, RowFn, Rows, RowW, ScatterIndex, Sel,
                          Storage, TokMask, Weighted, WhereOf)
 from .normalize import arg, canon, shape, val, where_in_user_code
@@ -330,11 +330,11 @@ def gather(a, n, op, r0):
     if isinstance(ri, Index) and (ri.kind == "tok" or (ri.kind == "pair" and ri.ids.k == 1)):
         if src_dims == 1:
             return RowW(src, ri.ids, ri.e, ri.enum)  # top-1 weights w[tok]
-        return _rows(a, n, src, ri.ids, ri.e, ri.enum)
+        return expert_rows(a, n, src, ri.ids, ri.e, ri.enum)
     if isinstance(ri, Index) and ri.kind == "pair" and src_dims == 1:
         return RowW(src, ri.ids, ri.e, ri.enum)
     if isinstance(ri, TokMask):
-        return _rows(a, n, src, ri.ids, ri.e, ("tok", ri.e))
+        return expert_rows(a, n, src, ri.ids, ri.e, ("tok", ri.e))
     if isinstance(index, tuple):
         roles = [a.r(i) for i in index]
         if len(index) >= 2 and src_dims == 1 and isinstance(roles[0], Index) and all(i is None for i in index[1:]) \
@@ -345,25 +345,15 @@ def gather(a, n, op, r0):
                 and all(i is None for i in index[2:]):
             return RowW(src, roles[0].ids, roles[0].e, roles[0].enum)
         if len(index) == 2 and index[0] is None and isinstance(roles[1], Index) and roles[1].kind == "tok":
-            return _rows(a, n, src, roles[1].ids, roles[1].e, roles[1].enum)  # x[None, tok] (reshaped later)
+            return expert_rows(a, n, src, roles[1].ids, roles[1].e, roles[1].enum)  # x[None, tok] (reshaped later)
     return STOP
-
-
-def _rows(a, n: fx.Node, src: fx.Node, ids, e: int, enum) -> Rows:
-    """Expert e's rows of ``src``. Read from an accumulator other experts already added to, at top-k > 1,
-    they hold those experts' outputs (``out = x.clone(); out[tok] += w * expert(out[tok])``), which the
-    rewrite, reading the input once, would not see: the accumulator is refused."""
-    s = a.storage_of.get(src)
-    if s is not None and s.version > 0 and ids.k != 1:
-        s.findings.append(Finding.of("partial_read", n, reader=n.name, at=where_in_user_code(n) or "?"))
-    return Rows(src, ids, e, enum)
 
 
 def rows_of_index_select(a, n, op, r0):
     if r0 is None and arg(n, 1, "dim") == 0:
         ri = a.r(arg(n, 2, "index"))
         if isinstance(ri, Index) and ri.kind == "tok":
-            return _rows(a, n, n.args[0], ri.ids, ri.e, ri.enum)
+            return expert_rows(a, n, n.args[0], ri.ids, ri.e, ri.enum)
 
 
 def roww_keep(a, n, op, r0):

@@ -32,6 +32,11 @@ REASONS: dict[str, Reason] = {
     "expert_added_twice": Reason("expert {expert} is added twice into `{acc}`", "add each expert once"),
     "partial_read": Reason(
         "the output is read half-accumulated by `{reader}` at {at}", "read the output only after the expert loop"),
+    "rows_of_next_layer": Reason(
+        "another MoE layer gathers its experts' rows straight from this layer's accumulator (`{reader}` at {at}); "
+        "the rewrite gives this layer's sum as a new tensor, which that gather would not read",
+        "give the next layer a tensor of its own (e.g. a residual add or a norm between the layers, or "
+        "`out = out.clone()` after the expert loop)"),
     "acc_is_input": Reason(
         "the accumulator is a graph input (mutating it in place is a side effect the rewrite would drop)",
         "accumulate into a fresh tensor (torch.zeros_like(x)) and return it"),

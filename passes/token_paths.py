@@ -22,8 +22,9 @@ hidden state. Code that only resembles routing does not:
     Linears, e.g. each expert's own, scores experts, as in autonomy-of-experts routing: none).
 ``token_values(graph, params)``
     the values computed from the graph's tensor inputs (activations, not Parameters or buffers)
-    by a path through no router and no router's scores (a projection that feeds both the scores and
-    the experts still carries the tokens): what carries the tokens themselves.
+    by a path through no router and no router's scores (nor what they are scaled, cast or detached
+    from; a projection that feeds both the scores and the experts still carries the tokens): what
+    carries the tokens themselves.
 """
 from __future__ import annotations
 
@@ -93,14 +94,56 @@ def router_params(router: fx.Node, params: set) -> set[fx.Node]:
     return {p for a in found[0].all_input_nodes if (p := param_of(a, params)) is not None}
 
 
+# one tensor in, the same scores out (scaled, cast, detached, normalised): a top-k over ``sc / sqrt(d)``
+# or ``sc.detach()`` routes by ``sc``
+_SAME_SCORES = {"div", "truediv", "mul", "add", "sub", "neg", "detach", "float", "to", "contiguous", "clone",
+                "softmax", "log_softmax", "sigmoid", "exp", "tanh", "bfloat16", "half", "double"}
+
+
+def _scores(router: fx.Node, params: set) -> list[fx.Node]:
+    """The scores a router reads, and what they are computed from by ``_SAME_SCORES`` ops whose other
+    operand carries no token (a constant, a Parameter, noise drawn like the scores: ``sc / sqrt(d)``,
+    ``sc + b``, ``sc + randn_like(sc) * s``); not through indexing (``proj[:, :E]`` is routing, while
+    ``proj`` may carry the tokens too)."""
+    out, n = [], router.args[0] if router.args else None
+    while isinstance(n, fx.Node) and len(out) < _GATE_WALK:
+        out.append(n)
+        if (canon(n) or "") not in _SAME_SCORES:
+            break
+        ins = n.all_input_nodes
+        nxt = [a for a in ins if all(_no_tokens(o, a, params) for o in ins if o is not a)]
+        if not nxt:
+            break
+        n = nxt[0]
+    return out
+
+
+def _no_tokens(n: fx.Node, stop: fx.Node, params: set) -> bool:
+    """``n`` is computed from no activation input except through ``stop``."""
+    todo, seen = [n], set()
+    while todo and len(seen) < _GATE_WALK:
+        m = todo.pop()
+        if m in seen or m is stop:
+            continue
+        seen.add(m)
+        if _activation(m, params):
+            return False
+        todo += m.all_input_nodes
+    return not todo
+
+
+def _activation(n: fx.Node, params: set) -> bool:
+    """A graph input that carries data (not a Parameter, a buffer or a dynamic size)."""
+    return n.op == "placeholder" and n not in params and "_buffers" not in source_name(n) \
+        and isinstance(val(n), torch.Tensor)
+
+
 def token_values(graph: fx.Graph, params: set) -> set[fx.Node]:
     blocked = set()
     for router, *_ in routers(graph):
         blocked.add(router)
-        if router.args and isinstance(router.args[0], fx.Node):
-            blocked.add(router.args[0])          # the scores: weights taken from them are routing too
-    todo = [n for n in graph.nodes if n.op == "placeholder" and n not in params and "_buffers" not in source_name(n)
-            and isinstance(val(n), torch.Tensor)]    # not the sizes of dynamic shapes
+        blocked.update(_scores(router, params))   # the scores: weights taken from them are routing too
+    todo = [n for n in graph.nodes if _activation(n, params)]
     seen: set[fx.Node] = set()
     while todo:
         n = todo.pop()

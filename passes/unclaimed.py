@@ -257,7 +257,7 @@ def escaping_routers(gm: fx.GraphModule) -> list[fx.Node]:
     ``OTHER_ROUTERS``, leave graphs in sampling code too: not evidence of MoE code)."""
     out_nodes = set(gm.graph.find_nodes(op="output"))
     found = []
-    for router, ids, _e, _k in _routers(gm.graph):
+    for router, ids, _e, k in _routers(gm.graph):
         if canon(router) in OTHER_ROUTERS:
             continue
         stack, seen = list(ids), set()
@@ -269,20 +269,39 @@ def escaping_routers(gm: fx.GraphModule) -> list[fx.Node]:
             if any(u in out_nodes for u in n.users):
                 found.append(router)
                 break
-            stack.extend(u for u in n.users if (canon(u) or "") in ID_VIEWS | {"bool"} or _expert_mask(u, n))
+            stack.extend(u for u in n.users if (canon(u) or "") in ID_VIEWS | {"bool"} or _unsqueezed(u)
+                         or _expert_mask(u, n, k))
     return found
 
 
-def _expert_mask(n: fx.Node, ids: fx.Node) -> bool:
-    """``one_hot(ids)``, or ``ids`` compared with expert numbers (``== arange(E)``, ``== e``): not with
-    another tensor of the data (labels), which is a metric."""
+def _unsqueezed(n: fx.Node) -> bool:
+    """``ids[..., None]``, ``ids[:, :, None]``: a view of the ids (basic indexing, no index tensor)."""
+    if canon(n) != "getitem" or len(n.args) < 2:
+        return False
+    items = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+    return any(i is None for i in items) and all(i is None or i is Ellipsis or isinstance(i, slice) for i in items)
+
+
+def _expert_mask(n: fx.Node, ids: fx.Node, k: int) -> bool:
+    """``one_hot(ids)``, or top-k ids (k >= 2) compared with every expert number (``== arange(E)``,
+    through views of it) or with several (``[ids == e for e in range(E)]``). Not one number (``pred == 1``
+    in a binary classifier, ``top == eos``), not an argmax's per-class masks (a classifier's
+    ``pred[:, None] == arange(C)``), not another tensor of the data (labels): a metric or a decode step."""
     op = canon(n) or ""
     if op == "one_hot":
         return True
-    if op != "eq":
+    if op != "eq" or k < 2:
         return False
     other = [a for a in n.args[:2] if a is not ids]
-    return bool(other) and (isinstance(other[0], int) or isinstance(other[0], fx.Node) and canon(other[0]) == "arange")
+    if not other:
+        return False
+    if isinstance(other[0], int):
+        numbers = {a for u in ids.users if canon(u) == "eq" for a in u.args[:2] if isinstance(a, int)}
+        return len(numbers) >= 2
+    m, hops = other[0], 0
+    while isinstance(m, fx.Node) and hops < 4 and (canon(m) in ID_VIEWS | {"expand"} or _unsqueezed(m)):
+        m, hops = m.args[0], hops + 1
+    return isinstance(m, fx.Node) and canon(m) == "arange"
 
 
 # ------------------------------------------------------------------------------------ graph breaks

@@ -171,10 +171,15 @@ class DenseMoE(nn.Module):
             probs = F.softmax(self.router.proj(x), dim=-1)
             ids = torch.multinomial(probs, 2, replacement=True)
             routing = torch.zeros(t, self.e, dtype=x.dtype).scatter(1, ids, probs.gather(1, ids))
-        elif self.matrix in ("threshold", "shifted_softmax"):
+        elif self.matrix in ("threshold", "threshold_amax", "threshold_max_kw", "shifted_softmax"):
             z = self.router.proj(x)
             if self.matrix == "threshold":
                 routing = torch.where(z >= z.topk(2, -1).values[:, -1:], F.softmax(z, -1), 0.0).to(x.dtype)
+            elif self.matrix == "threshold_amax":     # hard top-1
+                p = F.softmax(z, -1)
+                routing = (p * (p == p.amax(-1, keepdim=True))).to(x.dtype)
+            elif self.matrix == "threshold_max_kw":
+                routing = torch.where(z >= z.max(dim=-1, keepdim=True).values, F.softmax(z, -1), 0.0).to(x.dtype)
             else:
                 z = (z - z.max(-1, keepdim=True).values).exp()
                 routing = (z / z.sum(-1, keepdim=True)).to(x.dtype)
@@ -271,7 +276,7 @@ def test_dense_soft_moe_is_refused_with_reason():
     assert len(rep.refused) == 1 and "soft MoE" in rep.refused[0].reason, str(rep)
 
 
-@pytest.mark.parametrize("matrix", ["scatter_add", "renorm", "threshold"])
+@pytest.mark.parametrize("matrix", ["scatter_add", "renorm", "threshold", "threshold_amax", "threshold_max_kw"])
 def test_dense_with_another_top_k_routing_matrix_is_refused_with_that_reason(matrix):
     """Was "soft MoE: every expert contributes to every token": the matrix comes from the top-k ids."""
     _run(DenseMoE, expect=0, refused=1, matrix=matrix)
@@ -285,6 +290,27 @@ def test_dense_soft_matrix_with_a_max_is_soft_moe():
     routing matrix in another spelling."""
     _run(DenseMoE, expect=0, refused=1, matrix="shifted_softmax")
     rep = moe_compile.explain(DenseMoE(matrix="shifted_softmax"), make_input((2, 8, 16)))
+    assert [r.code for r in rep.refused] == ["soft_moe"], str(rep)
+
+
+class _SparseThenSoft(nn.Module):
+    """A sparse dense-form layer, then a soft one reading its output: the soft layer's matrix is
+    computed after the first layer's top-k, which is not its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.sparse, self.soft = DenseMoE(), DenseMoE(soft=True)
+
+    def forward(self, x):
+        x = x + self.sparse(x)
+        return x + self.soft(x)
+
+
+def test_dense_soft_layer_after_a_sparse_layer_is_soft_moe():
+    """Was routing_matrix_form: the walk from the soft matrix reached the previous layer's top-k."""
+    torch.manual_seed(0)
+    check_compiled(_SparseThenSoft(), [make_input((2, 8, 16))], expect_rewritten=1, expect_refused=1)
+    rep = moe_compile.explain(_SparseThenSoft(), make_input((2, 8, 16)))
     assert [r.code for r in rep.refused] == ["soft_moe"], str(rep)
 
 

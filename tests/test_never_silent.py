@@ -186,8 +186,9 @@ def test_vector_experts_that_meet_the_token_are_listed(weights_from):
 
 class _MaskThenBreak(nn.Module):
     """Per-expert masks built from the router's ids, then a graph break, then the expert loop on the
-    masks: ``ids[..., None] == arange(E)`` and load statistics (``.tolist()``), or Switch's top-1
-    ``one_hot(argmax)`` and a ``print``. No name and no source line says MoE."""
+    masks: ``ids.unsqueeze(-1) == arange(E)`` (or ``ids[..., None] == arange(E)``, or against a view of
+    the arange) and load statistics (``.tolist()``), or Switch's top-1 ``one_hot(argmax)`` and a
+    ``print``. No name and no source line says MoE."""
 
     def __init__(self, form, h=16, e=4):
         super().__init__()
@@ -198,9 +199,11 @@ class _MaskThenBreak(nn.Module):
 
     def forward(self, x):
         probs = self.proj(x).softmax(-1)
-        if self.form == "arange":
+        if self.form.startswith("arange"):
             w, idx = probs.topk(2, -1)
-            sel = idx.unsqueeze(-1) == torch.arange(self.e)
+            sel = {"arange": idx.unsqueeze(-1) == torch.arange(self.e),
+                   "arange_index": idx[..., None] == torch.arange(self.e),
+                   "arange_view": idx.unsqueeze(-1) == torch.arange(self.e).view(1, 1, -1)}[self.form]
             self.stats = sel.sum((0, 1)).tolist()
             masks = [(sel[:, :, e].any(-1), (w * sel[:, :, e]).sum(-1)) for e in range(self.e)]
         else:
@@ -213,7 +216,7 @@ class _MaskThenBreak(nn.Module):
         return out
 
 
-@pytest.mark.parametrize("form", ["arange", "one_hot"])
+@pytest.mark.parametrize("form", ["arange", "arange_index", "arange_view", "one_hot"])
 def test_graph_break_after_per_expert_masks_is_listed(form, capsys):
     """Was silent: the graph before the break ends with the router's per-expert masks, not its ids."""
     torch.manual_seed(0)
@@ -774,14 +777,15 @@ class _ParamKNN(nn.Module):
 class _MemoryLayer(nn.Module):
     """A memory layer (keys a Parameter, values an nn.Embedding): retrieval, whichever scores weight it."""
 
-    def __init__(self, all_scores=False):
+    def __init__(self, all_scores=False, pick=""):
         super().__init__()
-        self.all_scores, self.q = all_scores, nn.Linear(8, 8)
+        self.all_scores, self.pick, self.q = all_scores, pick, nn.Linear(8, 8)
         self.keys, self.values = nn.Parameter(torch.randn(32, 8)), nn.Embedding(32, 8)
 
     def forward(self, x):
         sc = self.q(x) @ self.keys.t()
-        w, i = sc.topk(4, -1)
+        w, i = {"": sc, "scaled": sc / 8 ** 0.5, "detached": sc.detach(),   # the top-k over a copy of the scores
+                "noisy": sc + 0.1 * torch.randn_like(sc)}[self.pick].topk(4, -1)
         if self.all_scores:                              # the weights from the scores before the top-k
             return x + torch.einsum("tk,tkd->td", sc.softmax(-1).gather(-1, i), self.values(i))
         return x + (w.softmax(-1)[..., None] * self.values(i)).sum(-2)
@@ -803,6 +807,32 @@ class _ProductKeyMemory(nn.Module):
         w, j = (s1[:, :, None] + s2[:, None, :]).flatten(1).topk(self.k, -1)
         ids = (i1[:, :, None] * self.n + i2[:, None, :]).flatten(1).gather(1, j)
         return x + (w.softmax(-1)[..., None] * self.values(ids)).sum(1)
+
+
+class _PredictionMasks(nn.Module):
+    """A classifier's masks of its own prediction, then a graph break: positives of a binary head
+    (``argmax == 1``), which beam candidates are EOS (``topk(3) == 0``), per-class masks of the argmax
+    (``pred[:, None] == arange(C)``) counted on the host. Not per-expert masks."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+        self.lin = nn.Linear(8, 10)
+
+    def forward(self, x):
+        logits = self.lin(x)
+        if self.form == "binary":
+            keep = logits.argmax(-1) == 1
+        elif self.form == "beam_eos":
+            keep = logits.topk(3, -1)[1] == 0                 # crosses the break as it is
+            print("step")
+            return logits.sum(-1) * keep.any(-1)
+        else:
+            masks = logits.argmax(-1)[:, None] == torch.arange(10)
+            self.counts = masks.sum(0).tolist()
+            return logits * masks.float()
+        print("step")
+        return logits.sum(-1) * keep
 
 
 def _select_correct(lin, x, y):
@@ -829,7 +859,9 @@ def _recall_at_topk(logits, y):                         # named *topk*, syncs: a
 
 _NOT_MOE = ["accuracy", "sampler", "position_hash", "greedy_until_eos", "knn_vote", "proto_knn", "knn_memory",
             "topk_kv_cache", "per_class_recall", "param_knn", "memory_layer", "memory_layer_all_scores",
-            "select_correct", "class_activation_map", "topk_named_metric", "product_key_memory"]
+            "select_correct", "class_activation_map", "topk_named_metric", "product_key_memory",
+            "memory_layer_scaled_topk", "memory_layer_detached_topk", "memory_layer_noisy_topk",
+            "binary_positives", "beam_eos", "class_masks_counted"]
 
 
 @pytest.mark.parametrize("case", _NOT_MOE)
@@ -857,6 +889,11 @@ def test_code_that_is_not_moe_is_not_reported(case):
                 "select_correct": (_select_correct, (nn.Linear(8, 8), torch.randn(6, 8), torch.randint(0, 8, (6,)))),
                 "class_activation_map": (_ClassActivationMap(), (torch.randn(2, 3, 6, 6),)),
                 "topk_named_metric": (_recall_at_topk, (torch.randn(6, 5), torch.randint(0, 5, (6,)))),
-                "product_key_memory": (_ProductKeyMemory(), (torch.randn(6, 8),))}[case]
+                "product_key_memory": (_ProductKeyMemory(), (torch.randn(6, 8),)),
+                **{f"memory_layer_{p}_topk": (_MemoryLayer(all_scores=True, pick=p), (torch.randn(6, 8),))
+                   for p in ("scaled", "detached", "noisy")},
+                "binary_positives": (_PredictionMasks("binary"), (torch.randn(6, 8),)),
+                "beam_eos": (_PredictionMasks("beam_eos"), (torch.randn(6, 8),)),
+                "class_masks_counted": (_PredictionMasks("class_masks"), (torch.randn(6, 8),))}[case]
     rep = moe_compile.explain(fn, *args)
     assert not rep.refused and not rep.graph_breaks, str(rep)
