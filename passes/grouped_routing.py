@@ -76,11 +76,22 @@ def sorted_by_perm(f, n, op, a0, r0, rk):
     rp = f.r(n.args[1])
     if rp and rp.kind == "perm":
         g = rp.g
-        if a0 is not g.flat and r0.info is not g.ids:
+        if _same_values(a0) is not _same_values(g.flat) and _same_values(r0.info) is not _same_values(g.ids):
             g.note("sort_key", n, node=g.flat.name,
                    how=f"while `{a0.name}`, another tensor, is reordered by its permutation as the sorted ids")
         f.set(n, "sorted_ids", g)
         return DONE
+
+
+_KEEP_VALUES = {"reshape", "view", "flatten", "contiguous", "clone", "detach", "long", "int", "to"}
+
+
+def _same_values(n):
+    """``n`` behind reshapes, copies and integer casts of the ids (``ids.long().reshape(-1)`` is ``ids``)."""
+    while isinstance(n, fx.Node) and (canon(n) or "") in _KEEP_VALUES and n.args and isinstance(n.args[0], fx.Node) \
+            and isinstance(val(n), torch.Tensor) and not val(n).is_floating_point():
+        n = n.args[0]
+    return n
 
 
 def token_of_row(f, n, op, a0, r0, rk):

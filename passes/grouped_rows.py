@@ -177,15 +177,16 @@ _SELECTS = {"topk", "kthvalue", "sort", "argsort", "argmax", "amax"}
 
 
 def _this_layer(matrix: fx.Node) -> set[fx.Node]:
-    """``matrix`` and what it is computed from, back to the products that read the layer's input (a
-    router's Linear): not into the layers before (an earlier sparse layer's top-k is not this one's)."""
+    """``matrix`` and what it is computed from, back to the products with a weight (a router's Linear,
+    which reads the layer's input): not into the layers before (an earlier sparse layer's top-k is not
+    this one's). Products of values computed in the layer (``einsum(one_hot(ids), w)``) are walked."""
     seen, todo = set(), [matrix]
     while todo:
         n = todo.pop()
         if n in seen:
             continue
         seen.add(n)
-        if (canon(n) or "") not in MATMULS:
+        if (canon(n) or "") not in MATMULS or not any(a.op in ("placeholder", "get_attr") for a in n.all_input_nodes):
             todo += n.all_input_nodes
     return seen
 

@@ -154,18 +154,18 @@ def expert_rows(a, n: fx.Node, src: fx.Node, ids, e: int, enum) -> Rows:
     rewrite, reading the input once, would not see: the accumulator is refused. ``src`` may be a view of
     it (``xin = out.view(T, H)``, ``out[:]``, ``out.detach()``): the same storage.
 
-    Rows that another router's experts gather from the accumulator itself (the next MoE layer reading
-    this one's sum directly) would keep reading the accumulator's first value once this layer is
-    rewritten (their own rewrite takes ``src`` as its input): this accumulator is refused. Through a
-    view taken after the sum (``x = out.reshape(-1, H)`` in the next layer), the view is one of the
-    accumulator's readers, which the rewrite rewires."""
+    Rows that the next MoE layer's experts gather from the accumulator itself (another router's, or
+    expert e's of the same router after expert e already added its output here) would keep reading
+    the accumulator's first value once this layer is rewritten (their own rewrite takes ``src`` as its
+    input): this accumulator is refused. Through a view taken after the sum (``x = out.reshape(-1, H)``
+    in the next layer), the view is one of the accumulator's readers, which the rewrite rewires."""
     s, view = a.storage_of.get(src), None
     if s is None:
         s = a.storage_of.get(storage_base(src, {}))
         view = _first_view(a, s, src) if s is not None else None
     if s is not None and s.version > 0:
         at = where_in_user_code(n) or "?"
-        if any(c.rows.ids.root is not ids.root for c in s.contribs.values()):
+        if e in s.contribs or any(c.rows.ids.root is not ids.root for c in s.contribs.values()):
             if view is None or (view, s.version) not in s.readers:
                 s.findings.append(Finding.of("rows_of_next_layer", n, reader=n.name, at=at))
         elif ids.k != 1:

@@ -27,6 +27,7 @@ from .loop_dataflow import Analysis, analyze
 from .loop_roles import Contrib, RowFn, Rows, Storage, TokMask
 from .normalize import canon, common_module, dtype_of, module_path, val, where_in_user_code
 from .region import AccumulateInPlace, Candidate, ExpertMLP, Finding, Region, Router, Step
+from .writes import storage_base
 
 
 def _function_nodes(a: Analysis, c: Contrib, order: dict) -> list[fx.Node]:
@@ -118,6 +119,9 @@ def _findings(a: Analysis, s: Storage, functions: dict, order: dict) -> list[Fin
     partial = [n for n, v in s.readers if 0 < v < s.version]
     if partial:
         return [Finding.of("partial_read", partial[0], reader=partial[0].name, at=where_in_user_code(partial[0]))]
+    early = _early_views(a, s, order)
+    if early:   # reads through it see the finished sum, which the rewrite puts in a new tensor
+        return [Finding.of("view_before_sum", early[0], reader=early[0].name, at=where_in_user_code(early[0]))]
     inside = set()
     for nodes in functions.values():
         inside.update(nodes)
@@ -130,6 +134,16 @@ def _findings(a: Analysis, s: Storage, functions: dict, order: dict) -> list[Fin
         if not nodes:
             return [Finding.of("no_expert_function", None, expert=e)]
     return []
+
+
+def _early_views(a: Analysis, s: Storage, order: dict) -> list[fx.Node]:
+    """Views of accumulator ``s`` taken before its first write (``res = out.view(T, H)``), other than the
+    pattern's own reads: they alias the storage the expert loop writes into."""
+    if not s.mutations:
+        return []
+    first = min(order[m] for m in s.mutations)
+    return [u for u in s.alloc.users if order[u] < first and u not in a.pattern and a.r(u) is None
+            and storage_base(u, {}) is s.alloc]
 
 
 def find_loop_regions(gm: fx.GraphModule, analysis: Analysis | None = None) -> list[Candidate]:

@@ -32,6 +32,10 @@ REASONS: dict[str, Reason] = {
     "expert_added_twice": Reason("expert {expert} is added twice into `{acc}`", "add each expert once"),
     "partial_read": Reason(
         "the output is read half-accumulated by `{reader}` at {at}", "read the output only after the expert loop"),
+    "view_before_sum": Reason(
+        "`{reader}` at {at} is a view of the accumulator taken before the expert loop: what reads it sees the "
+        "finished sum, which the rewrite gives as a new tensor",
+        "take the view after the expert loop (or read the accumulator itself)"),
     "rows_of_next_layer": Reason(
         "another MoE layer gathers its experts' rows straight from this layer's accumulator (`{reader}` at {at}); "
         "the rewrite gives this layer's sum as a new tensor, which that gather would not read",

@@ -96,8 +96,10 @@ def router_params(router: fx.Node, params: set) -> set[fx.Node]:
 
 # one tensor in, the same scores out (scaled, cast, detached, normalised): a top-k over ``sc / sqrt(d)``
 # or ``sc.detach()`` routes by ``sc``
-_SAME_SCORES = {"div", "truediv", "mul", "add", "sub", "neg", "detach", "float", "to", "contiguous", "clone",
-                "softmax", "log_softmax", "sigmoid", "exp", "tanh", "bfloat16", "half", "double"}
+_SAME_SCORES = {"div", "truediv", "mul", "add", "sub", "rsub", "neg", "pow", "square", "abs", "relu", "clamp",
+                "clamp_min", "clamp_max", "masked_fill", "where", "detach", "float", "to", "type_as", "contiguous",
+                "clone", "view", "reshape", "flatten", "softmax", "log_softmax", "sigmoid", "exp", "log", "tanh",
+                "normalize", "bfloat16", "half", "double"}
 
 
 def _scores(router: fx.Node, params: set) -> list[fx.Node]:

@@ -257,7 +257,7 @@ def escaping_routers(gm: fx.GraphModule) -> list[fx.Node]:
     ``OTHER_ROUTERS``, leave graphs in sampling code too: not evidence of MoE code)."""
     out_nodes = set(gm.graph.find_nodes(op="output"))
     found = []
-    for router, ids, _e, k in _routers(gm.graph):
+    for router, ids, _e, _k in _routers(gm.graph):
         if canon(router) in OTHER_ROUTERS:
             continue
         stack, seen = list(ids), set()
@@ -270,27 +270,29 @@ def escaping_routers(gm: fx.GraphModule) -> list[fx.Node]:
                 found.append(router)
                 break
             stack.extend(u for u in n.users if (canon(u) or "") in ID_VIEWS | {"bool"} or _unsqueezed(u)
-                         or _expert_mask(u, n, k))
+                         or _expert_mask(u, n))
     return found
 
 
 def _unsqueezed(n: fx.Node) -> bool:
-    """``ids[..., None]``, ``ids[:, :, None]``: a view of the ids (basic indexing, no index tensor)."""
-    if canon(n) != "getitem" or len(n.args) < 2:
+    """``ids[..., None]``, ``ids[:, :, None]``, ``masks[:, e]``: a view (basic indexing of a tensor, no
+    index tensor; not the items of a tuple such as topk's)."""
+    if canon(n) != "getitem" or len(n.args) < 2 or not isinstance(val(n.args[0]), torch.Tensor):
         return False
     items = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
-    return any(i is None for i in items) and all(i is None or i is Ellipsis or isinstance(i, slice) for i in items)
+    return all(i is None or i is Ellipsis or isinstance(i, (slice, int)) for i in items)
 
 
-def _expert_mask(n: fx.Node, ids: fx.Node, k: int) -> bool:
-    """``one_hot(ids)``, or top-k ids (k >= 2) compared with every expert number (``== arange(E)``,
-    through views of it) or with several (``[ids == e for e in range(E)]``). Not one number (``pred == 1``
-    in a binary classifier, ``top == eos``), not an argmax's per-class masks (a classifier's
-    ``pred[:, None] == arange(C)``), not another tensor of the data (labels): a metric or a decode step."""
+def _expert_mask(n: fx.Node, ids: fx.Node) -> bool:
+    """``one_hot(ids)``, or ids compared with every expert number (``== arange(E)``, through views of it)
+    or with several (``[ids == e for e in range(E)]``). Not one number (``pred == 1`` in a binary
+    classifier, ``top == eos``), not another tensor of the data (labels): a metric or a decode step.
+    A classifier's per-class masks of its argmax (``pred[:, None] == arange(C)``) are the same graph as
+    Switch's per-expert masks, and count (never silent first)."""
     op = canon(n) or ""
     if op == "one_hot":
         return True
-    if op != "eq" or k < 2:
+    if op != "eq":
         return False
     other = [a for a in n.args[:2] if a is not ids]
     if not other:

@@ -70,6 +70,9 @@ class SortedMoE(nn.Module):
         if self.key in ("times2", "kmajor"):
             _, perm = torch.sort(flat * 2 if self.key == "times2" else ids.t().reshape(-1))
             ids_g = flat[perm]
+        elif self.key == "cast":    # sorted as a cast copy, the sorted values read from the ids themselves
+            perm = torch.argsort(ids.long().contiguous().view(-1), stable=True)
+            ids_g = flat[perm]
         elif self.sort == "sort":
             ids_g, perm = torch.sort(flat)
         else:
@@ -171,6 +174,9 @@ class DenseMoE(nn.Module):
             probs = F.softmax(self.router.proj(x), dim=-1)
             ids = torch.multinomial(probs, 2, replacement=True)
             routing = torch.zeros(t, self.e, dtype=x.dtype).scatter(1, ids, probs.gather(1, ids))
+        elif self.matrix == "one_hot_einsum":
+            w, ids = self.router(x)
+            routing = torch.einsum("tke,tk->te", F.one_hot(ids, self.e).to(x.dtype), w.to(x.dtype))
         elif self.matrix in ("threshold", "threshold_amax", "threshold_max_kw", "shifted_softmax"):
             z = self.router.proj(x)
             if self.matrix == "threshold":
@@ -215,6 +221,7 @@ SORTED_SPELLINGS = [
     dict(sentinel=True),                                       # transformers 5.17: EP sentinel masks
     dict(sentinel=True, bias=True),
     dict(key="stacked"),                                       # ids rebuilt from their columns (PhiMoE)
+    dict(key="cast"),                                          # the key a cast copy of the ids
 ]
 
 
@@ -276,7 +283,8 @@ def test_dense_soft_moe_is_refused_with_reason():
     assert len(rep.refused) == 1 and "soft MoE" in rep.refused[0].reason, str(rep)
 
 
-@pytest.mark.parametrize("matrix", ["scatter_add", "renorm", "threshold", "threshold_amax", "threshold_max_kw"])
+@pytest.mark.parametrize("matrix", ["scatter_add", "renorm", "threshold", "threshold_amax", "threshold_max_kw",
+                                    "one_hot_einsum"])
 def test_dense_with_another_top_k_routing_matrix_is_refused_with_that_reason(matrix):
     """Was "soft MoE: every expert contributes to every token": the matrix comes from the top-k ids."""
     _run(DenseMoE, expect=0, refused=1, matrix=matrix)

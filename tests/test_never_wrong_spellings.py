@@ -128,6 +128,8 @@ class Stacked(nn.Module):
         elif how == "reads_accumulator_view":   # the same through a view of the accumulator
             out = x.clone()
             xin = out.view(T, H)
+        elif how == "view_before_loop":   # a view of the accumulator taken before the loop, returned
+            view = out.view(T, H)
         for e in range(E):
             tok, k = torch.where(ids == e)
             h = xin[tok] @ self.gate_up[e]
@@ -151,7 +153,7 @@ class Stacked(nn.Module):
                     F.relu(xin, True)      # inplace passed positionally
             elif how == "input_imul_dunder":
                 xin.__imul__(0.9)
-        return out
+        return view + 0 if how == "view_before_loop" else out
 
 
 REWRITTEN = ["sorted:", "sorted:histc_titan", "sorted:bias", "sorted:index_add", "sorted:inv_fill", "batched:", "batched:bias", "dense:",
@@ -183,6 +185,7 @@ REFUSED = [
     ("loop:reads_accumulator", "partial_read"),
     ("loop:reads_accumulator_view", "partial_read"),   # was rewritten, output error 0.04-0.06
     ("loop:overwrite_own_rows", "overwrite_topk"),   # was refused, as moe_unmatched (no reason of its own)
+    ("loop:view_before_loop", "view_before_sum"),    # was rewritten: the view kept the zeros (error 1.0)
 ]
 
 
@@ -328,6 +331,38 @@ class _ResidualLoopLayer(nn.Module):
             tok, k = torch.where(ids == e)
             out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, k, None])
         return out.clone() if self.copy_out else out
+
+
+class _SharedRouterLoops(nn.Module):
+    """Two expert loops on one router's choice, the second gathering its rows from the first's
+    accumulator (``out2[tok] += f2(out[tok])``)."""
+
+    def __init__(self, k):
+        super().__init__()
+        self.k = k
+        self.router = nn.Linear(H, E)
+        self.e1, self.e2 = (nn.ModuleList(nn.Linear(H, H) for _ in range(E)) for _ in range(2))
+
+    def forward(self, x):
+        w, ids = F.softmax(self.router(x), -1).topk(self.k, -1)
+        out, out2 = torch.zeros_like(x), torch.zeros_like(x)
+        for e in range(E):
+            tok, k = torch.where(ids == e)
+            out.index_add_(0, tok, self.e1[e](x[tok]) * w[tok, k, None])
+        for e in range(E):
+            tok, k = torch.where(ids == e)
+            out2.index_add_(0, tok, self.e2[e](out[tok]) * w[tok, k, None])
+        return out2
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_second_loop_of_one_router_reading_the_first_accumulator(k):
+    """Was: both rewritten and wrong at top-1 (output error 0.64, gradients 1.0), refused as partial_read
+    at top-2. The first loop is refused as rows_of_next_layer, the second rewritten."""
+    torch.manual_seed(0)
+    check_compiled(_SharedRouterLoops(k), [make_input((T, H))], expect_rewritten=1, expect_refused=1)
+    rep = moe_compile.explain(_SharedRouterLoops(k), make_input((T, H)))
+    assert [r.code for r in rep.refused] == ["rows_of_next_layer"], str(rep)
 
 
 @pytest.mark.parametrize("k", [1, 2])
