@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from .grouped_state import CASTS, DONE, as_int
-from .expert_ids import router_root
+from .expert_ids import ID_VIEWS, router_root
 from .normalize import arg, canon, id_bound, shape, val
 
 
@@ -83,12 +83,9 @@ def sorted_by_perm(f, n, op, a0, r0, rk):
         return DONE
 
 
-_KEEP_VALUES = {"reshape", "view", "flatten", "contiguous", "clone", "detach", "long", "int", "to"}
-
-
 def _same_values(n):
     """``n`` behind reshapes, copies and integer casts of the ids (``ids.long().reshape(-1)`` is ``ids``)."""
-    while isinstance(n, fx.Node) and (canon(n) or "") in _KEEP_VALUES and n.args and isinstance(n.args[0], fx.Node) \
+    while isinstance(n, fx.Node) and (canon(n) or "") in ID_VIEWS and n.args and isinstance(n.args[0], fx.Node) \
             and isinstance(val(n), torch.Tensor) and not val(n).is_floating_point():
         n = n.args[0]
     return n

@@ -50,7 +50,7 @@ from .expert_ids import ID_VIEWS, OTHER_ROUTERS, router_kind, router_root, route
 from .moe_source import Frame, declares_experts_implementation, enclosing_class, in_moe_code  # noqa: F401
 from .normalize import canon, common_module, module_path, source_name, val, where_in_user_code
 from .token_paths import MATMULS, graph_params, param_of, router_params, token_values
-from .writes import written
+from .writes import basic_index, written
 
 # frozen quantised expert weights (int4 packed into int32, as GPTQ / AWQ store them); not int64 (index tables)
 _QUANTISED = {torch.int8, torch.uint8, torch.int16, torch.int32,
@@ -277,10 +277,7 @@ def escaping_routers(gm: fx.GraphModule) -> list[fx.Node]:
 def _unsqueezed(n: fx.Node) -> bool:
     """``ids[..., None]``, ``ids[:, :, None]``, ``masks[:, e]``: a view (basic indexing of a tensor, no
     index tensor; not the items of a tuple such as topk's)."""
-    if canon(n) != "getitem" or len(n.args) < 2 or not isinstance(val(n.args[0]), torch.Tensor):
-        return False
-    items = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
-    return all(i is None or i is Ellipsis or isinstance(i, (slice, int)) for i in items)
+    return canon(n) == "getitem" and len(n.args) > 1 and isinstance(val(n.args[0]), torch.Tensor) and basic_index(n)
 
 
 def _expert_mask(n: fx.Node, ids: fx.Node) -> bool:

@@ -107,7 +107,7 @@ def storage_base(node, memo: dict) -> fx.Node:
         nxt = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
         if nxt is None:
             break
-        if op in _VIEWS or written(node) is nxt or (op == "getitem" and _basic_index(node)) \
+        if op in _VIEWS or written(node) is nxt or (op == "getitem" and basic_index(node)) \
                 or (op == "getattr" and len(node.args) > 1 and node.args[1] in _VIEW_ATTRS):
             node = nxt
             continue
@@ -116,7 +116,7 @@ def storage_base(node, memo: dict) -> fx.Node:
     return node
 
 
-def _basic_index(node: fx.Node) -> bool:
+def basic_index(node: fx.Node) -> bool:
     """``t[i]`` / ``t[a:b, None, ...]`` (a view), not ``t[index_tensor]`` (a copy); tuple outputs of
     ``chunk``/``split``/``topk`` are views of their producer too (conservative for ``topk``: no harm)."""
     idx = node.args[1]
