@@ -170,8 +170,6 @@ def weights_mul(f, g, n, op, rows_in):
 
 _PLACES = {"scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_", "one_hot",
            "index_put", "index_put_", "setitem"}
-
-
 _COMPARES = {"ge", "gt", "le", "lt", "eq", "ne"}
 _SELECTS = {"topk", "kthvalue", "sort", "argsort", "argmax", "amax"}
 
@@ -180,15 +178,8 @@ def _this_layer(matrix: fx.Node) -> set[fx.Node]:
     """``matrix`` and what it is computed from, back to the products with a weight (a router's Linear,
     which reads the layer's input): not into the layers before (an earlier sparse layer's top-k is not
     this one's). Products of values computed in the layer (``einsum(one_hot(ids), w)``) are walked."""
-    seen, todo = set(), [matrix]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if (canon(n) or "") not in MATMULS or not any(a.op in ("placeholder", "get_attr") for a in n.all_input_nodes):
-            todo += n.all_input_nodes
-    return seen
+    return ancestors([matrix], stop=lambda n: (canon(n) or "") in MATMULS
+                     and any(a.op in ("placeholder", "get_attr") for a in n.all_input_nodes))
 
 
 def _top_k_matrix(nodes: set[fx.Node]) -> bool:
@@ -204,8 +195,7 @@ def _top_k_matrix(nodes: set[fx.Node]) -> bool:
 
 def _places_ids(n: fx.Node) -> bool:
     """``n`` puts values at a router's expert ids: ``scatter(1, ids, w)``, ``one_hot(ids)``, ``m[.., ids] = w``."""
-    return canon(n) in _PLACES and any(router_root(a) is not None for a in n.all_input_nodes
-                                       if isinstance(a, fx.Node))
+    return canon(n) in _PLACES and any(router_root(a) is not None for a in n.all_input_nodes)
 
 
 def cast_after_weights(f, g, n, op, rows_in):

@@ -206,9 +206,10 @@ def descendants(nodes) -> set[fx.Node]:
     return _reachable(nodes, lambda n: n.users)
 
 
-def ancestors(nodes) -> set[fx.Node]:
-    """``nodes`` and every node they are computed from."""
-    return _reachable(nodes, lambda n: n.all_input_nodes)
+def ancestors(nodes, stop=None) -> set[fx.Node]:
+    """``nodes`` and every node they are computed from; with ``stop``, not walked past a node for which
+    ``stop(node)`` holds (the node itself is included)."""
+    return _reachable(nodes, lambda n: () if stop is not None and stop(n) else n.all_input_nodes)
 
 
 _SAME_VALUES = {"to", "long", "int", "contiguous", "clone", "detach"}

@@ -127,7 +127,8 @@ REASONS: dict[str, Reason] = {
     "routing_matrix_form": Reason(
         "the dense expert outputs are combined by `{node}`, built from the top-k ids but not as the sparse routing "
         "matrix zeros(T, E).scatter(1, ids, w) (here: a scatter_add, a reduce, another base, a renormalisation or a "
-        "write after the scatter, or a mask of the scores against their top-k), so which experts reach a token cannot be read from it",
+        "write after the scatter, or a mask of the scores against their top-k), so which experts reach a token "
+        "cannot be read from it",
         "if each token uses only its top-k experts, build it as `torch.zeros(T, E).scatter(1, ids, w)` with w final "
         "(renormalise w before the scatter) to have the layer run on its routed tokens only; otherwise nothing to "
         "fix: it is compiled as written"),
