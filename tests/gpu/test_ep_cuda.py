@@ -2,7 +2,7 @@
 CUDA graphs, and matches the unsharded model. On a machine with one GPU it runs one rank (a group of
 one: every op, collective and schedule of the compiled path, on NCCL, with nothing to exchange).
 
-Run on the 2 x H200 kind with multicast off:
+Run on the 2 x H200 kind with multicast off (MOE_EP_RANKS=4 on the 4-GPU kind):
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 python -m pytest -q tests/gpu/test_ep_cuda.py
 """
 from __future__ import annotations
@@ -83,7 +83,9 @@ def _body(rank, world, init_file, cudagraphs, chunks):
 @pytest.mark.parametrize("chunks", [1, 2], ids=["chunks1", "chunks2"])   # 1: the default
 @pytest.mark.parametrize("cudagraphs", [False, True], ids=["inductor", "cudagraphs"])
 def test_ep2_step_sync_free_and_matches_unsharded(cudagraphs, chunks):
-    world = min(torch.cuda.device_count(), 2)
+    world = int(os.environ.get("MOE_EP_RANKS", min(torch.cuda.device_count(), 2)))  # 4 on the x4 kind
+    if world > torch.cuda.device_count():
+        pytest.skip(f"MOE_EP_RANKS={world} but {torch.cuda.device_count()} GPUs")
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_body, args=(world, os.path.join(tmp, "store"), cudagraphs, chunks), nprocs=world,
                            start_method="spawn")
