@@ -29,7 +29,8 @@ eager, and so in the compiled run (``moe_compile.explain`` notes it; docs/benchm
 Distributed (under torchrun): every rank trains on its own batches (data parallel), the decoder
 layers and the root are ``fully_shard``-ed (FSDP2). ``--ep N`` also shards the experts over N ranks
 (``moe_compile.parallelize_experts``) and shards each expert container over the ranks holding the
-same experts (``moe_compile.fully_shard_experts``); gradients are clipped with
+same experts (``moe_compile.fully_shard_experts``; with one such rank the experts stay out of FSDP,
+and the layers' ``fully_shard`` get them as ``ignored_params``); gradients are clipped with
 ``moe_compile.parallel.clip_grad_norm_``, which combines the norms of both meshes (as
 tests/test_ep_fsdp.py). The eager reference of an ``--ep`` run is the same training without expert
 parallelism (expert-parallel layers only run compiled), which computes the same function.
@@ -144,9 +145,10 @@ def shard(model, args, world: int, device_type: str, ep: int):
     if ep > 1:
         moe_compile.parallelize_experts(model, mesh["ep"])     # each rank keeps E / ep experts
         moe_compile.fully_shard_experts(model, mesh["dp"])     # ... sharded over the ranks holding the same ones
+    ignored = moe_compile.fsdp_ignored_params(model)           # experts kept out of FSDP (dp = 1: nothing to shard)
     for layer in find_blocks(model):                           # the decoder layers
-        fully_shard(layer, mesh=flat)                          # dense parameters over every rank
-    fully_shard(model, mesh=flat)
+        fully_shard(layer, mesh=flat, ignored_params=ignored)  # dense parameters over every rank
+    fully_shard(model, mesh=flat, ignored_params=ignored)
     return mesh
 
 

@@ -35,6 +35,7 @@ change). Dynamically created classes: ``copy.deepcopy`` works, pickling the whol
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 
 import torch
@@ -46,7 +47,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from moe_compile.kernels import ep as _ep_ops  # noqa: F401  (registers torch.ops.moe_compile.ep_*)
 
 __all__ = ["EPInfo", "ExpertParallel", "StackedExperts", "check_fsdp_composition", "clip_grad_norm_", "ep_info", "ep_infos",
-           "fully_shard_experts", "parallelize_experts", "stack_experts"]
+           "fsdp_ignored_params", "fully_shard_experts", "parallelize_experts", "stack_experts"]
 
 LOCAL_PREFIX = "_ep_local_"
 _MESHES: dict[str, DeviceMesh] = {}        # group_name -> the mesh it came from (for state_dict)
@@ -256,34 +257,80 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
 
 
 def fully_shard_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> list[nn.Module]:
-    """Compose expert parallelism with FSDP2: ``fully_shard`` every expert container of ``model``
-    (after ``parallelize_experts``) over ``mesh``, the ranks that hold the SAME experts (the data-
-    parallel dimension orthogonal to "ep": torchtitan's dp_mod_ep; size 1 when ep spans every rank).
-    Call it before ``fully_shard`` on the blocks and the root, which then leave the experts alone::
+    """Compose expert parallelism with FSDP2, for every expert container of ``model`` (after
+    ``parallelize_experts``). ``mesh`` holds the ranks that hold the SAME experts: the data-parallel
+    dimension orthogonal to "ep" (torchtitan's dp_mod_ep), of size 1 when ep spans every rank.
+    Call it before ``fully_shard`` on the blocks and the root, and give those calls
+    ``ignored_params=moe_compile.fsdp_ignored_params(...)``::
 
         mesh = init_device_mesh("cuda", (dp, ep), mesh_dim_names=("dp", "ep"))
+        flat = mesh._flatten()                                # every rank
         moe_compile.parallelize_experts(model, mesh["ep"])
         moe_compile.fully_shard_experts(model, mesh["dp"])
-        for block in model.layers:
-            fully_shard(block, mesh=mesh._flatten())   # dense parameters over every rank
-        fully_shard(model, mesh=mesh._flatten())
+        for block in model.layers:                            # dense parameters over every rank
+            fully_shard(block, mesh=flat, ignored_params=moe_compile.fsdp_ignored_params(block))
+        fully_shard(model, mesh=flat, ignored_params=moe_compile.fsdp_ignored_params(model))
 
-    Each rank's expert gradient already sums the tokens of every ep rank (the dispatch's backward),
-    so the gradient divide factor is the number of ranks whose tokens reach an expert, ep * dp:
-    expert and dense gradients are then both means over the global batch. A root ``fully_shard``
-    without this call would shard each rank's (different) experts across the ep ranks and mix them;
-    the backend refuses to compile that (``check_fsdp_composition``)."""
-    from torch.distributed.fsdp import fully_shard
+    * ``mesh`` of several ranks: each container becomes its own ``fully_shard`` unit over ``mesh``
+      (``fsdp_kwargs`` go to it); the blocks' calls then leave it alone, and
+      ``fsdp_ignored_params`` returns nothing for it.
+    * ``mesh`` of one rank and no ``mp_policy`` / ``offload_policy`` in ``fsdp_kwargs``: there is
+      nothing to shard, and an FSDP unit would only cost (a copy of every expert weight per step,
+      hooks that break the block's compiled graph: 7-19% of a whole-model step on 2-4 H200,
+      docs/benchmarks.md). The experts stay plain local Parameters; ``fsdp_ignored_params``
+      returns them, for the blocks' and root's ``fully_shard`` to leave alone.
 
+    Either way each rank's expert gradient already sums the tokens of every ep rank (the
+    dispatch's backward), and it is divided by the number of ranks whose tokens reach an expert,
+    ep * dp (FSDP's divide factor, or a gradient hook for local experts): expert and dense
+    gradients are both means over the global batch. Forgetting ``ignored_params`` at dp = 1 (or a
+    root ``fully_shard`` without this call) would shard each rank's different experts across the
+    ep ranks: the backend refuses to compile that and names the fix (``check_fsdp_composition``)."""
     done = []
-    for _, module, _, _ in _ep_containers(model):
-        fully_shard(module, mesh=mesh, **fsdp_kwargs)
-        module.set_gradient_divide_factor(float(module._moe_ep_info.ep * mesh.size()))
+    local = mesh.size() == 1 and not any(fsdp_kwargs.get(k) is not None for k in ("mp_policy", "offload_policy"))
+    for _, module, info, _ in _ep_containers(model):
+        factor = float(info.ep * mesh.size())
+        if local:
+            _keep_local(module, factor)
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            _keep_local(module, None)
+            fully_shard(module, mesh=mesh, **fsdp_kwargs)
+            module.set_gradient_divide_factor(factor)
         done.append(module)
     if not done:
         raise ValueError("fully_shard_experts: no expert container sharded by parallelize_experts in "
                          f"{type(model).__name__}; call parallelize_experts(model, ep_mesh) first")
     return done
+
+
+def _keep_local(module: nn.Module, factor: float | None) -> None:
+    """Leave ``module``'s local expert Parameters out of FSDP (factor: their gradients' divide factor),
+    or undo that (None). Hooks of an earlier call are replaced, not stacked."""
+    for handle in module.__dict__.pop("_moe_local_grad_hooks", ()):
+        handle.remove()
+    if factor is None:
+        return
+    module._moe_local_grad_hooks = [p.register_hook(functools.partial(_divide, factor=factor))
+                                    for p in _local_params(module) if p.requires_grad]
+
+
+def _divide(grad: torch.Tensor, factor: float) -> torch.Tensor:
+    return grad / factor
+
+
+def _local_params(module: nn.Module) -> list[nn.Parameter]:
+    info = module._moe_ep_info
+    return [module._parameters[LOCAL_PREFIX + name] for name in info.names]
+
+
+def fsdp_ignored_params(module: nn.Module) -> set[nn.Parameter]:
+    """The expert Parameters under ``module`` that ``fully_shard_experts`` kept out of FSDP (its
+    mesh had one rank): pass them as ``ignored_params`` to every ``fully_shard`` over the dense
+    mesh that encloses them (the blocks and the root). Empty when there are none."""
+    return {p for _, m, _, _ in _ep_containers(module) if "_moe_local_grad_hooks" in m.__dict__
+            for p in _local_params(m)}
 
 
 def _ep_containers(model: nn.Module):
@@ -293,10 +340,16 @@ def _ep_containers(model: nn.Module):
             yield path, module, info, info.names
 
 
+_COMPOSITION_FIX = ("Call moe_compile.fully_shard_experts(model, mesh['dp']) before fully_shard on the blocks "
+                    "and the root, and give those calls ignored_params=moe_compile.fsdp_ignored_params(module), "
+                    "so that each expert container is sharded only over ranks holding the same experts")
+
+
 def check_fsdp_composition(group_name: str) -> None:
     """Raise if an FSDP2 unit shards experts sharded over ``group_name`` across ranks that hold other
-    experts (e.g. a root ``fully_shard`` over every rank without ``fully_shard_experts``): its
-    all-gather would mix the experts of different ranks. Reads FSDP2's private state of the models
+    experts (a ``fully_shard`` over every rank without ``fully_shard_experts``, or without
+    ``ignored_params=fsdp_ignored_params(...)`` where that kept the experts local): its all-gather
+    would mix the experts of different ranks. Reads FSDP2's private state of the models
     given to ``parallelize_experts``; skipped where that state has another layout (torch versions)."""
     import torch.distributed as dist
 
@@ -319,9 +372,8 @@ def check_fsdp_composition(group_name: str) -> None:
                     raise ValueError(
                         f"parallelize_experts: the experts of '{info.path or type(owner).__name__}' (sharded over "
                         f"the expert-parallel ranks {sorted(ep_ranks)}) are also sharded by FSDP over ranks "
-                        f"{sorted(ranks)}, which hold different experts: its all-gather would mix them. Call "
-                        "moe_compile.fully_shard_experts(model, mesh['dp']) before fully_shard on the blocks and "
-                        "the root, so that each expert container is sharded only over ranks holding the same experts")
+                        f"{sorted(ranks)}, which hold different experts: its all-gather would mix them. "
+                        + _COMPOSITION_FIX)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

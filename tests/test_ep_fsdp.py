@@ -1,8 +1,9 @@
 """Expert parallelism composed with FSDP2 (gloo, 2 ranks): training steps match the unsharded model.
 
 Layout (torchtitan's): experts sharded over "ep" by parallelize_experts, each expert container
-fully_shard-ed over the ranks that hold the same experts (fully_shard_experts, mesh "dp"), the dense
-parameters fully_shard-ed over every rank. The reference trains the unsharded model on the
+fully_shard-ed over the ranks that hold the same experts (fully_shard_experts, mesh "dp"; with one
+rank there it stays out of FSDP, its gradient divided by a hook), the dense parameters fully_shard-ed
+over every rank with ignored_params=fsdp_ignored_params(...). The reference trains the unsharded model on the
 concatenated batch with the mean of the ranks' losses (FSDP's mean-reduced gradients): after two
 AdamW steps with gradient clipping (moe_compile.clip_grad_norm_ across both meshes) every parameter,
 the clipped norm and the outputs agree. A root fully_shard without fully_shard_experts would shard
@@ -78,19 +79,25 @@ def _full(t):
 def body_train(rank, ws):
     import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     import moe_compile
     from moe_compile import parallel
 
-    mesh = init_device_mesh("cpu", (1, ws), mesh_dim_names=("dp", "ep"))
+    ep = ws   # dp = 1 (FSDP over dp ranks divides with PREMUL_SUM, which gloo lacks: GPU only)
+    mesh = init_device_mesh("cpu", (1, ep), mesh_dim_names=("dp", "ep"))
     every_rank = init_device_mesh("cpu", (ws,), mesh_dim_names=("all",))
     full = Model()
     model = moe_compile.parallelize_experts(copy.deepcopy(full), mesh["ep"])
     moe_compile.fully_shard_experts(model, mesh["dp"])
+    moe_compile.fully_shard_experts(model, mesh["dp"])    # a second call replaces, never stacks, the hooks
+    ignored = moe_compile.fsdp_ignored_params(model)
+    # one dp rank: nothing to shard, so no FSDP unit (its copies and graph-breaking hooks) on the experts
+    assert not isinstance(model.experts, FSDPModule)
+    assert ignored == set(model.experts.parameters())
     for module in (model.inp, model.router, model.out):
         fully_shard(module, mesh=every_rank)
-    fully_shard(model, mesh=every_rank)
+    fully_shard(model, mesh=every_rank, ignored_params=ignored)
     compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     from moe_compile import records
@@ -106,10 +113,15 @@ def body_train(rank, ws):
     for name, p in model.named_parameters():
         value = _full(p.detach())
         if "_ep_local_" in name:
-            shards = [torch.empty_like(value) for _ in range(ws)]
-            dist.all_gather(shards, value.contiguous())
+            shards = [torch.empty_like(value) for _ in range(ep)]
+            dist.all_gather(shards, value.contiguous(), group=mesh["ep"].get_group())
             value, name = torch.cat(shards), name.replace("_ep_local_", "")
         assert _rel(value, ref_params[name].detach()) <= FSDP_REL, f"{name} after {STEPS} steps"
+    # the state_dict (what torch.distributed.checkpoint saves) has every parameter at its global shape
+    state = model.state_dict()
+    assert state.keys() == ref.state_dict().keys()
+    for name, value in state.items():
+        assert _rel(_full(value), ref_params[name].detach()) <= FSDP_REL, f"state_dict()['{name}']"
 
 
 def _train(compiled, model, opt, ref, ref_opt, rank, ws, parallel):
@@ -130,18 +142,20 @@ def _train(compiled, model, opt, ref, ref_opt, rank, ws, parallel):
         assert _rel(norm, ref_norm) <= FSDP_REL, f"step {step}: clipped norm {norm} vs {ref_norm}"
 
 
-def body_root_only(rank, ws, strict):
+def body_root_only(rank, ws, strict, experts_call):
     import transformers.integrations.moe  # noqa: F401
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import moe_compile
 
-    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("ep",))
-    model = moe_compile.parallelize_experts(Model(), mesh)
-    fully_shard(model, mesh=mesh)          # the experts' shards too, across ranks with other experts
+    mesh = init_device_mesh("cpu", (1, ws), mesh_dim_names=("dp", "ep"))
+    model = moe_compile.parallelize_experts(Model(), mesh["ep"])
+    if experts_call:                       # kept local at dp = 1 ...
+        moe_compile.fully_shard_experts(model, mesh["dp"])
+    fully_shard(model, mesh=mesh._flatten())  # ... but no ignored_params: sharded across ranks with other experts
     compiled = torch.compile(model, backend="moe", options={"moe.inductor": False, "moe.strict": strict})
-    with pytest.raises(Exception, match="fully_shard_experts" if strict else "sharded"):
+    with pytest.raises(Exception, match="fsdp_ignored_params" if strict else "sharded"):
         compiled(torch.randn(6, 8))
 
 
@@ -150,7 +164,8 @@ def test_fsdp2_and_expert_parallel_train_like_unsharded():
     run_distributed(body_train, 2)
 
 
+@pytest.mark.parametrize("experts_call", [False, True], ids=["no_fully_shard_experts", "no_ignored_params"])
 @pytest.mark.parametrize("strict", [True, False])
-def test_root_fully_shard_over_sharded_experts_raises(strict):
+def test_root_fully_shard_over_sharded_experts_raises(strict, experts_call):
     pytest.importorskip("transformers")
-    run_distributed(body_root_only, 2, strict)
+    run_distributed(body_root_only, 2, strict, experts_call)

@@ -11,11 +11,6 @@ Variants (each on every rank; tokens per GPU and layer count fixed for every EP 
                     partial outputs reduce-scattered; each chunk's collectives scheduled under the other
                     chunk's expert GEMMs)
     ep_moe_chunks1  the same with "moe.ep_overlap_chunks": 1 (one chain, no overlap)
-    ep_moe_local    ep_moe_chunks1 with the experts left out of FSDP2 (model level; ep = every rank, so the
-                    experts' dp mesh has one rank): no fully_shard_experts, the blocks' and root's fully_shard
-                    get the expert parameters as ignored_params, and a gradient hook divides each expert
-                    gradient by the world size, as fully_shard_experts' divide factor does (an A/B of the
-                    experts' 1-rank FSDP unit: its copies, hooks and graph break)
     ep_titan        the anchor: EP the way torchtitan's ExpertParallel does it today (TitanExperts below:
                     counts exchanged, split sizes copied to the host with .tolist(), NCCL all_to_all_single
                     with variable splits, grouped_mm), stock Inductor per block with capture_scalar_outputs
@@ -93,7 +88,7 @@ import flops  # noqa: E402  (examples/flops.py)
 from ab import length, merge, uncovered  # noqa: E402,F401  (examples/benchmark/ab.py; tests use ep.merge / ep.uncovered)
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-VARIANTS = ("single_moe", "ep_moe", "ep_moe_chunks1", "ep_moe_local", "ep_titan", "ep_deepep")
+VARIANTS = ("single_moe", "ep_moe", "ep_moe_chunks1", "ep_titan", "ep_deepep")
 LEVELS = ("layer", "model")
 ANCHOR = "ep_titan"
 
@@ -670,12 +665,9 @@ def build(level: str, cfg, variant: str, ctx: Ctx):
     gc.collect()
     ignored = set()
     if level == "model":  # experts over the ranks holding the same experts (dp), dense parts over every rank
-        if variant == "ep_moe_local":   # dp has one rank: no FSDP unit; the mean over every rank's tokens by hand
-            ignored = {p for moe in moe_modules(module) for p in moe.experts.parameters()}
-            for p in ignored:
-                p.register_hook(lambda g, world=float(ctx.world): g / world)
-        elif variant.startswith("ep_moe"):
+        if variant.startswith("ep_moe"):   # dp has one rank here: the experts stay out of FSDP
             moe_compile.fully_shard_experts(module, mesh["dp"])
+            ignored = moe_compile.fsdp_ignored_params(module)
         else:
             for moe in moe_modules(module):
                 fully_shard(moe.experts, mesh=mesh["dp"])
