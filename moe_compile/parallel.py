@@ -41,7 +41,7 @@ import weakref
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from moe_compile.kernels import ep as _ep_ops  # noqa: F401  (registers torch.ops.moe_compile.ep_*)
@@ -159,7 +159,9 @@ def _ep_class(cls: type, names: tuple[str, ...], num_experts: int, group_name: s
             local = LOCAL_PREFIX + name
 
             def get(self):
-                return torch.ops.moe_compile.ep_experts(getattr(self, local), num_experts, group_name)
+                rows = getattr(self, local)
+                rows = rows.to_local() if isinstance(rows, DTensor) else rows   # kept out of FSDP: _keep_local
+                return torch.ops.moe_compile.ep_experts(rows, num_experts, group_name)
             get.__name__ = name
             return property(get, doc=f"[E={num_experts}, ...] expert-parallel view of {local} (marker op)")
 
@@ -169,6 +171,13 @@ def _ep_class(cls: type, names: tuple[str, ...], num_experts: int, group_name: s
     return _EP_CLASSES[key]
 
 
+def _global_view(rows: torch.Tensor, info: EPInfo) -> DTensor:
+    """This rank's expert rows as the Shard(0) DTensor of the global [E, ...] tensor over the ep mesh."""
+    shape = torch.Size((info.num_experts, *rows.shape[1:]))
+    return DTensor.from_local(rows, info.mesh, [Shard(0)], run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
+
+
 def _state_dict_post_hook(module, state_dict, prefix, local_metadata):
     info = module._moe_ep_info
     mesh = info.mesh
@@ -176,10 +185,12 @@ def _state_dict_post_hook(module, state_dict, prefix, local_metadata):
         local = state_dict.pop(prefix + LOCAL_PREFIX + name, None)
         if local is None:
             continue
-        shape = torch.Size((info.num_experts, *local.shape[1:]))
-        stride = torch.empty(shape, device="meta").stride()
-        state_dict[prefix + name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape,
-                                                       stride=stride)
+        if isinstance(local, DTensor) and local.device_mesh == mesh:   # kept out of FSDP: already the view
+            state_dict[prefix + name] = local
+            continue
+        if isinstance(local, DTensor):   # fully_shard_experts over dp > 1 ranks: FSDP's shard of this rank's rows
+            local = local.full_tensor()
+        state_dict[prefix + name] = _global_view(local, info)
 
 
 def _local_rows(value: torch.Tensor, info: EPInfo, key: str) -> torch.Tensor | str:
@@ -204,8 +215,13 @@ def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict
         rows = _local_rows(state_dict.pop(prefix + name), info, prefix + name)
         if isinstance(rows, str):
             error_msgs.append(rows)
-        else:
-            state_dict[prefix + LOCAL_PREFIX + name] = rows
+            continue
+        held = module._parameters.get(LOCAL_PREFIX + name)
+        if isinstance(held, DTensor) and held.device_mesh == info.mesh:   # kept out of FSDP
+            rows = _global_view(rows.to(held.device), info)
+        elif isinstance(held, DTensor):  # FSDP-sharded over dp ranks, which all hold these rows
+            rows = distribute_tensor(rows.to(held.device), held.device_mesh, held.placements)
+        state_dict[prefix + LOCAL_PREFIX + name] = rows
 
 
 def _shard(path: str, module: nn.Module, num_experts: int, names: tuple[str, ...], mesh: DeviceMesh) -> None:
@@ -271,6 +287,7 @@ def fully_shard_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> li
         for block in model.layers:                            # dense parameters over every rank
             fully_shard(block, mesh=flat, ignored_params=moe_compile.fsdp_ignored_params(block))
         fully_shard(model, mesh=flat, ignored_params=moe_compile.fsdp_ignored_params(model))
+        optimizer = torch.optim.AdamW(model.parameters())     # after: the Parameters were replaced
 
     * ``mesh`` of several ranks: each container becomes its own ``fully_shard`` unit over ``mesh``
       (``fsdp_kwargs`` go to it); the blocks' calls then leave it alone, and
@@ -278,12 +295,12 @@ def fully_shard_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> li
     * ``mesh`` of one rank and no ``mp_policy`` / ``offload_policy`` in ``fsdp_kwargs``: there is
       nothing to shard, and an FSDP unit would only cost (a copy of every expert weight per step,
       hooks that break the block's compiled graph: 7-19% of a whole-model step on 2-4 H200,
-      docs/benchmarks.md). The experts stay plain local Parameters; ``fsdp_ignored_params``
-      returns them, for the blocks' and root's ``fully_shard`` to leave alone.
+      docs/benchmarks.md). The experts stay out of FSDP: ``fsdp_ignored_params`` returns them, for
+      the blocks' and root's ``fully_shard`` to leave alone.
 
     Either way each rank's expert gradient already sums the tokens of every ep rank (the
     dispatch's backward), and it is divided by the number of ranks whose tokens reach an expert,
-    ep * dp (FSDP's divide factor, or a gradient hook for local experts): expert and dense
+    ep * dp (FSDP's divide factor, or a gradient hook for experts out of FSDP): expert and dense
     gradients are both means over the global batch. Forgetting ``ignored_params`` at dp = 1 (or a
     root ``fully_shard`` without this call) would shard each rank's different experts across the
     ep ranks: the backend refuses to compile that and names the fix (``check_fsdp_composition``)."""
@@ -291,12 +308,12 @@ def fully_shard_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> li
     local = mesh.size() == 1 and not any(fsdp_kwargs.get(k) is not None for k in ("mp_policy", "offload_policy"))
     for _, module, info, _ in _ep_containers(model):
         factor = float(info.ep * mesh.size())
-        if local:
-            _keep_local(module, factor)
+        if local:   # a repeated call keeps the form fsdp_ignored_params gave the Parameters
+            _keep_local(module, factor, view=_viewed(module, info.names[0]))
         else:
             from torch.distributed.fsdp import fully_shard
 
-            _keep_local(module, None)
+            _keep_local(module, None, view=False)
             fully_shard(module, mesh=mesh, **fsdp_kwargs)
             module.set_gradient_divide_factor(factor)
         done.append(module)
@@ -306,15 +323,50 @@ def fully_shard_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> li
     return done
 
 
-def _keep_local(module: nn.Module, factor: float | None) -> None:
-    """Leave ``module``'s local expert Parameters out of FSDP (factor: their gradients' divide factor),
-    or undo that (None). Hooks of an earlier call are replaced, not stacked."""
+def fsdp_ignored_params(module: nn.Module) -> set[nn.Parameter]:
+    """The expert Parameters under ``module`` that ``fully_shard_experts`` kept out of FSDP (its
+    mesh had one rank): pass them as ``ignored_params`` to every ``fully_shard`` over the dense
+    mesh that encloses them (the blocks and the root). Empty when there are none.
+
+    They become (once; later calls return the same objects) DTensor Parameters of the global
+    [E, ...] shape, Shard(0) over the ep mesh, as FSDP's Parameters are DTensors: optimizers
+    (foreach, fused) and ``clip_grad_norm_`` take one list of DTensors on several meshes, but not
+    DTensors mixed with plain tensors. Build the optimizer after this call."""
+    found = set()
+    for _, m, _, _ in _ep_containers(module):
+        factor = m.__dict__.get("_moe_local_factor")
+        if factor is not None:
+            _keep_local(m, factor, view=True)
+            found.update(_local_params(m))
+    return found
+
+
+def _keep_local(module: nn.Module, factor: float | None, view: bool) -> None:
+    """Keep ``module``'s expert Parameters out of FSDP, their gradients divided by ``factor`` (a hook),
+    as local rows or (view) as the DTensor of the global tensor; or undo that (factor None). The
+    marker property reads the local rows either way. Hooks of an earlier call are replaced."""
     for handle in module.__dict__.pop("_moe_local_grad_hooks", ()):
         handle.remove()
-    if factor is None:
-        return
-    module._moe_local_grad_hooks = [p.register_hook(functools.partial(_divide, factor=factor))
-                                    for p in _local_params(module) if p.requires_grad]
+    module.__dict__.pop("_moe_local_factor", None)
+    info = module._moe_ep_info
+    for name in info.names:
+        held = module._parameters[LOCAL_PREFIX + name]
+        viewed = _viewed(module, name)
+        if viewed != (view and factor is not None):
+            value = held.detach().to_local() if viewed else _global_view(held.detach(), info)
+            param = nn.Parameter(value, requires_grad=held.requires_grad)
+            param.__dict__.update(held.__dict__)    # _moe_ep_info, HF's flags
+            module._parameters[LOCAL_PREFIX + name] = param
+    if factor is not None:
+        module._moe_local_factor = factor
+        module._moe_local_grad_hooks = [p.register_hook(functools.partial(_divide, factor=factor))
+                                        for p in _local_params(module) if p.requires_grad]
+
+
+def _viewed(module: nn.Module, name: str) -> bool:
+    """Whether the Parameter of ``name`` is the DTensor view that fsdp_ignored_params makes."""
+    held = module._parameters[LOCAL_PREFIX + name]
+    return isinstance(held, DTensor) and held.device_mesh == module._moe_ep_info.mesh
 
 
 def _divide(grad: torch.Tensor, factor: float) -> torch.Tensor:
@@ -324,14 +376,6 @@ def _divide(grad: torch.Tensor, factor: float) -> torch.Tensor:
 def _local_params(module: nn.Module) -> list[nn.Parameter]:
     info = module._moe_ep_info
     return [module._parameters[LOCAL_PREFIX + name] for name in info.names]
-
-
-def fsdp_ignored_params(module: nn.Module) -> set[nn.Parameter]:
-    """The expert Parameters under ``module`` that ``fully_shard_experts`` kept out of FSDP (its
-    mesh had one rank): pass them as ``ignored_params`` to every ``fully_shard`` over the dense
-    mesh that encloses them (the blocks and the root). Empty when there are none."""
-    return {p for _, m, _, _ in _ep_containers(module) if "_moe_local_grad_hooks" in m.__dict__
-            for p in _local_params(m)}
 
 
 def _ep_containers(model: nn.Module):
@@ -399,8 +443,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     parts = []
     for (mesh, ep_group), params in groups.items():
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        if ep_group is not None:  # each ep rank holds other experts: combine their norms
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm   # over the grads' own mesh
+        if ep_group is not None and not _spans(mesh, ep_group):  # ep ranks hold other experts: combine
             group = dist.distributed_c10d._resolve_process_group(ep_group)
             if norm_type == float("inf"):
                 dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
@@ -413,6 +457,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     for params in groups.values():
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
+
+
+def _spans(mesh, group_name: str) -> bool:
+    """Whether DTensors on ``mesh`` are sharded over the process group ``group_name`` (their norm's
+    full_tensor() then already sums its ranks)."""
+    return mesh is not None and group_name in {mesh.get_group(d).group_name for d in range(mesh.ndim)}
 
 
 def _owner(model: nn.Module, name: str) -> nn.Module:

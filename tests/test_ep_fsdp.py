@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from dist_utils import run_distributed
 
@@ -48,14 +49,14 @@ class Experts(nn.Module):
                                                        offs=offs)
         h = h * w.reshape(-1)[perm].unsqueeze(-1)
         inv = torch.empty_like(perm)
-        inv[perm] = torch.arange(perm.numel())
+        inv[perm] = torch.arange(perm.numel(), device=perm.device)
         return h[inv].view(t, k, -1).sum(1)
 
 
 class Model(nn.Module):
-    def __init__(self, h=8, i=6, e=4, k=2):
+    def __init__(self, h=8, i=6, e=4, k=2, seed=0):
         super().__init__()
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         self.k = k
         self.inp = nn.Linear(h, h)
         self.router = nn.Linear(h, e, bias=False)
@@ -76,7 +77,9 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def body_train(rank, ws):
+def body_train(rank, ws, dp=1, device="cpu", rel=FSDP_REL):
+    """dp=1 here (FSDP over dp ranks divides with PREMUL_SUM, which gloo lacks); tests/gpu/test_ep_cuda.py
+    runs dp=1 and dp=2 on NCCL."""
     import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -84,49 +87,52 @@ def body_train(rank, ws):
     import moe_compile
     from moe_compile import parallel
 
-    ep = ws   # dp = 1 (FSDP over dp ranks divides with PREMUL_SUM, which gloo lacks: GPU only)
-    mesh = init_device_mesh("cpu", (1, ep), mesh_dim_names=("dp", "ep"))
-    every_rank = init_device_mesh("cpu", (ws,), mesh_dim_names=("all",))
-    full = Model()
+    ep = ws // dp
+    mesh = init_device_mesh(device, (dp, ep), mesh_dim_names=("dp", "ep"))
+    every_rank = init_device_mesh(device, (ws,), mesh_dim_names=("all",))
+    full = Model(e=2 * ep).to(device)
     model = moe_compile.parallelize_experts(copy.deepcopy(full), mesh["ep"])
     moe_compile.fully_shard_experts(model, mesh["dp"])
-    moe_compile.fully_shard_experts(model, mesh["dp"])    # a second call replaces, never stacks, the hooks
+    if dp == 1:
+        moe_compile.fully_shard_experts(model, mesh["dp"])  # a second call replaces, never stacks, the hooks
     ignored = moe_compile.fsdp_ignored_params(model)
     # one dp rank: nothing to shard, so no FSDP unit (its copies and graph-breaking hooks) on the experts
-    assert not isinstance(model.experts, FSDPModule)
-    assert ignored == set(model.experts.parameters())
+    assert isinstance(model.experts, FSDPModule) == (dp > 1)
+    assert ignored == (set(model.experts.parameters()) if dp == 1 else set())
     for module in (model.inp, model.router, model.out):
         fully_shard(module, mesh=every_rank)
     fully_shard(model, mesh=every_rank, ignored_params=ignored)
     compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)   # one list: DTensors on two meshes
     from moe_compile import records
 
     ref = copy.deepcopy(full)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     with records.recording() as graphs:
-        _train(compiled, model, opt, ref, ref_opt, rank, ws, parallel)
+        _train(compiled, model, opt, ref, ref_opt, rank, ws, parallel, device, rel)
     found = [r for g in graphs for r in g]
     assert any(r.status == "rewritten" for r in found), found
     assert not [r for r in found if r.status != "rewritten"], f"FSDP2's hook graph breaks reported: {found}"
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
-        value = _full(p.detach())
-        if "_ep_local_" in name:
+        value, name = _full(p.detach()), name.replace("_ep_local_", "")
+        if value.shape != ref_params[name].shape:   # this rank's expert rows (dp > 1: FSDP's DTensor over dp)
             shards = [torch.empty_like(value) for _ in range(ep)]
             dist.all_gather(shards, value.contiguous(), group=mesh["ep"].get_group())
-            value, name = torch.cat(shards), name.replace("_ep_local_", "")
-        assert _rel(value, ref_params[name].detach()) <= FSDP_REL, f"{name} after {STEPS} steps"
+            value = torch.cat(shards)
+        # kept out of FSDP, the experts are DTensors too: one optimizer list with FSDP's (foreach, fused)
+        assert isinstance(p, DTensor), name
+        assert _rel(value, ref_params[name].detach()) <= rel, f"{name} after {STEPS} steps"
     # the state_dict (what torch.distributed.checkpoint saves) has every parameter at its global shape
     state = model.state_dict()
     assert state.keys() == ref.state_dict().keys()
     for name, value in state.items():
-        assert _rel(_full(value), ref_params[name].detach()) <= FSDP_REL, f"state_dict()['{name}']"
+        assert _rel(_full(value), ref_params[name].detach()) <= rel, f"state_dict()['{name}']"
 
 
-def _train(compiled, model, opt, ref, ref_opt, rank, ws, parallel):
+def _train(compiled, model, opt, ref, ref_opt, rank, ws, parallel, device, rel):
     for step in range(STEPS):
-        xs = [torch.randn(6, 8, generator=torch.Generator().manual_seed(100 * step + r)) for r in range(ws)]
+        xs = [torch.randn(6, 8, generator=torch.Generator().manual_seed(100 * step + r)).to(device) for r in range(ws)]
         out = compiled(xs[rank])
         out.square().mean().backward()
         norm = parallel.clip_grad_norm_(model, CLIP)
@@ -138,8 +144,43 @@ def _train(compiled, model, opt, ref, ref_opt, rank, ws, parallel):
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
         ref_opt.step()
         ref_opt.zero_grad()
-        assert _rel(out.detach(), ref_out.detach()[rank * 6:(rank + 1) * 6]) <= FSDP_REL, f"step {step}: output"
-        assert _rel(norm, ref_norm) <= FSDP_REL, f"step {step}: clipped norm {norm} vs {ref_norm}"
+        assert _rel(out.detach(), ref_out.detach()[rank * 6:(rank + 1) * 6]) <= rel, f"step {step}: output"
+        assert _rel(norm, ref_norm) <= rel, f"step {step}: clipped norm {norm} vs {ref_norm}"
+
+
+def body_state_dict_over_dp(rank, ws):
+    """dp=2 x ep=2: each expert container is an FSDP unit over its 2 dp ranks. state_dict() shows
+    every parameter at its global shape (the experts as Shard(0) over ep), and load_state_dict takes
+    such a state_dict into a model with other weights (what torch.distributed.checkpoint does).
+    (Training needs FSDP's PREMUL_SUM reduce-scatter, which gloo lacks.)"""
+    import transformers.integrations.moe  # noqa: F401
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    import moe_compile
+
+    mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "ep"))
+    every_rank = init_device_mesh("cpu", (ws,), mesh_dim_names=("all",))
+
+    def sharded(model):
+        moe_compile.parallelize_experts(model, mesh["ep"])
+        moe_compile.fully_shard_experts(model, mesh["dp"])
+        assert isinstance(model.experts, FSDPModule) and not moe_compile.fsdp_ignored_params(model)
+        for module in (model.inp, model.router, model.out):
+            fully_shard(module, mesh=every_rank)
+        fully_shard(model, mesh=every_rank)
+        return model
+
+    full = Model(e=4)
+    want = full.state_dict()
+    saved = sharded(copy.deepcopy(full)).state_dict()
+    other = sharded(Model(e=4, seed=1))
+    assert not torch.equal(_full(other.state_dict()["experts.down_proj"]), want["experts.down_proj"])
+    other.load_state_dict(saved)
+    for got in (saved, other.state_dict()):
+        assert got.keys() == want.keys()
+        for name, value in got.items():
+            assert torch.equal(_full(value), want[name]), f"state_dict()['{name}']"
 
 
 def body_root_only(rank, ws, strict, experts_call):
@@ -162,6 +203,12 @@ def body_root_only(rank, ws, strict, experts_call):
 def test_fsdp2_and_expert_parallel_train_like_unsharded():
     pytest.importorskip("transformers")
     run_distributed(body_train, 2)
+
+
+@pytest.mark.slow
+def test_state_dict_with_experts_sharded_over_dp_ranks():
+    pytest.importorskip("transformers")
+    run_distributed(body_state_dict_over_dp, 4)
 
 
 @pytest.mark.parametrize("experts_call", [False, True], ids=["no_fully_shard_experts", "no_ignored_params"])

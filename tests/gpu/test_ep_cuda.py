@@ -27,6 +27,10 @@ import torch.multiprocessing as mp  # noqa: E402
 # as helpers.BF16_REL / BF16_GRAD_REL for compiled-vs-eager bf16.
 EP_BF16_REL = 3e-2
 EP_BF16_GRAD_REL = 6e-2
+# fp32 training steps, sharded vs unsharded (tests/test_ep_fsdp.py's FSDP_REL is 1e-5 on the CPU): on the
+# GPU the grouped GEMMs multiply fp32 as tf32x3 (three tf32 products, ~1e-6 relative per product, against
+# eager's fp32 matmuls), and two AdamW steps carry that into the weights; 10x margin over ~1e-5.
+EP_FSDP_FP32_REL = 1e-4
 
 
 def _rel(got, ref):
@@ -88,4 +92,32 @@ def test_ep2_step_sync_free_and_matches_unsharded(cudagraphs, chunks):
         pytest.skip(f"MOE_EP_RANKS={world} but {torch.cuda.device_count()} GPUs")
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_body, args=(world, os.path.join(tmp, "store"), cudagraphs, chunks), nprocs=world,
+                           start_method="spawn")
+
+
+def _fsdp_body(rank, world, init_file, dp):
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        import test_ep_fsdp as cases
+
+        cases.body_train(rank, world, dp=dp, device="cuda", rel=EP_FSDP_FP32_REL)
+    finally:
+        torch.cuda.synchronize()
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dp", [1, 2], ids=["experts_local", "experts_fsdp_over_dp"])
+def test_ep_fsdp2_trains_like_unsharded(dp):
+    """FSDP2 + expert parallelism on NCCL: dp=1 (the experts out of FSDP) and dp=2 x ep=2 (each expert
+    container an FSDP unit over its dp ranks: FSDP's PREMUL_SUM reduce-scatter, which gloo lacks)."""
+    pytest.importorskip("transformers")
+    world = int(os.environ.get("MOE_EP_RANKS", min(torch.cuda.device_count(), 2)))
+    if world // dp < 2 or world % dp:
+        pytest.skip(f"dp={dp} needs ep >= 2: {world} ranks (MOE_EP_RANKS=4 on the 4-GPU kind)")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_fsdp_body, args=(world, os.path.join(tmp, "store"), dp), nprocs=world,
                            start_method="spawn")
