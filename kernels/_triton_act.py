@@ -1,6 +1,7 @@
 """Triton kernels of the expert activation (imported only by ``cuda.py``): SwiGLU and its backward,
 plain or with each permuted row's routing weight (``weighted_swiglu``). fp32 math, one rounding per
-output; rows past ``offsets[E-1]`` (dropped) get weight 0; static grids (CUDA-graph safe); the
+output; rows past ``offsets[E-1]`` (dropped) get weight 0, and the weighted kernels write them as 0
+without reading them; static grids (CUDA-graph safe); the
 weight's gradient sums each row's columns in order in fp32 (deterministic, no atomics).
 """
 from __future__ import annotations
@@ -36,12 +37,16 @@ def _swiglu_kernel(h_ptr, a_ptr, w_ptr, perm_ptr, offs_ptr, M, N, E, sh, sa,
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     rmask = rows < M
     mask = rmask[:, None] & (cols < N)[None, :]
+    load = mask
+    if HAS_W:   # a dropped row's output is 0 whatever h holds: its h is not read (the padded receive
+        # rows of expert parallelism, ep·T·k rows for T·k routed ones, are most of the bytes otherwise)
+        q, keep = _row_pairs(perm_ptr, offs_ptr, rows, rmask, E)
+        load = keep[:, None] & (cols < N)[None, :]
     base = h_ptr + rows.to(tl.int64)[:, None] * sh + cols[None, :]
-    g = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(base + N, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(base, mask=load, other=0.0).to(tl.float32)
+    u = tl.load(base + N, mask=load, other=0.0).to(tl.float32)
     a = silu_mul(g, u)
     if HAS_W:
-        q, keep = _row_pairs(perm_ptr, offs_ptr, rows, rmask, E)
         a = a * tl.load(w_ptr + q, mask=keep, other=0.0).to(tl.float32)[:, None]
     tl.store(a_ptr + rows.to(tl.int64)[:, None] * sa + cols[None, :], a.to(a_ptr.dtype.element_ty), mask=mask)
 
@@ -87,10 +92,11 @@ def _weighted_swiglu_bwd_kernel(h_ptr, da_ptr, w_ptr, perm_ptr, offs_ptr, dh_ptr
     for c0 in range(0, N, BN):
         cols = c0 + tl.arange(0, BN)
         mask = rmask[:, None] & (cols < N)[None, :]
+        load = keep[:, None] & (cols < N)[None, :]   # dropped rows: dh = 0 and dw = 0, h and da not read
         hb = h_ptr + r64 * sh + cols[None, :]
-        g = tl.load(hb, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(hb + N, mask=mask, other=0.0).to(tl.float32)
-        d = tl.load(da_ptr + r64 * sda + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(hb, mask=load, other=0.0).to(tl.float32)
+        u = tl.load(hb + N, mask=load, other=0.0).to(tl.float32)
+        d = tl.load(da_ptr + r64 * sda + cols[None, :], mask=load, other=0.0).to(tl.float32)
         acc += tl.sum(d * silu_mul(g, u), axis=1)
         dg, du = swiglu_grads(g, u, d * w[:, None])
         ob = dh_ptr + r64 * sdh + cols[None, :]
