@@ -35,7 +35,6 @@ change). Dynamically created classes: ``copy.deepcopy`` works, pickling the whol
 from __future__ import annotations
 
 import dataclasses
-import functools
 import weakref
 
 import torch
@@ -151,6 +150,22 @@ def _ep_dim(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["ep"]
 
 
+class _DivideGrad(torch.autograd.Function):
+    """Identity forward; the backward divides the gradient by ``divisor`` (as FSDP's divide factor).
+    Traced by Dynamo, so it survives whatever replaces the Parameter objects (``model.to``,
+    ``to_empty`` after meta init, ``load_state_dict(assign=True)``), which a tensor hook on the
+    Parameter does not."""
+
+    @staticmethod
+    def forward(ctx, rows, divisor):
+        ctx.divisor = divisor
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.divisor, None
+
+
 def _ep_class(cls: type, names: tuple[str, ...], num_experts: int, group_name: str) -> type:
     """``cls`` plus one property per sharded name returning the ep_experts marker of the local shard."""
     key = (cls, names, num_experts, group_name)
@@ -161,12 +176,16 @@ def _ep_class(cls: type, names: tuple[str, ...], num_experts: int, group_name: s
             def get(self):
                 rows = getattr(self, local)
                 rows = rows.to_local() if isinstance(rows, DTensor) else rows   # kept out of FSDP: _keep_local
+                divisor = self._moe_grad_divisor
+                if divisor is not None:  # kept out of FSDP: FSDP's gradient division, in the traced graph
+                    rows = _DivideGrad.apply(rows, divisor)
                 return torch.ops.moe_compile.ep_experts(rows, num_experts, group_name)
             get.__name__ = name
             return property(get, doc=f"[E={num_experts}, ...] expert-parallel view of {local} (marker op)")
 
         ns = {n: marker(n) for n in names}
         ns["__module__"] = cls.__module__
+        ns["_moe_grad_divisor"] = None      # the divide factor once fully_shard_experts keeps the experts local
         _EP_CLASSES[key] = type(f"ExpertParallel{cls.__name__}", (cls,), ns)
     return _EP_CLASSES[key]
 
@@ -300,7 +319,8 @@ def fully_shard_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> li
 
     Either way each rank's expert gradient already sums the tokens of every ep rank (the
     dispatch's backward), and it is divided by the number of ranks whose tokens reach an expert,
-    ep * dp (FSDP's divide factor, or a gradient hook for experts out of FSDP): expert and dense
+    ep * dp (FSDP's divide factor, or for experts out of FSDP a gradient scale the expert-parallel
+    property puts in the traced graph): expert and dense
     gradients are both means over the global batch. Forgetting ``ignored_params`` at dp = 1 (or a
     root ``fully_shard`` without this call) would shard each rank's different experts across the
     ep ranks: the backend refuses to compile that and names the fix (``check_fsdp_composition``)."""
@@ -331,23 +351,20 @@ def fsdp_ignored_params(module: nn.Module) -> set[nn.Parameter]:
     They become (once; later calls return the same objects) DTensor Parameters of the global
     [E, ...] shape, Shard(0) over the ep mesh, as FSDP's Parameters are DTensors: optimizers
     (foreach, fused) and ``clip_grad_norm_`` take one list of DTensors on several meshes, but not
-    DTensors mixed with plain tensors. Build the optimizer after this call."""
+    DTensors mixed with plain tensors. Like ``fully_shard``, it replaces Parameter objects: build
+    the optimizer after it (one built before holds Parameters that get no gradient)."""
     found = set()
     for _, m, _, _ in _ep_containers(module):
-        factor = m.__dict__.get("_moe_local_factor")
-        if factor is not None:
-            _keep_local(m, factor, view=True)
+        if m._moe_grad_divisor is not None:
+            _keep_local(m, m._moe_grad_divisor, view=True)
             found.update(_local_params(m))
     return found
 
 
 def _keep_local(module: nn.Module, factor: float | None, view: bool) -> None:
-    """Keep ``module``'s expert Parameters out of FSDP, their gradients divided by ``factor`` (a hook),
-    as local rows or (view) as the DTensor of the global tensor; or undo that (factor None). The
-    marker property reads the local rows either way. Hooks of an earlier call are replaced."""
-    for handle in module.__dict__.pop("_moe_local_grad_hooks", ()):
-        handle.remove()
-    module.__dict__.pop("_moe_local_factor", None)
+    """Keep ``module``'s expert Parameters out of FSDP, their gradients divided by ``factor`` (in the
+    traced graph: the marker property's ``_DivideGrad``), as local rows or (view) as the DTensor of the
+    global tensor; or undo that (factor None). The marker property reads the local rows either way."""
     info = module._moe_ep_info
     for name in info.names:
         held = module._parameters[LOCAL_PREFIX + name]
@@ -357,20 +374,13 @@ def _keep_local(module: nn.Module, factor: float | None, view: bool) -> None:
             param = nn.Parameter(value, requires_grad=held.requires_grad)
             param.__dict__.update(held.__dict__)    # _moe_ep_info, HF's flags
             module._parameters[LOCAL_PREFIX + name] = param
-    if factor is not None:
-        module._moe_local_factor = factor
-        module._moe_local_grad_hooks = [p.register_hook(functools.partial(_divide, factor=factor))
-                                        for p in _local_params(module) if p.requires_grad]
+    module._moe_grad_divisor = factor
 
 
 def _viewed(module: nn.Module, name: str) -> bool:
     """Whether the Parameter of ``name`` is the DTensor view that fsdp_ignored_params makes."""
     held = module._parameters[LOCAL_PREFIX + name]
     return isinstance(held, DTensor) and held.device_mesh == module._moe_ep_info.mesh
-
-
-def _divide(grad: torch.Tensor, factor: float) -> torch.Tensor:
-    return grad / factor
 
 
 def _local_params(module: nn.Module) -> list[nn.Parameter]:

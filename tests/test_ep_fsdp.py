@@ -2,7 +2,7 @@
 
 Layout (torchtitan's): experts sharded over "ep" by parallelize_experts, each expert container
 fully_shard-ed over the ranks that hold the same experts (fully_shard_experts, mesh "dp"; with one
-rank there it stays out of FSDP, its gradient divided by a hook), the dense parameters fully_shard-ed
+rank there it stays out of FSDP, its gradient divided in the traced graph), the dense parameters fully_shard-ed
 over every rank with ignored_params=fsdp_ignored_params(...). The reference trains the unsharded model on the
 concatenated batch with the mean of the ranks' losses (FSDP's mean-reduced gradients): after two
 AdamW steps with gradient clipping (moe_compile.clip_grad_norm_ across both meshes) every parameter,
@@ -77,7 +77,7 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def body_train(rank, ws, dp=1, device="cpu", rel=FSDP_REL):
+def body_train(rank, ws, dp=1, device="cpu", rel=FSDP_REL, meta=False):
     """dp=1 here (FSDP over dp ranks divides with PREMUL_SUM, which gloo lacks); tests/gpu/test_ep_cuda.py
     runs dp=1 and dp=2 on NCCL."""
     import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
@@ -91,17 +91,28 @@ def body_train(rank, ws, dp=1, device="cpu", rel=FSDP_REL):
     mesh = init_device_mesh(device, (dp, ep), mesh_dim_names=("dp", "ep"))
     every_rank = init_device_mesh(device, (ws,), mesh_dim_names=("all",))
     full = Model(e=2 * ep).to(device)
-    model = moe_compile.parallelize_experts(copy.deepcopy(full), mesh["ep"])
-    moe_compile.fully_shard_experts(model, mesh["dp"])
-    if dp == 1:
-        moe_compile.fully_shard_experts(model, mesh["dp"])  # a second call replaces, never stacks, the hooks
-    ignored = moe_compile.fsdp_ignored_params(model)
-    # one dp rank: nothing to shard, so no FSDP unit (its copies and graph-breaking hooks) on the experts
-    assert isinstance(model.experts, FSDPModule) == (dp > 1)
-    assert ignored == (set(model.experts.parameters()) if dp == 1 else set())
-    for module in (model.inp, model.router, model.out):
-        fully_shard(module, mesh=every_rank)
-    fully_shard(model, mesh=every_rank, ignored_params=ignored)
+
+    def sharded(model):
+        moe_compile.parallelize_experts(model, mesh["ep"])
+        moe_compile.fully_shard_experts(model, mesh["dp"])
+        if dp == 1:
+            moe_compile.fully_shard_experts(model, mesh["dp"])  # a second call does not divide twice
+        ignored = moe_compile.fsdp_ignored_params(model)
+        # one dp rank: nothing to shard, so no FSDP unit (its copies and graph-breaking hooks) on the experts
+        assert isinstance(model.experts, FSDPModule) == (dp > 1)
+        assert ignored == (set(model.experts.parameters()) if dp == 1 else set())
+        for module in (model.inp, model.router, model.out):
+            fully_shard(module, mesh=every_rank)
+        fully_shard(model, mesh=every_rank, ignored_params=ignored)
+        return model
+
+    if meta:   # torchtitan's order: build on meta, shard, to_empty (replaces every Parameter), load
+        with torch.device("meta"):
+            model = sharded(Model(e=2 * ep))
+        model.to_empty(device=device)
+        model.load_state_dict(sharded(copy.deepcopy(full)).state_dict())
+    else:
+        model = sharded(copy.deepcopy(full))
     compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)   # one list: DTensors on two meshes
     from moe_compile import records
@@ -200,9 +211,10 @@ def body_root_only(rank, ws, strict, experts_call):
         compiled(torch.randn(6, 8))
 
 
-def test_fsdp2_and_expert_parallel_train_like_unsharded():
+@pytest.mark.parametrize("meta", [False, True], ids=["built", "meta_init"])
+def test_fsdp2_and_expert_parallel_train_like_unsharded(meta):
     pytest.importorskip("transformers")
-    run_distributed(body_train, 2)
+    run_distributed(body_train, 2, 1, "cpu", FSDP_REL, meta)
 
 
 @pytest.mark.slow
