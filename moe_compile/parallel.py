@@ -319,9 +319,8 @@ def fully_shard_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> li
 
     Either way each rank's expert gradient already sums the tokens of every ep rank (the
     dispatch's backward), and it is divided by the number of ranks whose tokens reach an expert,
-    ep * dp (FSDP's divide factor, or for experts out of FSDP a gradient scale the expert-parallel
-    property puts in the traced graph): expert and dense
-    gradients are both means over the global batch. Forgetting ``ignored_params`` at dp = 1 (or a
+    ep * dp (FSDP's divide factor; out of FSDP, ``_DivideGrad`` in the traced graph): expert and
+    dense gradients are both means over the global batch. Forgetting ``ignored_params`` at dp = 1 (or a
     root ``fully_shard`` without this call) would shard each rank's different experts across the
     ep ranks: the backend refuses to compile that and names the fix (``check_fsdp_composition``)."""
     done = []
