@@ -445,7 +445,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         if p.grad is None:
             continue
         info = getattr(_owner(model, name), "_moe_ep_info", None)
-        key = (getattr(p.grad, "device_mesh", None), info.group_name if isinstance(info, EPInfo) else None)
+        # a Parameter the container holds beside its expert shards is the same on every ep rank: counted once
+        sharded = isinstance(info, EPInfo) and name.rpartition(".")[2].startswith(LOCAL_PREFIX)
+        key = (getattr(p.grad, "device_mesh", None), info.group_name if sharded else None)
         groups.setdefault(key, []).append(p)
     if not groups:
         return torch.zeros(())

@@ -228,3 +228,31 @@ def test_state_dict_with_experts_sharded_over_dp_ranks():
 def test_root_fully_shard_over_sharded_experts_raises(strict, experts_call):
     pytest.importorskip("transformers")
     run_distributed(body_root_only, 2, strict, experts_call)
+
+
+class ExpertsWithScale(Experts):
+    """An expert container that also holds a Parameter that is not per expert (replicated on every ep rank)."""
+
+    def __init__(self, e, h, i):
+        super().__init__(e, h, i)
+        self.scale = nn.Parameter(torch.ones(h))
+
+
+def body_clip_counts_replicated_once(rank, ws):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import moe_compile
+    from moe_compile import parallel
+
+    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("ep",))
+    model = moe_compile.parallelize_experts(ExpertsWithScale(4, 8, 6), mesh)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    # every expert row once (ws ranks' shards) and the replicated scale once
+    want = math.sqrt(sum(p.numel() for n, p in model.named_parameters() if "_ep_local_" in n) * ws + 8)
+    norm = parallel.clip_grad_norm_(model, 1e9)
+    assert abs(float(norm) - want) <= 1e-5 * want, (float(norm), want)
+
+
+def test_clip_grad_norm_counts_a_replicated_parameter_of_an_expert_container_once():
+    run_distributed(body_clip_counts_replicated_once, 2)
