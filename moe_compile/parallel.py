@@ -199,12 +199,11 @@ def _global_view(rows: torch.Tensor, info: EPInfo) -> DTensor:
 
 def _state_dict_post_hook(module, state_dict, prefix, local_metadata):
     info = module._moe_ep_info
-    mesh = info.mesh
     for name in info.names:
         local = state_dict.pop(prefix + LOCAL_PREFIX + name, None)
         if local is None:
             continue
-        if isinstance(local, DTensor) and local.device_mesh == mesh:   # kept out of FSDP: already the view
+        if _viewed(module, name):        # kept out of FSDP: already the view
             state_dict[prefix + name] = local
             continue
         if isinstance(local, DTensor):   # fully_shard_experts over dp > 1 ranks: FSDP's shard of this rank's rows
@@ -235,8 +234,8 @@ def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict
         if isinstance(rows, str):
             error_msgs.append(rows)
             continue
-        held = module._parameters.get(LOCAL_PREFIX + name)
-        if isinstance(held, DTensor) and held.device_mesh == info.mesh:   # kept out of FSDP
+        held = module._parameters[LOCAL_PREFIX + name]
+        if _viewed(module, name):        # kept out of FSDP
             rows = _global_view(rows.to(held.device), info)
         elif isinstance(held, DTensor):  # FSDP-sharded over dp ranks, which all hold these rows
             rows = distribute_tensor(rows.to(held.device), held.device_mesh, held.placements)

@@ -77,42 +77,47 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def _sharded(model, mesh, every_rank):
+    """The documented recipe: experts over "ep", fully_shard_experts over "dp", the dense parts over
+    every rank with ignored_params=fsdp_ignored_params(...)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    import moe_compile
+
+    dp = mesh["dp"].size()
+    moe_compile.parallelize_experts(model, mesh["ep"])
+    moe_compile.fully_shard_experts(model, mesh["dp"])
+    if dp == 1:
+        moe_compile.fully_shard_experts(model, mesh["dp"])  # a second call does not divide twice
+    ignored = moe_compile.fsdp_ignored_params(model)
+    # one dp rank: nothing to shard, so no FSDP unit (its copies and graph-breaking hooks) on the experts
+    assert isinstance(model.experts, FSDPModule) == (dp > 1)
+    assert ignored == (set(model.experts.parameters()) if dp == 1 else set())
+    for module in (model.inp, model.router, model.out):
+        fully_shard(module, mesh=every_rank)
+    fully_shard(model, mesh=every_rank, ignored_params=ignored)
+    return model
+
+
 def body_train(rank, ws, dp=1, device="cpu", rel=FSDP_REL, meta=False):
     """dp=1 here (FSDP over dp ranks divides with PREMUL_SUM, which gloo lacks); tests/gpu/test_ep_cuda.py
     runs dp=1 and dp=2 on NCCL."""
     import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    import moe_compile
     from moe_compile import parallel
 
     ep = ws // dp
     mesh = init_device_mesh(device, (dp, ep), mesh_dim_names=("dp", "ep"))
     every_rank = init_device_mesh(device, (ws,), mesh_dim_names=("all",))
     full = Model(e=2 * ep).to(device)
-
-    def sharded(model):
-        moe_compile.parallelize_experts(model, mesh["ep"])
-        moe_compile.fully_shard_experts(model, mesh["dp"])
-        if dp == 1:
-            moe_compile.fully_shard_experts(model, mesh["dp"])  # a second call does not divide twice
-        ignored = moe_compile.fsdp_ignored_params(model)
-        # one dp rank: nothing to shard, so no FSDP unit (its copies and graph-breaking hooks) on the experts
-        assert isinstance(model.experts, FSDPModule) == (dp > 1)
-        assert ignored == (set(model.experts.parameters()) if dp == 1 else set())
-        for module in (model.inp, model.router, model.out):
-            fully_shard(module, mesh=every_rank)
-        fully_shard(model, mesh=every_rank, ignored_params=ignored)
-        return model
-
     if meta:   # torchtitan's order: build on meta, shard, to_empty (replaces every Parameter), load
         with torch.device("meta"):
-            model = sharded(Model(e=2 * ep))
+            model = _sharded(Model(e=2 * ep), mesh, every_rank)
         model.to_empty(device=device)
-        model.load_state_dict(sharded(copy.deepcopy(full)).state_dict())
+        model.load_state_dict(_sharded(copy.deepcopy(full), mesh, every_rank).state_dict())
     else:
-        model = sharded(copy.deepcopy(full))
+        model = _sharded(copy.deepcopy(full), mesh, every_rank)
     compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)   # one list: DTensors on two meshes
     from moe_compile import records
@@ -166,26 +171,13 @@ def body_state_dict_over_dp(rank, ws):
     (Training needs FSDP's PREMUL_SUM reduce-scatter, which gloo lacks.)"""
     import transformers.integrations.moe  # noqa: F401
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    import moe_compile
 
     mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "ep"))
     every_rank = init_device_mesh("cpu", (ws,), mesh_dim_names=("all",))
-
-    def sharded(model):
-        moe_compile.parallelize_experts(model, mesh["ep"])
-        moe_compile.fully_shard_experts(model, mesh["dp"])
-        assert isinstance(model.experts, FSDPModule) and not moe_compile.fsdp_ignored_params(model)
-        for module in (model.inp, model.router, model.out):
-            fully_shard(module, mesh=every_rank)
-        fully_shard(model, mesh=every_rank)
-        return model
-
     full = Model(e=4)
     want = full.state_dict()
-    saved = sharded(copy.deepcopy(full)).state_dict()
-    other = sharded(Model(e=4, seed=1))
+    saved = _sharded(copy.deepcopy(full), mesh, every_rank).state_dict()
+    other = _sharded(Model(e=4, seed=1), mesh, every_rank)
     assert not torch.equal(_full(other.state_dict()["experts.down_proj"]), want["experts.down_proj"])
     other.load_state_dict(saved)
     for got in (saved, other.state_dict()):

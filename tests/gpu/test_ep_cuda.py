@@ -84,12 +84,18 @@ def _body(rank, world, init_file, cudagraphs, chunks):
         dist.destroy_process_group()
 
 
+def _ranks() -> int:
+    """MOE_EP_RANKS (4 on the 4-GPU kind), else up to 2; skips when the machine has fewer GPUs."""
+    world = int(os.environ.get("MOE_EP_RANKS", min(torch.cuda.device_count(), 2)))
+    if world > torch.cuda.device_count():
+        pytest.skip(f"MOE_EP_RANKS={world} but {torch.cuda.device_count()} GPUs")
+    return world
+
+
 @pytest.mark.parametrize("chunks", [1, 2], ids=["chunks1", "chunks2"])   # 1: the default
 @pytest.mark.parametrize("cudagraphs", [False, True], ids=["inductor", "cudagraphs"])
 def test_ep2_step_sync_free_and_matches_unsharded(cudagraphs, chunks):
-    world = int(os.environ.get("MOE_EP_RANKS", min(torch.cuda.device_count(), 2)))  # 4 on the x4 kind
-    if world > torch.cuda.device_count():
-        pytest.skip(f"MOE_EP_RANKS={world} but {torch.cuda.device_count()} GPUs")
+    world = _ranks()
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_body, args=(world, os.path.join(tmp, "store"), cudagraphs, chunks), nprocs=world,
                            start_method="spawn")
@@ -115,7 +121,7 @@ def test_ep_fsdp2_trains_like_unsharded(dp):
     """FSDP2 + expert parallelism on NCCL: dp=1 (the experts out of FSDP) and dp=2 x ep=2 (each expert
     container an FSDP unit over its dp ranks: FSDP's PREMUL_SUM reduce-scatter, which gloo lacks)."""
     pytest.importorskip("transformers")
-    world = int(os.environ.get("MOE_EP_RANKS", min(torch.cuda.device_count(), 2)))
+    world = _ranks()
     if world // dp < 2 or world % dp:
         pytest.skip(f"dp={dp} needs ep >= 2: {world} ranks (MOE_EP_RANKS=4 on the 4-GPU kind)")
     with tempfile.TemporaryDirectory() as tmp:
