@@ -385,7 +385,9 @@ def check_ep_markers(gm: fx.GraphModule, records: list, cause: BaseException | N
     if left:
         from moe_compile.lowering.graph_edit import InvalidSetup
 
-        raise InvalidSetup(error_message(left, [r for r in records if r.status == REFUSED and not r.is_break], cause))
+        err = InvalidSetup(error_message(left, [r for r in records if r.status == REFUSED and not r.is_break], cause))
+        err.records = tuple(records)   # explain() reports them with the error (the graph is never published)
+        raise err
 
 
 def _not_rewritten(s: DynamoState) -> list[RegionRecord]:

@@ -44,6 +44,9 @@ class Report:
     regions: tuple[RegionRecord, ...]
     graph_breaks: tuple[GraphBreak, ...]
     graphs: int = 0
+    # what torch.compile(backend="moe") raises on this model (a setup it cannot run, e.g. an
+    # expert-parallel layer that cannot be rewritten): explain stops at that graph and reports it
+    errors: tuple[str, ...] = ()
 
     @property
     def rewritten(self) -> list[RegionRecord]:
@@ -56,6 +59,8 @@ class Report:
     def __str__(self) -> str:
         out = [f"moe_compile report: {len(self.rewritten)} MoE region(s) rewritten, {len(self.refused)} refused, "
                f"{self.graphs} graph(s), {len(self.graph_breaks)} graph break(s) in MoE code"]
+        out.extend(f"compile error: torch.compile(backend=\"moe\") raises this on the model (explain stopped "
+                   f"there; code after it was not traced):\n    {e}" for e in self.errors)
         if self.regions:
             out.append(format_records(self.regions))
         notes: dict[str, list[str]] = {}   # each note once, with the regions it is about
@@ -92,16 +97,36 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
         return moe_backend(gm, example_inputs, options=dict(_EXPLAIN_OPTIONS))
 
     backend.moe_capture_ctx = functools.partial(capture_ctx, session=session)
+    failure = None
     with _no_side_effects(fn, args, kwargs) as tried, recording() as published:
-        torch.compile(fn, backend=backend, **_isolated())(*args, **kwargs)
-    records = list(dict.fromkeys(r for g in published for r in g))
+        try:
+            torch.compile(fn, backend=backend, **_isolated())(*args, **kwargs)
+        except Exception as exc:
+            failure = _setup_error(exc)
+            if failure is None:
+                raise
+    records = list(dict.fromkeys([r for g in published for r in g] + list(getattr(failure, "records", ()))))
     seen = {r.where for r in records if r.is_break}
     records += [r for r in _earlier_skips(fn, tried) if r.where not in seen]
     regions = tuple(r for r in records if not r.is_break)
     regions = tuple(_explain_notes(r) for r in regions)
     breaks = tuple(dict.fromkeys(GraphBreak(r.where, r.reason, r.fix, r.source, r.code)
                                  for r in records if r.is_break))
-    return Report(regions, breaks, graphs[0])
+    return Report(regions, breaks, graphs[0], errors=(str(failure),) if failure is not None else ())
+
+
+def _setup_error(exc: BaseException):
+    """The backend's InvalidSetup behind an error out of torch.compile (Dynamo wraps backend errors),
+    or None: any other error is explain's to raise."""
+    from .lowering.graph_edit import InvalidSetup
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, InvalidSetup):
+            return exc
+        seen.add(id(exc))
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
+    return None
 
 
 def _unwrap(fn):

@@ -495,7 +495,7 @@ def test_leftover_ep_markers_raise_at_compile_time(mesh1, caplog, router_here, a
     """A sharded Parameter that no rewrite replaced (the router beside the experts; a refused layer)
     fails the compile with its name, line, the refusal and the fix, not the marker's generic error on
     the first call (after a "nothing rewritten ... runs as the default backend" warning); explain()
-    raises the same."""
+    returns a report with the same error and the graph's regions, rewritten or refused."""
     from moe_compile.parallel import parallelize_experts
 
     model = parallelize_experts(ExpertsWithRouter(router_here=router_here, alpha=alpha), mesh1)
@@ -504,8 +504,12 @@ def test_leftover_ep_markers_raise_at_compile_time(mesh1, caplog, router_here, a
         torch.compile(model, backend="moe")(torch.randn(5, 8))
     assert re.search(expect, str(err.value)), str(err.value)
     assert "rewrote no MoE region" not in caplog.text
-    with pytest.raises(Exception, match=expect):
-        moe_compile.explain(model, torch.randn(5, 8))
+    report = moe_compile.explain(model, torch.randn(5, 8))
+    assert len(report.errors) == 1 and re.search(expect, report.errors[0]), report.errors
+    assert [r.status for r in report.regions] == (["refused"] if alpha != 1 else ["rewritten"]), str(report)
+    if alpha != 1:
+        assert report.refused[0].code == "unsupported_write" and report.refused[0].fix, str(report)
+    assert "compile error: torch.compile(backend=\"moe\") raises this" in str(report)
 
 
 class DeadReadOfExperts(ExpertsWithRouter):
