@@ -99,9 +99,10 @@ def _sharded(model, mesh, every_rank):
     return model
 
 
-def body_train(rank, ws, dp=1, device="cpu", rel=FSDP_REL, meta=False):
+def body_train(rank, ws, dp=1, device="cpu", rel=FSDP_REL, meta=False, cpu_built=False):
     """dp=1 here (FSDP over dp ranks divides with PREMUL_SUM, which gloo lacks); tests/gpu/test_ep_cuda.py
-    runs dp=1 and dp=2 on NCCL."""
+    runs dp=1 and dp=2 on NCCL. ``cpu_built``: the model to shard is on the CPU and the recipe moves it
+    to ``device`` (fully_shard what it manages, fsdp_ignored_params' DTensors the experts it ignores)."""
     import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -117,7 +118,9 @@ def body_train(rank, ws, dp=1, device="cpu", rel=FSDP_REL, meta=False):
         model.to_empty(device=device)
         model.load_state_dict(_sharded(copy.deepcopy(full), mesh, every_rank).state_dict())
     else:
-        model = _sharded(copy.deepcopy(full), mesh, every_rank)
+        model = _sharded(copy.deepcopy(full).to("cpu" if cpu_built else device), mesh, every_rank)
+    off = [n for n, p in model.named_parameters() if _full(p).device.type != torch.device(device).type]
+    assert not off, f"left off {device}: {off}"
     compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)   # one list: DTensors on two meshes
     from moe_compile import records
