@@ -80,6 +80,12 @@ def _owner(marker: fx.Node) -> tuple[str, str]:
     from moe_compile.parallel import LOCAL_PREFIX
 
     local = marker.args[0]
+    while isinstance(local, fx.Node) and local.op in ("call_function", "call_method"):
+        # the property's own steps (to_local of the DTensor view, the gradient division): back to its input
+        inputs = [a for a in local.all_input_nodes if a.op != "get_attr"]
+        if len(inputs) != 1:
+            break
+        local = inputs[0]
     name = source_name(local) if isinstance(local, fx.Node) else ""
     hit = re.search(r"^(.*?)\.?_parameters\['" + LOCAL_PREFIX + r"([^']+)'\]$", name)
     if hit:

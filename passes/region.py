@@ -154,9 +154,52 @@ def stacked_source(nodes: tuple[fx.Node, ...]) -> fx.Node | None:
 
 
 def _same_value(a, b) -> bool:
-    """One node, or two calls of the ep_experts marker on the same arguments (a module property
-    read once per expert in a loop traces one marker call per read)."""
-    return a is b or (is_ep_marker(a) and is_ep_marker(b) and a.args == b.args and a.kwargs == b.kwargs)
+    """One node, or two calls of the ep_experts marker on the same value (a module property read
+    once per expert in a loop traces one marker call per read, each on its own trace of the
+    property's body: ``to_local()`` of the same DTensor Parameter, ``_DivideGrad`` applied to it)."""
+    return a is b or (is_ep_marker(a) and is_ep_marker(b) and a.args[1:] == b.args[1:] and a.kwargs == b.kwargs
+                      and _same_trace(a.args[0], b.args[0]))
+
+
+def _same_trace(a, b) -> bool:
+    """Two traces of one pure computation: the same node, or the same ``to_local()`` / getitem /
+    ``autograd_function_apply`` (forward and backward bodies of identical code: the same values and
+    the same gradient) of the same inputs. Anything else is not known to be the same value."""
+    if a is b:
+        return True
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)) or (a.op, a.target) != (b.op, b.target):
+        return False
+    if len(a.args) != len(b.args) or a.kwargs != b.kwargs:
+        return False
+    if a.op == "call_method" and a.target == "to_local" and len(a.args) == 1:
+        return _same_trace(a.args[0], b.args[0])
+    if a.op == "call_function" and a.target is operator.getitem:
+        return a.args[1] == b.args[1] and _same_trace(a.args[0], b.args[0])
+    if a.op == "call_function" and a.target is getattr(torch.ops.higher_order, "autograd_function_apply", None):
+        bodies = all(_same_body(x, y) for x, y in zip(a.args[:2], b.args[:2]))
+        return bodies and all(_same_trace(x, y) for x, y in zip(a.args[2:], b.args[2:]))
+    return False
+
+
+def _same_body(a, b) -> bool:
+    """Two ``get_attr`` nodes of subgraphs that compute the same thing: node for node the same ops on
+    the same arguments (names aside: each trace names its placeholders after its own nodes)."""
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node) and a.op == b.op == "get_attr"):
+        return False
+    owner = a.graph.owning_module
+    x, y = getattr(owner, a.target, None), getattr(owner, b.target, None)
+    if not (isinstance(x, fx.GraphModule) and isinstance(y, fx.GraphModule)):
+        return False
+    xs, ys = list(x.graph.nodes), list(y.graph.nodes)
+    if len(xs) != len(ys):
+        return False
+    pair = dict(zip(xs, ys))
+    for n, m in pair.items():
+        if n.op != m.op or n.op == "get_attr" or (n.op != "placeholder" and n.target != m.target):
+            return False
+        if fx.map_arg((n.args, n.kwargs), lambda v: pair[v]) != (m.args, m.kwargs):
+            return False
+    return True
 
 
 # ops a weight may pass through between the ep_experts marker and the expert linear

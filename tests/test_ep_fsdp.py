@@ -53,14 +53,29 @@ class Experts(nn.Module):
         return h[inv].view(t, k, -1).sum(1)
 
 
+class LoopExperts(Experts):
+    """The same weights read once per expert in a loop (``W[e]``): each read traces the expert-parallel
+    property again (its ``to_local`` and gradient division too), as ModuleList experts converted by
+    ``stack_experts`` do."""
+
+    def forward(self, x, ids, w):
+        out = torch.zeros_like(x)
+        for e in range(self.e):
+            tok, slot = torch.where(ids == e)
+            h = x[tok] @ self.gate_up_proj[e]
+            h = F.silu(h[:, :self.i]) * h[:, self.i:]
+            out.index_add_(0, tok, (h @ self.down_proj[e]) * w[tok, slot, None])
+        return out
+
+
 class Model(nn.Module):
-    def __init__(self, h=8, i=6, e=4, k=2, seed=0):
+    def __init__(self, h=8, i=6, e=4, k=2, seed=0, loop=False):
         super().__init__()
         torch.manual_seed(seed)
         self.k = k
         self.inp = nn.Linear(h, h)
         self.router = nn.Linear(h, e, bias=False)
-        self.experts = Experts(e, h, i)
+        self.experts = (LoopExperts if loop else Experts)(e, h, i)
         self.out = nn.Linear(h, h)
 
     def forward(self, x):
@@ -99,7 +114,7 @@ def _sharded(model, mesh, every_rank):
     return model
 
 
-def body_train(rank, ws, dp=1, device="cpu", rel=FSDP_REL, meta=False, cpu_built=False):
+def body_train(rank, ws, dp=1, device="cpu", rel=FSDP_REL, meta=False, cpu_built=False, loop=False):
     """dp=1 here (FSDP over dp ranks divides with PREMUL_SUM, which gloo lacks); tests/gpu/test_ep_cuda.py
     runs dp=1 and dp=2 on NCCL. ``cpu_built``: the model to shard is on the CPU and the recipe moves it
     to ``device`` (fully_shard what it manages, fsdp_ignored_params' DTensors the experts it ignores)."""
@@ -111,10 +126,10 @@ def body_train(rank, ws, dp=1, device="cpu", rel=FSDP_REL, meta=False, cpu_built
     ep = ws // dp
     mesh = init_device_mesh(device, (dp, ep), mesh_dim_names=("dp", "ep"))
     every_rank = init_device_mesh(device, (ws,), mesh_dim_names=("all",))
-    full = Model(e=2 * ep).to(device)
+    full = Model(e=2 * ep, loop=loop).to(device)
     if meta:   # torchtitan's order: build on meta, shard, to_empty (replaces every Parameter), load
         with torch.device("meta"):
-            model = _sharded(Model(e=2 * ep), mesh, every_rank)
+            model = _sharded(Model(e=2 * ep, loop=loop), mesh, every_rank)
         model.to_empty(device=device)
         model.load_state_dict(_sharded(copy.deepcopy(full), mesh, every_rank).state_dict())
     else:
@@ -206,10 +221,11 @@ def body_root_only(rank, ws, strict, experts_call):
         compiled(torch.randn(6, 8))
 
 
-@pytest.mark.parametrize("meta", [False, True], ids=["built", "meta_init"])
-def test_fsdp2_and_expert_parallel_train_like_unsharded(meta):
+@pytest.mark.parametrize("meta, loop", [(False, False), (True, False), (False, True)],
+                         ids=["built", "meta_init", "loop_form"])
+def test_fsdp2_and_expert_parallel_train_like_unsharded(meta, loop):
     pytest.importorskip("transformers")
-    run_distributed(body_train, 2, 1, "cpu", FSDP_REL, meta)
+    run_distributed(body_train, 2, 1, "cpu", FSDP_REL, meta, False, loop)
 
 
 @pytest.mark.slow
