@@ -5,6 +5,7 @@ ep ranks in the expert-parallel group, E_local = E / ep (rank r owns global expe
 [r*E_local, (r+1)*E_local)), H / H2 row widths. ``group_name`` is ``ProcessGroup.group_name``.
 
     ep_experts(local[E_local, ...], E, group_name) -> [E, ...]     marker; never runs (raises)
+    ep_same_tokens(counts[ep] i64, T) -> 1 (i64, 0-dim)             every rank holds T tokens, else an error
     ep_plan(offsets[E] i32, E, group_name) -> plan[2, ep, E_local] i64, recv_offsets[E_local] i32
     ep_dispatch(xp[N, H], plan, group_name) -> [ep*N, H]      (bwd: ep_combine of the gradient)
     ep_combine(y[ep*N, H2], plan, group_name) -> [N, H2]      (bwd: ep_dispatch of the gradient)
@@ -76,6 +77,31 @@ def _ep_experts_bwd(ctx, grad):
 
 
 ep_experts.register_autograd(_ep_experts_bwd, setup_context=_ep_experts_setup)
+
+
+# --------------------------------------------------------------------------- ep_same_tokens
+SAME_TOKENS = ("moe_compile expert parallelism: every rank of the expert-parallel group must hold the same "
+               "number of tokens T in the MoE layer (pad the batch to a common size)")
+
+
+@torch.library.custom_op("moe_compile::ep_same_tokens", mutates_args=())
+def ep_same_tokens(counts: torch.Tensor, t: int) -> torch.Tensor:
+    """1 (int64, 0-dim) when every rank's token count in ``counts`` [ep] is ``t``, else SAME_TOKENS:
+    raised here on the CPU, a device-side assert on a GPU (no host sync). Callers multiply what they
+    send by it, so no collective of token-sized tensors starts before the check (a size mismatch in
+    a collective aborts the process (gloo) or hangs it (NCCL), with no message)."""
+    same = (counts == t).all()
+    if counts.device.type == "cpu":
+        if not bool(same):
+            raise RuntimeError(SAME_TOKENS)
+    else:
+        torch._assert_async(same, SAME_TOKENS)
+    return same.to(torch.int64)
+
+
+@ep_same_tokens.register_fake
+def _(counts, t):
+    return counts.new_empty((), dtype=torch.int64)
 
 
 # --------------------------------------------------------------------------- ep_plan

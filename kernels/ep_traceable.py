@@ -20,8 +20,9 @@ sends N*(ep-1)/ep (ep/K times these: fewer bytes than this only past ep = K). Ro
 each token's output is its owners' partial sums added (at ep=2, one more rounding in a 16-bit dtype
 than one GPU's single sum; exact to summation order in fp32).
 
-Every rank must hold the same T: a one-element all-gather checks it on the device before any row
-leaves (the rows are multiplied by the check's 1, so no schedule can send them earlier).
+Every rank must hold the same T: a one-element all-gather and ``ep_same_tokens`` check it before any
+row leaves (the rows, ids and weights are multiplied by the check's 1, so no schedule can send them
+earlier; a collective of mismatched sizes would abort or hang the ranks without a message).
 
 Worked example (ep=2, E=4, K=2, T=2; rank 0 owns experts 0 1, rank 1 experts 2 3)::
 
@@ -36,10 +37,9 @@ from __future__ import annotations
 import torch
 import torch.distributed._functional_collectives as fc
 
+from . import ep as _ep_ops  # noqa: F401  (registers torch.ops.moe_compile.ep_same_tokens)
 from .ep_transport import resolve_group
 
-SAME_TOKENS = ("moe_compile expert parallelism: every rank of the expert-parallel group must hold the same "
-               "number of tokens T in the MoE layer (pad the batch to a common size)")
 
 
 def gather_tokens(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor | None, num_experts: int,
@@ -52,13 +52,13 @@ def gather_tokens(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor | None, nu
     e_local = num_experts // ep
     t = x.shape[0]
     counts = fc.all_gather_tensor(torch.full((1,), t, dtype=torch.int64, device=x.device), 0, group_name)
-    same = (counts == t).all()
-    torch._assert_async(same, SAME_TOKENS)
-    x_all = fc.all_gather_tensor_autograd((x * same.to(x.dtype)).contiguous(), 0, group_name)
-    ids_all = fc.all_gather_tensor(ids.contiguous(), 0, group_name)
+    one = torch.ops.moe_compile.ep_same_tokens(counts, t)   # every gathered tensor waits for the check
+    x_all = fc.all_gather_tensor_autograd((x * one.to(x.dtype)).contiguous(), 0, group_name)
+    ids_all = fc.all_gather_tensor((ids * one.to(ids.dtype)).contiguous(), 0, group_name)
     mine = (ids_all >= rank * e_local) & (ids_all < (rank + 1) * e_local)
     local_ids = torch.where(mine, ids_all - rank * e_local, e_local)
-    w_all = fc.all_gather_tensor_autograd(w.contiguous(), 0, group_name) if w is not None else None
+    w_all = (fc.all_gather_tensor_autograd((w * one.to(w.dtype)).contiguous(), 0, group_name)
+             if w is not None else None)
     return x_all, local_ids, w_all
 
 

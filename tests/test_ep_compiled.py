@@ -588,6 +588,29 @@ def test_ep2_no_recompiles_over_20_routings():
     run_distributed(body_no_recompiles, 2)
 
 
+def body_tokens_differ(rank, ep):
+    """Rank r holds 6 + 3r tokens: every rank raises the named error before any token-sized
+    collective (one of mismatched sizes aborts gloo's process, or hangs NCCL, with no message); the
+    same model then runs with equal counts."""
+    import moe_compile
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+    for dynamic in (False, True):
+        torch.manual_seed(0)
+        model = moe_compile.parallelize_experts(LoopMoE(e=2 * ep), mesh)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="moe", dynamic=dynamic, options={"moe.inductor": False})
+        t = 6 + 3 * rank
+        with pytest.raises(RuntimeError, match="every rank of the expert-parallel group must hold the same number"):
+            compiled(torch.randn(t, 8), torch.zeros(t, 2 * ep))
+        assert compiled(torch.randn(6, 8), torch.zeros(6, 2 * ep)).shape == (6, 8)
+
+
+def test_ep2_tokens_differ_between_ranks_raises_named_error():
+    run_distributed(body_tokens_differ, 2)
+
+
 def test_unrewritten_sharded_model_raises_instead_of_computing():
     """With the rewrite disabled the marker stays in the graph: running it raises the clear error."""
     run_distributed(_body_disabled, 2)
