@@ -40,7 +40,7 @@ MATMULS = {"linear", "matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsu
 # ops that keep a parameter a parameter (views, casts, per-expert indexing)
 PARAM_VIEWS = {"view", "reshape", "transpose", "permute", "t", "contiguous", "to", "float", "half", "bfloat16",
                "type_as", "getitem", "index_select", "unflatten", "flatten", "expand", "chunk", "split",
-               "narrow", "squeeze", "unsqueeze", "mT", "moe_compile::ep_experts"}
+               "narrow", "squeeze", "unsqueeze", "mT", "moe_compile::ep_experts", "to_local"}
 _GATE_WALK = 32   # nodes walked back from a router's scores to its gates (a softmax, a bias, a norm between)
 
 
@@ -63,12 +63,32 @@ def graph_params(gm: fx.GraphModule, example_inputs) -> set[fx.Node]:
 
 def param_of(n, params: set, depth: int = 8) -> fx.Node | None:
     """The parameter node behind ``n`` (through views, casts and indexing, as far back as they go:
-    ``W[e]`` of a ``W`` computed from parameters is ``W``), else None."""
-    while isinstance(n, fx.Node) and depth > 0 and (canon(n) or "") in PARAM_VIEWS \
-            and n.args and isinstance(n.args[0], fx.Node):
-        n = n.args[0]
+    ``W[e]`` of a ``W`` computed from parameters is ``W``; an expert-parallel marker's local shard,
+    through the gradient division its property applies), else None."""
+    while isinstance(n, fx.Node) and depth > 0:
+        if (canon(n) or "") in PARAM_VIEWS and n.args and isinstance(n.args[0], fx.Node):
+            n = n.args[0]
+        elif n.target is getattr(torch.ops.higher_order, "autograd_function_apply", None):
+            ins = [a for a in n.all_input_nodes if a.op != "get_attr"]
+            if len(ins) != 1:
+                break
+            n = ins[0]
+        else:
+            break
         depth -= 1
     return n if isinstance(n, fx.Node) and n in params else None
+
+
+def ep_experts_of(n, depth: int = 8) -> int | None:
+    """E of the expert-parallel marker on ``n``'s way back to its parameter (the parameter holds
+    only this rank's E / ep experts), else None."""
+    while isinstance(n, fx.Node) and depth > 0 and (canon(n) or "") in PARAM_VIEWS \
+            and n.args and isinstance(n.args[0], fx.Node):
+        if canon(n) == "moe_compile::ep_experts":
+            return n.args[1] if len(n.args) > 1 and isinstance(n.args[1], int) else None
+        n = n.args[0]
+        depth -= 1
+    return None
 
 
 def gates(router: fx.Node, params: set) -> list[fx.Node]:

@@ -49,7 +49,7 @@ import torch.fx as fx
 from .expert_ids import ID_VIEWS, OTHER_ROUTERS, router_kind, router_root, routers as _routers
 from .moe_source import Frame, declares_experts_implementation, enclosing_class, in_moe_code  # noqa: F401
 from .normalize import canon, common_module, module_path, source_name, val, where_in_user_code
-from .token_paths import MATMULS, graph_params, param_of, router_params, token_values
+from .token_paths import MATMULS, ep_experts_of, graph_params, param_of, router_params, token_values
 from .writes import basic_index, written
 
 # frozen quantised expert weights (int4 packed into int32, as GPTQ / AWQ store them); not int64 (index tables)
@@ -134,7 +134,7 @@ def _stacked(n: fx.Node, weights: set, e: int) -> fx.Node | None:
         return None
     for a in n.all_input_nodes:
         p = param_of(a, weights)
-        if p is not None and len(_dims(p)) >= 3 and _dims(p)[0] == e:
+        if p is not None and len(_dims(p)) >= 3 and (ep_experts_of(a) or _dims(p)[0]) == e:
             return p
     return None
 

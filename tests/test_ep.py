@@ -512,6 +512,20 @@ def test_leftover_ep_markers_raise_at_compile_time(mesh1, caplog, router_here, a
     assert "compile error: torch.compile(backend=\"moe\") raises this" in str(report)
 
 
+class DroppingExperts(ExpertsWithRouter):
+    """Low-weight slots get id E (dropped, as a capacity mask would): a layer no form matches."""
+
+    def forward(self, x):
+        w, ids = self.gate(x).softmax(-1).topk(self.k, dim=-1)
+        ids = torch.where(w < 0.3, torch.full_like(ids, self.gate_up.shape[0]), ids)
+        out = torch.zeros_like(x)
+        for e in range(self.gate_up.shape[0]):
+            tok, slot = torch.where(ids == e)
+            a, b = (x[tok] @ self.gate_up[e]).chunk(2, -1)
+            out.index_add_(0, tok, (F.silu(a) * b) @ self.down[e] * w[tok, slot, None])
+        return out
+
+
 class DeadReadOfExperts(ExpertsWithRouter):
     """A read of the sharded weights that nothing uses (written into a temporary never read again):
     dead code the compile removes, not a leftover marker."""

@@ -611,6 +611,32 @@ def test_ep2_tokens_differ_between_ranks_raises_named_error():
     run_distributed(body_tokens_differ, 2)
 
 
+def body_unmatched_reason(rank, ep):
+    """A sharded layer that matches no form is refused with its reason (moe_unmatched) in the
+    compile's error and in explain(): its weights are this rank's E / ep rows behind the marker,
+    so E is the marker's; also when fully_shard_experts keeps the experts out of FSDP (the marker
+    reads the property's to_local / gradient division of the shard)."""
+    import moe_compile
+    from test_ep import DroppingExperts
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, ep), mesh_dim_names=("dp", "ep"))
+    for kept_local in (False, True):
+        model = moe_compile.parallelize_experts(DroppingExperts(router_here=False), mesh["ep"])
+        if kept_local:
+            moe_compile.fully_shard_experts(model, mesh["dp"])
+            moe_compile.fsdp_ignored_params(model)
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=r"ep_markers: .*looks like an MoE layer.*matches no form"):
+            torch.compile(model, backend="moe", options={"moe.inductor": False})(torch.randn(6, 8))
+        report = moe_compile.explain(model, torch.randn(6, 8))
+        assert [r.code for r in report.refused] == ["moe_unmatched"], f"kept_local={kept_local}: {report}"
+
+
+def test_ep2_unmatched_layer_keeps_its_reason():
+    run_distributed(body_unmatched_reason, 2)
+
+
 def test_unrewritten_sharded_model_raises_instead_of_computing():
     """With the rewrite disabled the marker stays in the graph: running it raises the clear error."""
     run_distributed(_body_disabled, 2)
