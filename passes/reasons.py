@@ -138,7 +138,10 @@ REASONS: dict[str, Reason] = {
     # ---- expert parallelism (moe_compile.parallelize_experts)
     "ep_mixed": Reason(
         "the region's expert weights are partly sharded over an expert-parallel mesh ({sharded}) and partly not "
-        "({local})", "shard every expert parameter of the layer: moe_compile.parallelize_experts(model, mesh) does"),
+        "({local})", "parallelize_experts shards the Parameters of the expert container (the module whose 3-D "
+        "Parameters are [E, ...]): keep every per-expert tensor of the layer there, as [E, ...] Parameters, and "
+        "call it on a freshly built model; a tensor every expert shares (e.g. one LoRA adapter for all experts) "
+        "cannot be read inside an expert-parallel layer yet"),
     "ep_inconsistent": Reason(
         "the region's sharded expert weights disagree on the process group or the expert count ({groups})",
         "shard one MoE layer's experts over one mesh with one parallelize_experts call"),
