@@ -177,7 +177,7 @@ def _ep_class(cls: type, names: tuple[str, ...], num_experts: int, group_name: s
                 rows = getattr(self, local)
                 rows = rows.to_local() if isinstance(rows, DTensor) else rows   # kept out of FSDP: _keep_local
                 divisor = self._moe_grad_divisor
-                if divisor is not None:  # kept out of FSDP: FSDP's gradient division, in the traced graph
+                if divisor is not None and torch.is_grad_enabled():  # kept out of FSDP: FSDP's division, traced
                     rows = _DivideGrad.apply(rows, divisor)
                 return torch.ops.moe_compile.ep_experts(rows, num_experts, group_name)
             get.__name__ = name

@@ -349,16 +349,15 @@ def run_dynamo_stage(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.Gra
         except Exception as exc:
             from moe_compile.lowering.graph_edit import InvalidSetup
 
-            if config.strict or isinstance(exc, InvalidSetup):
+            if isinstance(exc, InvalidSetup):   # the graph's records go with it: explain() reports them
+                exc.records = tuple([rec for t in states for rec in _not_rewritten(t)]
+                                    + [_refused(r, "invalid_setup", exc) for r in s.accepted])
+                raise
+            if config.strict:
                 raise
             log.warning("moe_compile: lowering failed (%s: %s); the graph is compiled unchanged",
                         type(exc).__name__, exc)
-            from moe_compile.passes import reasons
-
-            detail = {"error": f"{type(exc).__name__}: {exc}"}
-            failed = [RegionRecord(r.module, r.form, REFUSED, reasons.message("lowering_error", detail), (), r.where,
-                                   r.router.num_experts, r.router.top_k, code="lowering_error",
-                                   fix=reasons.fix("lowering_error")) for t in states for r in t.accepted]
+            failed = [_refused(r, "lowering_error", exc) for t in states for r in t.accepted]
             return gm, [rec for t in states for rec in _not_rewritten(t)] + failed
     records = [rec for s in states for rec in _not_rewritten(s)]
     if not any(s.accepted for s in states):
@@ -388,6 +387,15 @@ def check_ep_markers(gm: fx.GraphModule, records: list, cause: BaseException | N
         err = InvalidSetup(error_message(left, [r for r in records if r.status == REFUSED and not r.is_break], cause))
         err.records = tuple(records)   # explain() reports them with the error (the graph is never published)
         raise err
+
+
+def _refused(r, code: str, exc: BaseException) -> RegionRecord:
+    """The record of an accepted region ``r`` whose lowering raised ``exc``."""
+    from moe_compile.passes import reasons
+
+    detail = {"error": f"{type(exc).__name__}: {exc}"}
+    return RegionRecord(r.module, r.form, REFUSED, reasons.message(code, detail), (), r.where, r.router.num_experts,
+                        r.router.top_k, code=code, fix=reasons.fix(code))
 
 
 def _not_rewritten(s: DynamoState) -> list[RegionRecord]:

@@ -140,8 +140,9 @@ REASONS: dict[str, Reason] = {
         "the region's expert weights are partly sharded over an expert-parallel mesh ({sharded}) and partly not "
         "({local})", "parallelize_experts shards the Parameters of the expert container (the module whose 3-D "
         "Parameters are [E, ...]): keep every per-expert tensor of the layer there, as [E, ...] Parameters, and "
-        "call it on a freshly built model; a tensor every expert shares (e.g. one LoRA adapter for all experts) "
-        "cannot be read inside an expert-parallel layer yet"),
+        "call it on a freshly built model, and read every expert's weights the same way (not some of them under "
+        "torch.no_grad()); a tensor every expert shares (e.g. one LoRA adapter for all experts) cannot be read "
+        "inside an expert-parallel layer yet"),
     "ep_inconsistent": Reason(
         "the region's sharded expert weights disagree on the process group or the expert count ({groups})",
         "shard one MoE layer's experts over one mesh with one parallelize_experts call"),
@@ -164,6 +165,8 @@ REASONS: dict[str, Reason] = {
     # ---- the backend itself
     "matcher_error": Reason("{finder}: matcher error {error}",
                             "a bug in moe_compile: please report it with moe_compile.explain's output"),
+    "invalid_setup": Reason("the layer cannot run as set up: {error}",
+                            "the fix the error names; nothing was compiled"),
     "lowering_error": Reason("lower_region failed: {error}",
                              "a bug in moe_compile: please report it with moe_compile.explain's output"),
     # ---- never silent (passes/unclaimed.py): MoE-like code that no region covers, graph breaks in MoE code

@@ -144,6 +144,9 @@ def body_train(rank, ws, dp=1, device="cpu", rel=FSDP_REL, meta=False, cpu_built
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     with records.recording() as graphs:
         _train(compiled, model, opt, ref, ref_opt, rank, ws, parallel, device, rel)
+        with torch.no_grad():   # evaluation: no gradient division traced, one graph per grad mode
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(7 + rank)).to(device)
+            assert _rel(compiled(x), ref(x)) <= rel, "output under torch.no_grad()"
     found = [r for g in graphs for r in g]
     assert any(r.status == "rewritten" for r in found), found
     assert not [r for r in found if r.status != "rewritten"], f"FSDP2's hook graph breaks reported: {found}"
@@ -219,6 +222,9 @@ def body_root_only(rank, ws, strict, experts_call):
     compiled = torch.compile(model, backend="moe", options={"moe.inductor": False, "moe.strict": strict})
     with pytest.raises(Exception, match="fsdp_ignored_params" if strict else "sharded"):
         compiled(torch.randn(6, 8))
+    report = moe_compile.explain(model, torch.randn(6, 8))   # the same error, and the layer it stopped
+    assert len(report.errors) == 1 and "fsdp_ignored_params" in report.errors[0], str(report)
+    assert [r.code for r in report.refused] == ["invalid_setup"], str(report)
 
 
 @pytest.mark.parametrize("meta, loop", [(False, False), (True, False), (False, True)],
