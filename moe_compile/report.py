@@ -116,8 +116,8 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
 
 
 def _setup_error(exc: BaseException):
-    """The backend's InvalidSetup behind an error out of torch.compile (Dynamo wraps backend errors),
-    or None: any other error is explain's to raise."""
+    """The backend's InvalidSetup behind an error out of torch.compile (Dynamo wraps backend errors:
+    ``inner_exception``, ``raise ... from``), or None: any other error is explain's to raise."""
     from .lowering.graph_edit import InvalidSetup
 
     seen = set()
@@ -125,7 +125,8 @@ def _setup_error(exc: BaseException):
         if isinstance(exc, InvalidSetup):
             return exc
         seen.add(id(exc))
-        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
+        # not __context__: an error raised while an InvalidSetup was handled is another error
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__
     return None
 
 
