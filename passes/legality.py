@@ -7,6 +7,7 @@ code from ``reasons.REASONS``, the filled message and the fix. The rules::
     expert_operands     only linear weights and biases may differ per expert; weights of one
                         linear have one shape; there is at least one linear
     input_2d            the expert input is [tokens, hidden]
+    not_float64         no float64 expert input or weight (the fused ops accumulate in float32)
     accumulator         an in-place accumulator is not a graph input
     expert_parallel     expert weights sharded by ``parallelize_experts`` (``ep_experts`` markers) are
                         all of the region's expert weights, over one group, for the router's E
@@ -114,6 +115,17 @@ def input_2d(region: Region) -> Finding | None:
     xv = val(region.x)
     if not isinstance(xv, torch.Tensor) or xv.dim() != 2:
         return Finding.of("input_not_2d", region.x, shape=getattr(xv, "shape", None))
+    return None
+
+
+def not_float64(region: Region) -> Finding | None:
+    mlp = region.experts
+    nodes = [region.x] + [n for st in mlp.steps if st.linear for slot in st.linear[:2] if slot is not None
+                          for n in mlp.slots[slot]]
+    for n in nodes:
+        v = val(n)
+        if isinstance(v, torch.Tensor) and v.dtype == torch.float64:
+            return Finding.of("float64", n, what=f"`{n.name}` is float64")
     return None
 
 
@@ -240,4 +252,4 @@ def no_foreign_writes(region: Region) -> Finding | None:
     return Finding.of("written_in_place", n, node=n.name, target=written(n).name)
 
 
-RULES = (expert_operands, input_2d, accumulator, expert_parallel, weights_path, input_weights, no_foreign_writes)
+RULES = (expert_operands, input_2d, not_float64, accumulator, expert_parallel, weights_path, input_weights, no_foreign_writes)

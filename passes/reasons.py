@@ -76,6 +76,10 @@ REASONS: dict[str, Reason] = {
     "weight_shapes_differ": Reason("expert weights have different shapes {shapes}",
                                    "give every expert the same layer sizes"),
     "no_linear": Reason("the expert function has no linear layer", "nothing to group: not an MoE expert MLP"),
+    "float64": Reason(
+        "the experts compute in float64 ({what}); the fused ops accumulate in float32 (~1e-7 relative), below "
+        "float64's precision", "nothing to fix: compiled as written, in float64 (the fused path runs float32, "
+        "float16 and bfloat16)"),
     "input_not_2d": Reason("expert input must be [tokens, hidden], got {shape}",
                            "flatten the tokens first: x = x.reshape(-1, hidden)"),
     "weight_not_3d": Reason("expert weight `{node}` is not 3-D", "stack expert weights as [E, in, out]"),

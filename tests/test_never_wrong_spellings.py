@@ -379,3 +379,18 @@ def test_next_layer_reading_the_accumulator_directly(k, copy_out):
     if not copy_out:
         rep = moe_compile.explain(model, make_input((T, H)))
         assert [r.code for r in rep.refused] == ["rows_of_next_layer"], str(rep)
+
+
+# float64 compiled against float64 eager: summation order only (the fused ops' float32 accumulation
+# was ~1e-7 relative, far above this)
+FP64_REL = 1e-12
+
+
+def test_float64_experts_are_refused_and_match_eager_to_float64_precision():
+    """A float64 layer keeps float64 arithmetic: the fused ops accumulate in float32 (rewritten, it
+    was ~1e-7 off eager), so it is refused (code float64) and compiled as written."""
+    model = Stacked("sorted:").double()
+    check_compiled(model, [make_input((T, H)).double()], expect_rewritten=0, expect_refused=1, rel=FP64_REL,
+                   grad_rel=FP64_REL)
+    rep = moe_compile.explain(model, make_input((T, H)).double())
+    assert [r.code for r in rep.refused] == ["float64"], str(rep)
