@@ -131,6 +131,10 @@ def error_message(leftovers: tuple[LeftoverMarker, ...], refused, cause: BaseExc
     if refused:
         text += " Not rewritten in this graph: " + "; ".join(
             f"'{r.module}' at {r.where}: {r.reason} (fix: {r.fix})" for r in refused) + "."
+    if not any(m.where for m in leftovers):
+        text += (" No code of yours reads them in this graph: Dynamo compiled the expert-parallel property on its "
+                 "own, which happens when a graph break splits the MoE layer between the router and the experts "
+                 "(the graph break is logged above with its fix, and moe_compile.explain(model, inputs) lists it).")
     text += (" If one of them is not an expert weight (a router weight [E, H] kept beside the 3-D expert weights): "
              "parallelize_experts shards every 2-D Parameter with E rows of an expert container as a per-expert "
              "bias; keep the router in a module of its own (e.g. a child nn.Linear(H, E)), as Hugging Face "

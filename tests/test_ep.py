@@ -526,6 +526,34 @@ class DroppingExperts(ExpertsWithRouter):
         return out
 
 
+class BreakInExpertLoop(ExpertsWithRouter):
+    """A graph break inside the expert loop: Dynamo gives up on the frame, runs the loop eagerly and
+    compiles each read of the expert property as a graph of its own."""
+
+    def forward(self, x):
+        w, ids = self.gate(x).softmax(-1).topk(self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.gate_up.shape[0]):
+            torch._dynamo.graph_break()
+            tok, slot = torch.where(ids == e)
+            a, b = (x[tok] @ self.gate_up[e]).chunk(2, -1)
+            out.index_add_(0, tok, (F.silu(a) * b) @ self.down[e] * w[tok, slot, None])
+        return out
+
+
+def test_ep_markers_compiled_alone_after_a_graph_break_say_so(mesh1, caplog):
+    """The leftover-marker error of a property compiled on its own (no user code reads it in that
+    graph) points at the graph break that split the layer, which is logged with its fix."""
+    from moe_compile.parallel import parallelize_experts
+
+    model = parallelize_experts(BreakInExpertLoop(router_here=False), mesh1)
+    torch._dynamo.reset()
+    with caplog.at_level("WARNING", logger="moe_compile"), \
+            pytest.raises(Exception, match=r"ep_markers: .*No code of yours reads them in this graph.*graph break"):
+        torch.compile(model, backend="moe", options={"moe.inductor": False})(torch.randn(6, 8))
+    assert "graph break" in caplog.text, caplog.text
+
+
 class DeadReadOfExperts(ExpertsWithRouter):
     """A read of the sharded weights that nothing uses (written into a temporary never read again):
     dead code the compile removes, not a leftover marker."""
