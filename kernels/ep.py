@@ -47,11 +47,10 @@ EP_EXPERTS_ERROR = (
     "these weights ran outside every graph the backend rewrote: either the layer was refused (the WARNING "
     "logged when it compiled, or moe_compile.explain(model, inputs), says why), or Dynamo ran it eagerly: "
     "under torch.compiler.disable, or, with no warning, after a graph break it could not resume from "
-    "inside activation checkpointing (e.g. "
-    "FSDP2's hooks on an expert container that fully_shard_experts made an FSDP unit, dp > 1 or mp_policy, "
-    "inside a layer checkpointed by gradient_checkpointing_enable or torch.utils.checkpoint; not supported "
-    "yet: train those layers without activation checkpointing, or with ep over every rank (dp = 1: no FSDP "
-    "unit on the experts); README, expert parallelism, known limits)")
+    "inside activation checkpointing (e.g. FSDP2's hooks on an expert container that fully_shard_experts "
+    "made an FSDP unit, dp > 1 or mp_policy, inside a layer checkpointed by gradient_checkpointing_enable "
+    "or torch.utils.checkpoint; not supported yet: train those layers without activation checkpointing, or "
+    "with ep over every rank (dp = 1: no FSDP unit on the experts); README, expert parallelism, known limits)")
 
 
 def _ep_size(group_name: str) -> int:

@@ -41,7 +41,6 @@ from . import ep as _ep_ops  # noqa: F401  (registers torch.ops.moe_compile.ep_s
 from .ep_transport import resolve_group
 
 
-
 def gather_tokens(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor | None, num_experts: int,
                   group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Every rank's tokens [ep*T, H] (rank s's at s*T), their expert ids mapped to this rank's local

@@ -26,6 +26,7 @@ import torch.fx as fx
 
 from .normalize import module_path, source_name, where_in_user_code
 from .region import is_ep_marker
+from .token_paths import param_of
 
 
 @dataclass(frozen=True)
@@ -80,12 +81,8 @@ def _owner(marker: fx.Node) -> tuple[str, str]:
     from moe_compile.parallel import LOCAL_PREFIX
 
     local = marker.args[0]
-    while isinstance(local, fx.Node) and local.op in ("call_function", "call_method"):
-        # the property's own steps (to_local of the DTensor view, the gradient division): back to its input
-        inputs = [a for a in local.all_input_nodes if a.op != "get_attr"]
-        if len(inputs) != 1:
-            break
-        local = inputs[0]
+    if isinstance(local, fx.Node):   # back through the property's own steps (to_local, the gradient division)
+        local = param_of(local, set(local.graph.find_nodes(op="placeholder"))) or local
     name = source_name(local) if isinstance(local, fx.Node) else ""
     hit = re.search(r"^(.*?)\.?_parameters\['" + LOCAL_PREFIX + r"([^']+)'\]$", name)
     if hit:

@@ -252,4 +252,5 @@ def no_foreign_writes(region: Region) -> Finding | None:
     return Finding.of("written_in_place", n, node=n.name, target=written(n).name)
 
 
-RULES = (expert_operands, input_2d, not_float64, accumulator, expert_parallel, weights_path, input_weights, no_foreign_writes)
+RULES = (expert_operands, input_2d, not_float64, accumulator, expert_parallel, weights_path, input_weights,
+         no_foreign_writes)
