@@ -4,7 +4,7 @@ Legend: T tokens, K top-k, N = T*K routed rows per rank (the same N on every ran
 ep ranks in the expert-parallel group, E_local = E / ep (rank r owns global experts
 [r*E_local, (r+1)*E_local)), H / H2 row widths. ``group_name`` is ``ProcessGroup.group_name``.
 
-    ep_experts(local[E_local, ...], E, group_name) -> [E, ...]     marker; never runs (raises)
+    ep_experts(local[E_local, ...], E, group_name, max_tokens=0) -> [E, ...]   marker; never runs (raises)
     ep_same_tokens(counts[ep] i64, T) -> 1 (i64, 0-dim)             every rank holds T tokens, else an error
     ep_plan(offsets[E] i32, E, group_name) -> plan[2, ep, E_local] i64, recv_offsets[E_local] i32
     ep_dispatch(xp[N, H], plan, group_name) -> [ep*N, H]      (bwd: ep_combine of the gradient)
@@ -39,6 +39,7 @@ import torch
 
 from .ep_transport import resolve_group, select_transport
 from .common import check as _check
+from .common import device_assert
 
 EP_EXPERTS_ERROR = (
     "moe_compile.ep_experts: these experts are sharded over an expert-parallel mesh by "
@@ -59,35 +60,41 @@ def _ep_size(group_name: str) -> int:
 
 # --------------------------------------------------------------------------- ep_experts (marker)
 @torch.library.custom_op("moe_compile::ep_experts", mutates_args=())
-def ep_experts(local: torch.Tensor, num_experts: int, group_name: str) -> torch.Tensor:
+def ep_experts(local: torch.Tensor, num_experts: int, group_name: str, max_tokens: int = 0) -> torch.Tensor:
     """The global [E, ...] expert tensor whose rows [rank*E_local, (rank+1)*E_local) are ``local``.
     Only its shape exists: the backend's lowering replaces it with dispatch/combine around the
-    local shard. Running it means the layer was not rewritten: raise, never compute wrong numbers."""
+    local shard (``max_tokens`` > 0: each rank's tokens padded to that many rows before they travel,
+    so ranks may hold different token counts; 0: every rank holds the same count). Running it means
+    the layer was not rewritten: raise, never compute wrong numbers."""
     raise RuntimeError(EP_EXPERTS_ERROR)
 
 
 @ep_experts.register_fake
-def _(local, num_experts, group_name):
+def _(local, num_experts, group_name, max_tokens=0):
     return local.new_empty(num_experts, *local.shape[1:])
 
 
 def _ep_experts_setup(ctx, inputs, output):
-    local, num_experts, group_name = inputs
+    local, group_name = inputs[0], inputs[2]
     ctx.rows = local.shape[0]
     ctx.group_name = group_name
 
 
 def _ep_experts_bwd(ctx, grad):
     rank = resolve_group(ctx.group_name).rank()
-    return grad[rank * ctx.rows:(rank + 1) * ctx.rows], None, None
+    return grad[rank * ctx.rows:(rank + 1) * ctx.rows], None, None, None
 
 
 ep_experts.register_autograd(_ep_experts_bwd, setup_context=_ep_experts_setup)
 
 
 # --------------------------------------------------------------------------- ep_same_tokens
+# the device-side assert's message: at most DEVICE_ASSERT_MAX_CHARS (common.device_assert)
 SAME_TOKENS = ("moe_compile expert parallelism: every rank of the expert-parallel group must hold the same "
-               "number of tokens T in the MoE layer (pad the batch to a common size)")
+               "number of tokens T in the MoE layer (or set the same max_tokens on every rank)")
+SAME_TOKENS_FIX = ("pad the batch to a common size, or give moe_compile.parallelize_experts(model, mesh, max_tokens=N) "
+                   "a bound on any rank's T, the same N on every rank: each rank's tokens are then padded to N rows "
+                   "before they travel")
 
 
 @torch.library.custom_op("moe_compile::ep_same_tokens", mutates_args=())
@@ -99,9 +106,9 @@ def ep_same_tokens(counts: torch.Tensor, t: int) -> torch.Tensor:
     same = (counts == t).all()
     if counts.device.type == "cpu":
         if not bool(same):
-            raise RuntimeError(SAME_TOKENS)
+            raise RuntimeError(f"{SAME_TOKENS}; fix: {SAME_TOKENS_FIX}")
     else:
-        torch._assert_async(same, SAME_TOKENS)
+        device_assert(same, SAME_TOKENS)
     return same.to(torch.int64)
 
 

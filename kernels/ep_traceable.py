@@ -13,6 +13,8 @@ pass (``lowering/overlap.py``) orders them so that work they do not feed runs wh
 
     gather_tokens(x[T, H], ids[T, K], w[T, K] | None, E, group) -> x_all[ep*T, H], local_ids[ep*T, K], w_all
     scatter_tokens(partial[ep*T, H], group) -> [T, H]
+    pad_tokens(x[T, H], ids[T, K], w[T, K] | None, N, E) -> [N, H], [N, K], [N, K] | None   (T <= N)
+    unpad_tokens(out[N, H], x[T, H]) -> out[:T]
 
 On the wire: T rows to every peer each way, where a row-level exchange sends N = T*K rows padded to
 the worst case (K times the bytes), and an all-to-all-v that syncs with the host for its split sizes
@@ -22,7 +24,10 @@ than one GPU's single sum; exact to summation order in fp32).
 
 Every rank must hold the same T: a one-element all-gather and ``ep_same_tokens`` check it before any
 row leaves (the rows, ids and weights are multiplied by the check's 1, so no schedule can send them
-earlier; a collective of mismatched sizes would abort or hang the ranks without a message).
+earlier; a collective of mismatched sizes would abort or hang the ranks without a message). With
+``parallelize_experts(..., max_tokens=N)`` ranks may hold different T <= N: ``pad_tokens`` pads each
+rank's tokens to N rows first (zero rows, expert id E: routed to no rank's experts, weight 0), so
+the collectives move N rows per rank, and ``unpad_tokens`` keeps the first T rows of the result.
 
 Worked example (ep=2, E=4, K=2, T=2; rank 0 owns experts 0 1, rank 1 experts 2 3)::
 
@@ -59,6 +64,29 @@ def gather_tokens(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor | None, nu
     w_all = (fc.all_gather_tensor_autograd((w * one.to(w.dtype)).contiguous(), 0, group_name)
              if w is not None else None)
     return x_all, local_ids, w_all
+
+
+TOO_MANY_TOKENS = ("moe_compile expert parallelism: this rank holds {t} tokens in the MoE layer, more than "
+                   "parallelize_experts(..., max_tokens={n}) allows; give parallelize_experts a larger max_tokens "
+                   "(every rank the same), or split the batch")
+
+
+def pad_tokens(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor | None, max_tokens: int, num_experts: int):
+    """x [T, H], ids [T, K], w [T, K] | None padded to ``max_tokens`` rows: zero rows, id ``num_experts``
+    (no rank's expert: gather_tokens drops it), weight 0. A T above the bound is an error (a guard on a
+    symbolic T: host-side, no sync), never a truncation."""
+    t = x.shape[0]
+    torch._check(t <= max_tokens, lambda: TOO_MANY_TOKENS.format(t=t, n=max_tokens))
+
+    def padded(v, fill):   # v written into a static [N, ...] buffer: a tensor of N - T rows (torch.cat)
+        return torch.slice_scatter(v.new_full((max_tokens, *v.shape[1:]), fill), v, 0, 0, t)  # would guard N-T != 0, 1
+
+    return padded(x, 0), padded(ids, num_experts), (padded(w, 0) if w is not None else None)
+
+
+def unpad_tokens(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The first T = like.shape[0] rows of ``out`` (the rank's own tokens, without the padding)."""
+    return out[:like.shape[0]]
 
 
 def scatter_tokens(partial: torch.Tensor, group_name: str) -> torch.Tensor:

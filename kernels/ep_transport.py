@@ -41,6 +41,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from .common import device_assert
+
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
     """The process group registered under ``group_name`` (``ProcessGroup.group_name``)."""
@@ -133,6 +135,12 @@ class Transport(ABC):
         """[ep*N, H2] expert-major rows -> [N, H2] back in xp's order (the adjoint of dispatch)."""
 
 
+def same_rows_message(n: int) -> str:
+    """The error of ranks routing different row counts (a device-side assert's message on GPUs)."""
+    return (f"moe_compile.ep_dispatch: every rank of the expert-parallel group must route the same "
+            f"number of rows N = tokens * top_k; this rank has N={n} (pad the batch to a common size)")
+
+
 class PaddedAllToAll(Transport):
     """Every rank sends each peer one worst-case [N, H] chunk (``all_to_all_single``, equal splits);
     device-side gathers pack, compact and expand using the counts in ``plan``. No host sync; ep x
@@ -149,13 +157,12 @@ class PaddedAllToAll(Transport):
         mine = torch.full((self.ep,), n, dtype=torch.int64, device=device)
         theirs = self._exchange(mine)
         same = (theirs == n).all()
-        msg = (f"moe_compile.ep_dispatch: every rank of the expert-parallel group must route the same "
-               f"number of rows N = tokens * top_k; this rank has N={n} (pad the batch to a common size)")
+        msg = same_rows_message(n)
         if same.device.type == "cpu":
             if not bool(same):
                 raise ValueError(f"{msg}, others have {sorted(set(theirs.tolist()))}")
         else:
-            torch._assert_async(same, msg)  # device-side: no host sync
+            device_assert(same, msg)  # device-side: no host sync
 
     def dispatch(self, xp, plan):
         n = xp.shape[0]

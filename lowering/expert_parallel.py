@@ -11,6 +11,10 @@ Such a region's expert weights are ``moe_compile.ep_experts(local, E, group)`` m
     partial = unpermute_combine(h, inv, w_all, offs)         [ep*T, H]: this rank's experts' share
     out = ep_traceable.scatter_tokens(partial, group)        <- scatter_tokens(): [T, H], summed over ranks
 
+With a token bound (``parallelize_experts(..., max_tokens=N)``: the marker's 4th argument) x, ids and
+weights are first padded to N rows (``pad_tokens()``; ids of padding rows go to no expert) and the
+output is cut back to T rows (``unpad_tokens()``): ranks may then hold different T <= N.
+
 The movement is written with functional collectives (kernels/ep_traceable.py: all-gathers of the
 tokens, ids and weights, a reduce-scatter of the partial outputs, traced by AOTAutograd into
 collectives + wait_tensor nodes, differentiated by it); the opaque ``moe_compile.ep_*`` ops of
@@ -39,6 +43,7 @@ from .graph_edit import InvalidSetup
 class EPLayout:
     group_name: str
     num_experts: int
+    max_tokens: int = 0     # > 0: every rank's tokens padded to this many rows (parallelize_experts' max_tokens)
 
 
 def layout(region: Region) -> EPLayout | None:
@@ -54,7 +59,8 @@ def layout(region: Region) -> EPLayout | None:
                     check_fsdp_composition(marker.args[2])
                 except ValueError as exc:
                     raise InvalidSetup(str(exc)) from exc
-                return EPLayout(group_name=marker.args[2], num_experts=marker.args[1])
+                bound = marker.args[3] if len(marker.args) > 3 else marker.kwargs.get("max_tokens", 0)
+                return EPLayout(group_name=marker.args[2], num_experts=marker.args[1], max_tokens=bound)
     return None
 
 
@@ -71,6 +77,24 @@ def gather_tokens(b, x: fx.Node, ids: fx.Node, w: fx.Node | None, ep: EPLayout):
     out = b.fn(ep_traceable.gather_tokens, x, ids, w, ep.num_experts, ep.group_name)
     x_all, local_ids = (b.fn(operator.getitem, out, i) for i in range(2))
     return x_all, local_ids, (b.fn(operator.getitem, out, 2) if w is not None else None)
+
+
+def pad_tokens(b, x: fx.Node, ids: fx.Node, w: fx.Node | None, ep: EPLayout):
+    """x, ids, w padded to ``ep.max_tokens`` rows (kernels/ep_traceable.pad_tokens). A T above the
+    bound raises here, when the graph compiles; a symbolic T gets a guard (T <= bound: a larger T
+    recompiles, and raises here), checked on the host like every size guard (no sync)."""
+    t = val(x).shape[0]
+    if t > ep.max_tokens:   # on a symbolic T: the guard
+        shown = t if isinstance(t, int) else t.node.hint   # this call's T, not its symbol
+        raise InvalidSetup(ep_traceable.TOO_MANY_TOKENS.format(t=shown, n=ep.max_tokens))
+    out = b.fn(ep_traceable.pad_tokens, x, ids, w, ep.max_tokens, ep.num_experts)
+    return tuple(b.fn(operator.getitem, out, i) for i in range(2)) + \
+        ((b.fn(operator.getitem, out, 2) if w is not None else None),)
+
+
+def unpad_tokens(b, out: fx.Node, like: fx.Node) -> fx.Node:
+    """The first T rows of ``out``, T = ``like``'s rows."""
+    return b.fn(ep_traceable.unpad_tokens, out, like)
 
 
 def scatter_tokens(b, partial: fx.Node, ep: EPLayout) -> fx.Node:
@@ -90,9 +114,11 @@ def describe(ep: EPLayout, received, chunks: int) -> str:
     else:
         overlap = ("one token chunk (moe.ep_overlap_chunks > 1 splits the tokens so collectives can run under "
                    "another chunk's GEMMs)")
+    padded = (f"each rank's tokens padded to max_tokens={ep.max_tokens} rows (ranks may hold different counts), "
+              if ep.max_tokens else "")
     return (f"expert parallel: ep={size} ranks, {ep.num_experts // size} of {ep.num_experts} experts per rank, "
             f"transport: tokens all-gathered, partial outputs reduce-scattered (functional collectives, "
-            f"sync-free), receive capacity {received.shape[0]} rows per chunk (every rank's rows: dropless), "
+            f"sync-free), {padded}receive capacity {received.shape[0]} rows per chunk (every rank's rows: dropless), "
             f"{overlap}")
 
 

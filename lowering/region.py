@@ -210,8 +210,11 @@ def _lower_whole(b: GraphBuilder, region: Region, ep):
     router = region.router
     if ep is not None:
         # -1, not T: a symbolic T would enter the graph as a raw SymInt (dynamic shapes)
-        return _ep_chain(b, region, ep, region.x, b.method("reshape", router.ids, -1, router.top_k),
-                         _ep_weights(b, router))
+        x, ids, w = region.x, b.method("reshape", router.ids, -1, router.top_k), _ep_weights(b, router)
+        if ep.max_tokens:
+            x, ids, w = expert_parallel.pad_tokens(b, x, ids, w, ep)
+        h, out, received = _ep_chain(b, region, ep, x, ids, w)
+        return h, (expert_parallel.unpad_tokens(b, out, region.x) if ep.max_tokens else out), received
     routed = b.fn(OPS.route_permute.default, router.ids, router.num_experts)
     perm, inv, offs = (b.fn(operator.getitem, routed, i) for i in range(3))
     rows = region_forms.scale_rows(b, router, b.fn(OPS.permute_rows.default, region.x, perm, inv, offs,
@@ -285,7 +288,7 @@ def _chunks(region: Region, ep, ep_chunks: int) -> list[int]:
     r, c = region.router, region.combine
     if ep is None or ep_chunks < 2 or r.scale_input or r.per_expert or getattr(c, "overwrite", False):
         return []
-    t = val(region.x).shape[0]
+    t = ep.max_tokens or val(region.x).shape[0]   # with a token bound, the padded rows are split
     sizes = [t // ep_chunks + (i < t % ep_chunks) for i in range(ep_chunks)]
     return [n for n in sizes if n] if len([n for n in sizes if n]) > 1 else []
 
@@ -295,8 +298,10 @@ def _lower_chunked(b: GraphBuilder, region: Region, ep, sizes: list[int]):
     expert GEMMs run (lowering/overlap.py issues each collective early and waits late); outputs cat."""
     router = region.router
     k = router.top_k
-    w = _ep_weights(b, router)
-    splits = [b.fn(torch.split, v, sizes) for v in (region.x, b.method("reshape", router.ids, -1, k))]
+    x, ids, w = region.x, b.method("reshape", router.ids, -1, k), _ep_weights(b, router)
+    if ep.max_tokens:
+        x, ids, w = expert_parallel.pad_tokens(b, x, ids, w, ep)
+    splits = [b.fn(torch.split, v, sizes) for v in (x, ids)]
     w_split = b.fn(torch.split, w, sizes) if w is not None else None
     outs = []
     for i in range(len(sizes)):
@@ -304,7 +309,8 @@ def _lower_chunked(b: GraphBuilder, region: Region, ep, sizes: list[int]):
         w_c = b.fn(operator.getitem, w_split, i) if w_split is not None else None
         h, out, received = _ep_chain(b, region, ep, x_c, ids_c, w_c)
         outs.append(out)
-    return h, b.fn(torch.cat, outs), received
+    out = b.fn(torch.cat, outs)
+    return h, (expert_parallel.unpad_tokens(b, out, region.x) if ep.max_tokens else out), received
 
 
 def _pair_weights(b: GraphBuilder, router, ones: bool = True) -> fx.Node | None:

@@ -2,6 +2,8 @@
 
     mesh = init_device_mesh("cuda", (ep,), mesh_dim_names=("ep",))
     moe_compile.parallelize_experts(model, mesh)            # in place; returns model
+    # ranks holding different token counts (padding-free batches): a bound on any rank's count
+    moe_compile.parallelize_experts(model, mesh, max_tokens=8192)
     model = torch.compile(model, backend="moe")             # rewrites each MoE layer into dispatch/combine
     # or: parallelize_module(model, mesh, {"layers.*.mlp.experts": ExpertParallel()})
 
@@ -34,7 +36,6 @@ change). Dynamically created classes: ``copy.deepcopy`` works, pickling the whol
 """
 from __future__ import annotations
 
-import dataclasses
 import weakref
 
 import torch
@@ -44,54 +45,15 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from moe_compile.kernels import ep as _ep_ops  # noqa: F401  (registers torch.ops.moe_compile.ep_*)
+from moe_compile.ep_info import _MESHES, LOCAL_PREFIX, EPInfo, ep_info, ep_infos  # noqa: F401  (re-exported)
+from moe_compile.grad_norm import clip_grad_norm_  # noqa: F401  (re-exported: moe_compile.parallel.clip_grad_norm_)
 from moe_compile.stacking import StackedExperts, stack_experts  # noqa: F401  (re-exported: the EP recipe's first step)
 
 __all__ = ["EPInfo", "ExpertParallel", "StackedExperts", "check_fsdp_composition", "clip_grad_norm_", "ep_info", "ep_infos",
            "fsdp_ignored_params", "fully_shard_experts", "parallelize_experts", "stack_experts"]
 
-LOCAL_PREFIX = "_ep_local_"
-_MESHES: dict[str, DeviceMesh] = {}        # group_name -> the mesh it came from (for state_dict)
 _ROOTS: dict[str, "weakref.WeakSet"] = {}  # group_name -> models given to parallelize_experts with it
 _EP_CLASSES: dict[tuple, type] = {}
-
-
-@dataclasses.dataclass(frozen=True)
-class EPInfo:
-    """What ``parallelize_experts`` did to one expert container."""
-    path: str                  # module path inside the model given to parallelize_experts ("" = itself)
-    names: tuple[str, ...]     # original names of the sharded parameters
-    num_experts: int           # E (global)
-    ep: int
-    rank: int
-    group_name: str            # ProcessGroup.group_name of the ep mesh dimension
-
-    @property
-    def experts_per_rank(self) -> int:
-        return self.num_experts // self.ep
-
-    @property
-    def expert_range(self) -> range:
-        """The global expert ids this rank owns."""
-        return range(self.rank * self.experts_per_rank, (self.rank + 1) * self.experts_per_rank)
-
-    @staticmethod
-    def local_name(name: str) -> str:
-        return LOCAL_PREFIX + name
-
-    @property
-    def mesh(self) -> DeviceMesh:
-        return _MESHES[self.group_name]
-
-
-def ep_info(obj: nn.Module | torch.Tensor) -> EPInfo | None:
-    """The EPInfo of a parallelized container, or of one of its local shard Parameters (the latter
-    does not survive ``copy.deepcopy``: torch's Parameter copy keeps no attributes). None if neither."""
-    return getattr(obj, "_moe_ep_info", None)
-
-
-def ep_infos(model: nn.Module) -> dict[str, EPInfo]:
-    """{module path: EPInfo} for every parallelized container in ``model``."""
-    return {name: info for name, m in model.named_modules() if (info := ep_info(m)) is not None}
 
 
 # --------------------------------------------------------------------------- finding containers
@@ -166,9 +128,9 @@ class _DivideGrad(torch.autograd.Function):
         return grad / ctx.divisor, None
 
 
-def _ep_class(cls: type, names: tuple[str, ...], num_experts: int, group_name: str) -> type:
+def _ep_class(cls: type, names: tuple[str, ...], num_experts: int, group_name: str, max_tokens: int = 0) -> type:
     """``cls`` plus one property per sharded name returning the ep_experts marker of the local shard."""
-    key = (cls, names, num_experts, group_name)
+    key = (cls, names, num_experts, group_name, max_tokens)
     if key not in _EP_CLASSES:
         def marker(name):
             local = LOCAL_PREFIX + name
@@ -179,7 +141,7 @@ def _ep_class(cls: type, names: tuple[str, ...], num_experts: int, group_name: s
                 divisor = self._moe_grad_divisor
                 if divisor is not None and torch.is_grad_enabled():  # kept out of FSDP: FSDP's division, traced
                     rows = _DivideGrad.apply(rows, divisor)
-                return torch.ops.moe_compile.ep_experts(rows, num_experts, group_name)
+                return torch.ops.moe_compile.ep_experts(rows, num_experts, group_name, max_tokens)
             get.__name__ = name
             return property(get, doc=f"[E={num_experts}, ...] expert-parallel view of {local} (marker op)")
 
@@ -242,13 +204,14 @@ def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict
         state_dict[prefix + LOCAL_PREFIX + name] = rows
 
 
-def _shard(path: str, module: nn.Module, num_experts: int, names: tuple[str, ...], mesh: DeviceMesh) -> None:
+def _shard(path: str, module: nn.Module, num_experts: int, names: tuple[str, ...], mesh: DeviceMesh,
+           max_tokens: int | None) -> None:
     ep, rank = mesh.size(), mesh.get_local_rank()
     group_name = mesh.get_group().group_name
     if num_experts % ep:
         raise ValueError(f"parallelize_experts: '{path or type(module).__name__}' has {num_experts} experts, "
                          f"not divisible by the ep mesh size {ep}")
-    info = EPInfo(path, names, num_experts, ep, rank, group_name)
+    info = EPInfo(path, names, num_experts, ep, rank, group_name, max_tokens)
     r = info.expert_range
     for name in names:
         full = module._parameters.pop(name)
@@ -256,14 +219,21 @@ def _shard(path: str, module: nn.Module, num_experts: int, names: tuple[str, ...
         local.__dict__.update(full.__dict__)       # keep flags such as HF's _is_hf_initialized
         local._moe_ep_info = info
         module.register_parameter(LOCAL_PREFIX + name, local)
-    module.__class__ = _ep_class(type(module), names, num_experts, group_name)
+    module.__class__ = _ep_class(type(module), names, num_experts, group_name, max_tokens or 0)
     module._moe_ep_info = info
     module.register_state_dict_post_hook(_state_dict_post_hook)
     module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
 
 
-def parallelize_experts(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, max_tokens: int | None = None) -> nn.Module:
     """Shard every expert container of ``model`` over ``mesh`` (1-D, or its "ep" dimension), in place.
+
+    ``max_tokens``: by default every rank of the mesh must hold the same number of tokens T in each MoE
+    layer (a batch of the same shape on every rank), else every rank raises a named error. With a bound
+    N, ranks may hold different counts, up to N each (padding-free batches, the last batch of an
+    epoch): each rank's tokens are padded to N rows before they travel (the padding rows go to no
+    expert: they cost bytes on the wire, no expert GEMM), and a rank holding more than N raises. Give
+    every rank the same N.
 
     Raises ValueError when no container is found, when E is not divisible by the mesh size, and for
     experts held as an nn.ModuleList (convert them with ``stack_experts`` first). Parameters stay on
@@ -271,6 +241,9 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"parallelize_experts: expected a DeviceMesh, got {type(mesh).__name__}; e.g. "
                         f"torch.distributed.device_mesh.init_device_mesh('cuda', (world_size,), mesh_dim_names=('ep',))")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError(f"parallelize_experts: max_tokens must be a positive int (a bound on any rank's tokens per "
+                         f"MoE layer) or None (every rank holds the same count), got {max_tokens!r}")
     mesh = _ep_dim(mesh)
     found = find_expert_containers(model)
     if not found:
@@ -287,7 +260,7 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     _MESHES[mesh.get_group().group_name] = mesh
     _ROOTS.setdefault(mesh.get_group().group_name, weakref.WeakSet()).add(model)
     for path, module, num_experts, names in found:
-        _shard(path, module, num_experts, names, mesh)
+        _shard(path, module, num_experts, names, mesh, max_tokens)
     return model
 
 
@@ -429,60 +402,14 @@ def check_fsdp_composition(group_name: str) -> None:
                         + _COMPOSITION_FIX)
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` for a model with experts sharded by ``parallelize_experts``
-    (and FSDP2): the gradients of one mesh cannot be stacked with another's, and each rank's expert
-    shards hold different experts. The total norm combines, per mesh, the norm of the dense
-    gradients and of the expert shards (summed over the expert-parallel ranks); every gradient is
-    then scaled by one coefficient. Returns the total norm (a plain tensor, on the device; no host
-    sync)."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    groups: dict = {}
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        info = getattr(_owner(model, name), "_moe_ep_info", None)
-        # a Parameter the container holds beside its expert shards is the same on every ep rank: counted once
-        sharded = isinstance(info, EPInfo) and name.rpartition(".")[2].startswith(LOCAL_PREFIX)
-        key = (getattr(p.grad, "device_mesh", None), info.group_name if sharded else None)
-        groups.setdefault(key, []).append(p)
-    if not groups:
-        return torch.zeros(())
-    parts = []
-    for (mesh, ep_group), params in groups.items():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm   # over the grads' own mesh
-        if ep_group is not None and not _spans(mesh, ep_group):  # ep ranks hold other experts: combine
-            group = dist.distributed_c10d._resolve_process_group(ep_group)
-            if norm_type == float("inf"):
-                dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
-            else:
-                norm = norm ** norm_type
-                dist.all_reduce(norm, group=group)
-                norm = norm ** (1.0 / norm_type)
-        parts.append(norm)
-    total = torch.nn.utils.get_total_norm(parts, norm_type)
-    for params in groups.values():
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total
-
-
-def _spans(mesh, group_name: str) -> bool:
-    """Whether DTensors on ``mesh`` are sharded over the process group ``group_name`` (their norm's
-    full_tensor() then already sums its ranks)."""
-    return mesh is not None and group_name in {mesh.get_group(d).group_name for d in range(mesh.ndim)}
-
-
-def _owner(model: nn.Module, name: str) -> nn.Module:
-    path = name.rpartition(".")[0]
-    return model.get_submodule(path) if path else model
-
-
 class ExpertParallel(ParallelStyle):
     """``parallelize_module(model, mesh, {"layers.*.mlp.experts": ExpertParallel()})``: the same as
-    ``parallelize_experts`` on each matched module (EPInfo.path is then "", the plan names it)."""
+    ``parallelize_experts`` on each matched module (EPInfo.path is then "", the plan names it);
+    ``ExpertParallel(max_tokens=N)`` as its ``max_tokens``."""
+
+    def __init__(self, *, max_tokens: int | None = None):
+        super().__init__()
+        self.max_tokens = max_tokens
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return parallelize_experts(module, device_mesh)
+        return parallelize_experts(module, device_mesh, max_tokens=self.max_tokens)

@@ -433,6 +433,31 @@ def test_parallelize_experts_bad_calls_name_the_problem(mesh1):
         parallelize_experts(model, mesh1)
     with pytest.raises(TypeError, match="expected a DeviceMesh, got ProcessGroup.*init_device_mesh"):
         parallelize_experts(TinyMoE(), mesh1.get_group())
+    for bad in (0, -4, 2.5, True, "64"):
+        with pytest.raises(ValueError, match=f"max_tokens must be a positive int .*got {bad!r}"):
+            parallelize_experts(TinyMoE(), mesh1, max_tokens=bad)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_more_tokens_than_max_tokens_raises_named_error(mesh1, dynamic):
+    """A rank holding more tokens than parallelize_experts' max_tokens fails the compile with the bound
+    and the fix (never a truncated batch); with a symbolic T through the guard the compile put on T.
+    Smaller counts still run afterwards."""
+    from moe_compile.parallel import parallelize_experts
+    from test_ep_compiled import LoopMoE
+
+    model = parallelize_experts(LoopMoE(), mesh1, max_tokens=6)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="moe", dynamic=dynamic, options={"moe.inductor": False})
+
+    def run(t):
+        return compiled(torch.randn(t, 8), torch.zeros(t, 4))
+
+    assert run(4).shape == (4, 8)
+    with pytest.raises(Exception, match=r"this rank holds 7 tokens in the MoE layer, more than "
+                                        r"parallelize_experts\(\.\.\., max_tokens=6\) allows; give parallelize_experts a larger"):
+        run(7)
+    assert run(6).shape == (6, 8) and run(3).shape == (3, 8)
 
 
 def test_marker_reaches_the_graph_and_raises_when_run(mesh1):
@@ -453,7 +478,7 @@ def test_marker_reaches_the_graph_and_raises_when_run(mesh1):
     with pytest.raises(RuntimeError, match=r"ep_experts: .*rewrites the MoE layer"):
         torch.compile(f, backend=record, fullgraph=True)(model, x)
     (marker,) = [n for n in graphs[0].graph.nodes if n.target in (OPS.ep_experts, OPS.ep_experts.default)]
-    assert marker.args[0].op == "placeholder" and marker.args[1:] == (4, mesh1.get_group().group_name)
+    assert marker.args[0].op == "placeholder" and marker.args[1:] == (4, mesh1.get_group().group_name, 0)
     with pytest.raises(RuntimeError, match=r"ep_experts: .*rewrites the MoE layer"):
         torch.compile(f, backend="aot_eager", fullgraph=True)(model, x)  # fake impl + autograd trace fine
 
@@ -788,3 +813,18 @@ def test_schedule_collectives_on_hand_built_graphs():
     pos = {name: i for i, name in enumerate(order)}
     assert pos["all_gather_into_tensor"] < pos["exp"] < pos["wait_tensor"], order    # work while rows travel
     assert pos["cos"] < pos["add_"] < pos["sin"], order                               # the barrier kept its place
+
+
+def test_device_assert_messages_fit_cuda_limit():
+    """CUDA refuses a device-side assert whose message has 255 characters or more (the CPU takes any):
+    the messages our ops assert on the device fit, and device_assert fails on the CPU too for one
+    that would not (it broke every GPU EP step once, unseen by CPU tests)."""
+    from moe_compile.kernels.common import DEVICE_ASSERT_MAX_CHARS, device_assert
+    from moe_compile.kernels.ep import SAME_TOKENS
+    from moe_compile.kernels.ep_transport import same_rows_message
+
+    for msg in (SAME_TOKENS, same_rows_message(2 ** 62)):
+        assert len(msg) <= DEVICE_ASSERT_MAX_CHARS, msg
+        device_assert(torch.tensor(True), msg)
+    with pytest.raises(ValueError, match="message of 255 characters, CUDA takes at most 254"):
+        device_assert(torch.tensor(True), "x" * 255)

@@ -166,7 +166,8 @@ def routing_bias(kind: str, rank: int, ep: int, t: int, e: int, gen) -> torch.Te
     return bias
 
 
-# name: (model class, T tokens per rank, top-k, experts per rank, routing)
+# name: (model class, T tokens per rank (an int, or one per rank: ranks holding different counts, run
+# with a max_tokens bound), top-k, experts per rank, routing)
 CASES = {
     "loop_random_top2": (LoopMoE, 6, 2, 2, "random"),
     "loop_top1_odd_tokens": (LoopMoE, 5, 1, 2, "random"),
@@ -178,12 +179,26 @@ CASES = {
     "loop_bias_top2": (BiasLoopMoE, 6, 2, 2, "random"),
     "loop_fp32_rows_top2": (Fp32RowsLoopMoE, 6, 2, 2, "random"),
 }
+# ranks holding different token counts: run with parallelize_experts(..., max_tokens=MAX_TOKENS)
+MAX_TOKENS = 12
+UNEVEN_CASES = {
+    "loop_uneven_tokens_top2": (LoopMoE, (6, 9, 12, 1), 2, 2, "random"),
+    "loop_rank_without_tokens": (LoopMoE, (0, 7, 3, 12), 2, 2, "random"),
+    "sorted_uneven_tokens": (SortedMoE, (5, 11, 2, 8), 2, 2, "uneven"),
+    "loop_uneven_rank0_gets_all": (LoopMoE, (4, 10, 7, 1), 2, 2, "rank0"),
+}
+ALL_CASES = {**CASES, **UNEVEN_CASES}
+
+
+def tokens_per_rank(case, ep) -> tuple[int, ...]:
+    t = ALL_CASES[case][1]
+    return t[:ep] if isinstance(t, tuple) else (t,) * ep
 
 
 def _inputs(case, ep, e, h):
-    _, t, k, _, kind = CASES[case]
+    kind = ALL_CASES[case][4]
     out = []
-    for r in range(ep):
+    for r, t in enumerate(tokens_per_rank(case, ep)):
         g = torch.Generator().manual_seed(100 * r + 3)
         out.append((torch.randn(t, h, generator=g), routing_bias(kind, r, ep, t, e, g)))
     return out
@@ -193,25 +208,28 @@ def _grad_of(p):
     return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
-def check_case(case, rank, ep, mesh, chunks=1, autocast=False):
-    """``autocast``: every run (compiled and references) under torch.autocast(cpu, bf16), fp32 weights."""
+def check_case(case, rank, ep, mesh, chunks=1, autocast=False, max_tokens=None):
+    """``autocast``: every run (compiled and references) under torch.autocast(cpu, bf16), fp32 weights.
+    ``max_tokens``: parallelize_experts' bound (cases whose ranks hold different token counts)."""
     import moe_compile
     from moe_compile import records
 
     amp, bound, grad_bound = _precision(autocast)
 
-    cls, t, k, e_local, _ = CASES[case]
+    cls, _, k, e_local, _ = ALL_CASES[case]
+    ts = tokens_per_rank(case, ep)
+    t, start = ts[rank], sum(ts[:rank])
     e, h = e_local * ep, 8
     torch.manual_seed(0)
     full = cls(h=h, e=e, k=k)
-    model = moe_compile.parallelize_experts(copy.deepcopy(full), mesh)
+    model = moe_compile.parallelize_experts(copy.deepcopy(full), mesh, max_tokens=max_tokens)
     torch._dynamo.reset()
     before = records.counters["rewritten"]
     with records.recording() as graphs:
         compiled = torch.compile(model, backend="moe",
                                  options={"moe.inductor": False, "moe.ep_overlap_chunks": chunks})
         inputs = _inputs(case, ep, e, h)
-        cot = [torch.linspace(-1, 1, t * h).view(t, h) * (r + 1) for r in range(ep)]
+        cot = [torch.linspace(-1, 1, n * h).view(n, h) * (r + 1) for r, n in enumerate(ts)]
         x = inputs[rank][0].clone().requires_grad_()
         with amp():
             out = compiled(x, inputs[rank][1])
@@ -221,6 +239,8 @@ def check_case(case, rank, ep, mesh, chunks=1, autocast=False):
     # one chain by default; more chunks where the tokens split (a 1-token batch stays one chain)
     chain = ("one token chunk",) if chunks == 1 else (" token chunks", "one token chunk")
     assert any(f"ep={ep} ranks" in n and any(c in n for c in chain) for n in notes), notes
+    padded = f"padded to max_tokens={max_tokens}"
+    assert any(padded in n for n in notes) == (max_tokens is not None), notes
     assert not any("host syncs" in n for n in notes), notes  # the host_syncs pass found none
 
     ref = copy.deepcopy(full)
@@ -228,7 +248,7 @@ def check_case(case, rank, ep, mesh, chunks=1, autocast=False):
         ref_out = ref(torch.cat([i[0] for i in inputs]), torch.cat([i[1] for i in inputs]))
     (ref_out.float() * torch.cat(cot)).sum().backward()
     assert out.dtype == ref_out.dtype, f"{case}: output dtype {out.dtype} != {ref_out.dtype}"
-    assert_close(out.detach(), ref_out.detach()[rank * t:(rank + 1) * t], f"{case}: rank {rank} output", bound)
+    assert_close(out.detach(), ref_out.detach()[start:start + t], f"{case}: rank {rank} output", bound)
     ref_experts = dict(ref.experts.named_parameters())
     for name, p in model.experts.named_parameters():
         shards = [torch.empty_like(p) for _ in range(ep)]
@@ -249,13 +269,13 @@ def check_case(case, rank, ep, mesh, chunks=1, autocast=False):
             assert_close(_grad_of(p), _grad_of(own_params[name]), f"{case}: rank {rank} gradient of {name}", grad_bound)
 
 
-def body_cases(rank, ep, cases, chunks=1, autocast=False):
+def body_cases(rank, ep, cases, chunks=1, autocast=False, max_tokens=None):
     import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
     for case in cases:
-        check_case(case, rank, ep, mesh, chunks, autocast)
+        check_case(case, rank, ep, mesh, chunks, autocast, max_tokens)
 
 
 def body_no_recompiles(rank, ep):
@@ -653,3 +673,123 @@ def _body_disabled(rank, ep):
                              options={"moe.inductor": False, "moe.disable": ("loop_regions", "grouped_regions")})
     with pytest.raises(Exception, match="parallelize_experts"):
         compiled(torch.randn(6, 8), torch.zeros(6, 2 * ep))
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_ep2_ranks_holding_different_token_counts_match_eager(chunks):
+    """parallelize_experts(..., max_tokens=N): ranks hold different T <= N (one holds none, one exactly
+    N), each padded to N rows before the movement; outputs and every gradient as eager's on the
+    concatenated batch. The cases' equal-T forms run padded too."""
+    run_distributed(body_cases, 2, (*UNEVEN_CASES, "loop_random_top2"), chunks, False, MAX_TOKENS)
+
+
+def body_uneven_steps(rank, ep):
+    """One compiled model, max_tokens=12, over steps whose token counts differ between the ranks and
+    from step to step (a padding-free loader): each step's outputs and every gradient as eager's on
+    the step's concatenated batch, at most two compiles (static, then a symbolic T), and a mismatch
+    of bounds between the ranks raises the named error before any token moves."""
+    import moe_compile
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+    torch.manual_seed(0)
+    e, h = 2 * ep, 8
+    full = LoopMoE(h=h, e=e, k=2)
+    model = moe_compile.parallelize_experts(copy.deepcopy(full), mesh, max_tokens=MAX_TOKENS)
+    calls = []
+
+    def counting(gm, example_inputs):
+        calls.append(1)
+        return moe_compile.moe_backend(gm, example_inputs, options={"moe.inductor": False})
+
+    from moe_compile.backend import capture_ctx
+    counting.moe_capture_ctx = capture_ctx
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=counting)
+    seen = []
+    for step, ts in enumerate(((5, 9), (12, 3), (1, 7), (8, 8), (0, 11))):
+        ts = tuple(ts[r % 2] + (r // 2) for r in range(ep))   # any ep: every rank its own count
+        seen.append(ts)
+        gens = [torch.Generator().manual_seed(1000 * step + r) for r in range(ep)]
+        xs = [torch.randn(t, h, generator=g) for t, g in zip(ts, gens)]
+        bs = [2.0 * torch.randn(t, e, generator=g) for t, g in zip(ts, gens)]
+        cot = [torch.linspace(-1, 1, t * h).view(t, h) * (r + 1) for r, t in enumerate(ts)]
+        x = xs[rank].clone().requires_grad_()
+        model.zero_grad(set_to_none=True)
+        out = compiled(x, bs[rank])
+        (out * cot[rank]).sum().backward()
+        ref = copy.deepcopy(full)
+        ref_out = ref(torch.cat(xs), torch.cat(bs))
+        (ref_out * torch.cat(cot)).sum().backward()
+        start = sum(ts[:rank])
+        assert_close(out.detach(), ref_out.detach()[start:start + ts[rank]], f"step {step}: rank {rank} output")
+        ref_experts = dict(ref.experts.named_parameters())
+        for name, p in model.experts.named_parameters():
+            shards = [torch.empty_like(p) for _ in range(ep)]
+            dist.all_gather(shards, _grad_of(p).contiguous())
+            orig = name.removeprefix("_ep_local_")
+            assert_close(torch.cat(shards), _grad_of(ref_experts[orig]), f"step {step}: experts.{orig} gradient")
+        own = copy.deepcopy(full)
+        x_own = xs[rank].clone().requires_grad_()
+        (own(x_own, bs[rank]) * cot[rank]).sum().backward()
+        assert_close(x.grad, x_own.grad, f"step {step}: rank {rank} input gradient")
+        own_params = dict(own.named_parameters())
+        for name, p in model.named_parameters():
+            if not name.startswith("experts."):
+                assert_close(_grad_of(p), _grad_of(own_params[name]), f"step {step}: rank {rank} gradient of {name}")
+    # a static graph, then one for a symbolic T; Dynamo specializes inputs of 0 and 1 rows (a graph each)
+    special = len({ts[rank] for ts in seen} & {0, 1})
+    assert len(calls) <= 2 + special, f"{len(calls)} compiles over 5 steps of changing token counts"
+
+    other = moe_compile.parallelize_experts(LoopMoE(h=h, e=e, k=2), mesh, max_tokens=MAX_TOKENS + rank)
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match=r"must hold the same number of tokens .*same max_tokens on every rank"):
+        torch.compile(other, backend="moe", options={"moe.inductor": False})(torch.randn(4, h), torch.zeros(4, e))
+
+
+def test_ep2_token_counts_changing_between_steps_and_ranks():
+    run_distributed(body_uneven_steps, 2)
+
+
+def body_hf_uneven(rank, ep, name):
+    """A Hugging Face model whose ranks hold sequences of different lengths (max_tokens=8): logits and
+    dense gradients as eager's on the rank's own sequence; expert gradients (gathered) as the sum of
+    eager's over every rank's sequence."""
+    import moe_compile
+    import test_hf_models as hf
+    from moe_compile import records
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+    full = hf.build(name, layers=1)
+    model = moe_compile.parallelize_experts(copy.deepcopy(full), mesh, max_tokens=8)
+    lengths = [8 - 3 * (r % 2) for r in range(ep)]
+    ids = [torch.randint(3, 64, (1, n), generator=torch.Generator().manual_seed(r)) for r, n in enumerate(lengths)]
+    torch._dynamo.reset()
+    before = records.counters["rewritten"]
+    out = torch.compile(hf.Logits(model), backend="moe", options={"moe.inductor": False})(ids[rank])
+    assert records.counters["rewritten"] == before + 1, f"{name}: the MoE layer was not rewritten"
+    v = out.shape[-1]
+    cots = [torch.linspace(-1, 1, n * v).view(1, n, v) * (r + 1) for r, n in enumerate(lengths)]
+    (out.float() * cots[rank]).sum().backward()
+    ref = copy.deepcopy(full)
+    for r in range(ep):   # the loss summed over the ranks: expert gradients add up over every sequence
+        (hf.Logits(ref)(ids[r]).float() * cots[r]).sum().backward()
+    own = copy.deepcopy(full)
+    own_out = hf.Logits(own)(ids[rank])
+    (own_out.float() * cots[rank]).sum().backward()
+    assert_close(out.detach().float(), own_out.detach().float(), f"{name}: rank {rank} logits")
+    ref_params, own_params = dict(ref.named_parameters()), dict(own.named_parameters())
+    for pname, p in model.named_parameters():
+        if "_ep_local_" in pname:
+            shards = [torch.empty_like(p) for _ in range(ep)]
+            dist.all_gather(shards, _grad_of(p).contiguous())
+            orig = pname.replace("_ep_local_", "")
+            assert_close(torch.cat(shards), _grad_of(ref_params[orig]), f"{name}: {orig} gradient (gathered)")
+        else:
+            assert_close(_grad_of(p), _grad_of(own_params[pname]), f"{name}: rank {rank} gradient of {pname}")
+
+
+def test_ep2_hf_model_with_sequences_of_different_lengths():
+    pytest.importorskip("transformers")
+    run_distributed(body_hf_uneven, 2, HF_MODELS[0], timeout_s=400)

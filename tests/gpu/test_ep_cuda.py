@@ -101,6 +101,58 @@ def test_ep2_step_sync_free_and_matches_unsharded(cudagraphs, chunks):
                            start_method="spawn")
 
 
+def _uneven_body(rank, world, init_file):
+    """max_tokens: token counts that differ between the ranks and between steps (one compiled graph for
+    a symbolic count after the first); the step on a count seen before is sync-free, and its outputs
+    and expert gradients match the unsharded model on the concatenated batch."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        import test_ep_compiled as cases
+        from torch.distributed.device_mesh import init_device_mesh
+
+        import moe_compile
+
+        mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("ep",))
+        torch.manual_seed(0)
+        full = cases.LoopMoE(h=64, i=48, e=4 * world, k=2).cuda().to(torch.bfloat16)
+        model = moe_compile.parallelize_experts(copy.deepcopy(full), mesh, max_tokens=64)
+        compiled = torch.compile(model, backend="moe")
+        for step, base in enumerate((40, 64, 23, 40)):
+            ts = [max(1, base - 17 * r) for r in range(world)]
+            gens = [torch.Generator(device="cuda").manual_seed(10 * step + r) for r in range(world)]
+            xs = [torch.randn(t, 64, device="cuda", dtype=torch.bfloat16, generator=g) for t, g in zip(ts, gens)]
+            bias = [torch.zeros(t, 4 * world, device="cuda", dtype=torch.bfloat16) for t in ts]
+            model.zero_grad(set_to_none=True)
+            if step == 3:   # the counts of step 0 again: no compile, so no host sync allowed
+                torch.cuda.set_sync_debug_mode("error")
+            out = compiled(xs[rank], bias[rank])
+            out.float().sum().backward()
+            torch.cuda.set_sync_debug_mode(0)
+        ref = copy.deepcopy(full)
+        ref_out = ref(torch.cat(xs), torch.cat(bias))
+        ref_out.float().sum().backward()
+        start = sum(ts[:rank])
+        assert _rel(out.detach().float(), ref_out.detach()[start:start + ts[rank]].float()) <= EP_BF16_REL
+        for name, p in model.experts.named_parameters():
+            shards = [torch.empty_like(p.grad) for _ in range(world)]
+            dist.all_gather(shards, p.grad.contiguous())
+            want = dict(ref.experts.named_parameters())[name.removeprefix("_ep_local_")].grad
+            assert _rel(torch.cat(shards).float(), want.float()) <= EP_BF16_GRAD_REL, name
+    finally:
+        torch.cuda.synchronize()
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+
+
+def test_ep_token_counts_differ_between_ranks_and_steps():
+    world = _ranks()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_uneven_body, args=(world, os.path.join(tmp, "store")), nprocs=world, start_method="spawn")
+
+
 def _fsdp_body(rank, world, init_file, dp, cpu_built=False):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     torch.cuda.set_device(rank)
