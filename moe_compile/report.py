@@ -7,7 +7,9 @@
 
 explain() traces the model once with the moe backend (AOTAutograd only: quick) and reports the same
 records a compile logs: regions rewritten or refused, MoE-like code no region covers
-(``moe_unmatched``), graph breaks and frames Dynamo gave up on in MoE code (``break_*``). It has no
+(``moe_unmatched``), graph breaks and frames Dynamo gave up on in MoE code (``break_*``), and experts
+that ran eagerly with no such break to explain it (``ran_eagerly``: e.g. a graph break elsewhere inside
+activation checkpointing; eager_probe.py). It has no
 side effects on the user's model or compiled model: no Dynamo cache is reset (a model compiled
 before runs on without recompiling), its own cache entries are dropped afterwards, expert weights
 are not re-homed (the compile does that), and RNG state and buffers are restored.
@@ -21,6 +23,7 @@ import inspect
 
 import torch
 
+from . import eager_probe
 from .debug import format_records
 from .records import REFUSED, REWRITTEN, RegionRecord, Session, recording
 
@@ -98,7 +101,7 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
 
     backend.moe_capture_ctx = functools.partial(capture_ctx, session=session)
     failure = None
-    with _no_side_effects(fn, args, kwargs) as tried, recording() as published:
+    with _no_side_effects(fn, args, kwargs) as tried, recording() as published, eager_probe.probes(fn) as eager:
         try:
             torch.compile(fn, backend=backend, **_isolated())(*args, **kwargs)
         except Exception as exc:
@@ -108,6 +111,7 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
     records = list(dict.fromkeys([r for g in published for r in g] + list(getattr(failure, "records", ()))))
     seen = {r.where for r in records if r.is_break}
     records += [r for r in _earlier_skips(fn, tried) if r.where not in seen]
+    records += eager_probe.records(fn, eager, [r for r in records if r.is_break])
     regions = tuple(r for r in records if not r.is_break)
     regions = tuple(_explain_notes(r) for r in regions)
     breaks = tuple(dict.fromkeys(GraphBreak(r.where, r.reason, r.fix, r.source, r.code)

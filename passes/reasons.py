@@ -202,6 +202,14 @@ REASONS: dict[str, Reason] = {
         "subgraph called at {at}; the backend does not rewrite inside such subgraphs, so it is compiled as written",
         "compile each block on its own instead: drop nested_compile_region and call "
         "moe_compile.compile_blocks(model) (one compiled graph serves every block of a class)"),
+    "ran_eagerly": Reason(
+        "`{module}` ({cls}: {what}) ran eagerly under torch.compile: Dynamo never handed it to the backend, so "
+        "it was not rewritten (no graph break in MoE code says why)",
+        "find what made Dynamo run it eagerly (TORCH_LOGS=\"graph_breaks\"): a graph break anywhere inside "
+        "activation checkpointing (torch.utils.checkpoint, gradient_checkpointing_enable) runs the whole "
+        "checkpointed call eagerly, and a frame Dynamo gives up on runs as written; remove that graph break, or "
+        "compile each decoder layer on its own with moe_compile.compile_blocks(model) (a break inside a layer "
+        "then splits its graph instead); code under torch.compiler.disable always runs eagerly"),
     "break_expert_hit_hf": Reason(
         "{what} at {at}: transformers' eager experts loop `{source}` iterates over a data-dependent list of the "
         "experts that got tokens{effect}",

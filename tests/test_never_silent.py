@@ -901,3 +901,99 @@ def test_code_that_is_not_moe_is_not_reported(case):
                 "beam_eos": (_PredictionMasks("beam_eos"), (torch.randn(6, 8),))}[case]
     rep = moe_compile.explain(fn, *args)
     assert not rep.refused and not rep.graph_breaks, str(rep)
+
+
+# ------------------------------------------------------------------ experts Dynamo ran eagerly
+class _StackedLoopExperts(nn.Module):
+    def __init__(self, e=4, h=8, i=6):
+        super().__init__()
+        self.e = e
+        self.w1 = nn.Parameter(torch.randn(e, h, i) / h ** 0.5)
+        self.w2 = nn.Parameter(torch.randn(e, i, h) / i ** 0.5)
+
+    def forward(self, x, ids, w):
+        out = torch.zeros_like(x)
+        for e in range(self.e):
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, (F.silu(x[tok] @ self.w1[e]) @ self.w2[e]) * w[tok, slot, None])
+        return out
+
+
+class _Block(nn.Module):
+    def __init__(self, graph_break):
+        super().__init__()
+        self.graph_break = graph_break
+        self.attn = nn.Linear(8, 8)
+        self.router = nn.Linear(8, 4, bias=False)
+        self.experts = _StackedLoopExperts()
+
+    def forward(self, x):
+        h = self.attn(x)
+        if self.graph_break:
+            torch._dynamo.graph_break()   # outside the MoE code, as a print or an unsupported call would be
+        w, ids = self.router(h).softmax(-1).topk(2, dim=-1)
+        return h + self.experts(h, ids, w)
+
+
+class _CheckpointedModel(nn.Module):
+    def __init__(self, graph_break, checkpoint=True):
+        super().__init__()
+        self.checkpoint = checkpoint
+        self.layers = nn.ModuleList([_Block(graph_break), _Block(False)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) if self.checkpoint else layer(x)
+        return x
+
+
+def test_experts_dynamo_ran_eagerly_are_listed():
+    """A graph break outside the MoE code but inside activation checkpointing makes Dynamo run the
+    checkpointed calls eagerly: no graph reaches the backend, and explain listed nothing. Each such
+    experts module is now refused with ran_eagerly, its reason and fix; the probes' hooks are gone
+    afterwards. Without the break (and without checkpointing) the layers are rewritten, no ran_eagerly."""
+    x = torch.randn(5, 8)
+    model = _CheckpointedModel(graph_break=True)
+    torch._dynamo.reset()
+    rep = moe_compile.explain(model, x)
+    eager = {r.module: r for r in rep.refused if r.code == "ran_eagerly"}
+    assert set(eager) == {"layers.0.experts", "layers.1.experts"} and not rep.rewritten, str(rep)
+    assert "ran eagerly under torch.compile" in eager["layers.0.experts"].reason
+    assert "activation checkpointing" in eager["layers.0.experts"].fix and "compile_blocks" in eager["layers.0.experts"].fix
+    assert not any(m._forward_pre_hooks for m in model.modules()), "explain left its probes on the model"
+    for kw in ({"graph_break": False}, {"graph_break": True, "checkpoint": False}):
+        torch._dynamo.reset()
+        rep = moe_compile.explain(_CheckpointedModel(**kw), x)
+        assert len(rep.rewritten) == 2 - kw["graph_break"] and not rep.refused, f"{kw}: {rep}"
+
+
+class _BreakingExperts(_StackedLoopExperts):
+    def forward(self, x, ids, w):
+        torch._dynamo.graph_break()   # in the MoE code: its own break record names it
+        return super().forward(x, ids, w)
+
+
+def test_experts_run_eagerly_by_a_break_in_moe_code_are_listed_once():
+    """A graph break inside the experts under checkpointing: the break record (in MoE code) says why
+    and how to fix it; no second, vaguer ran_eagerly record for the same module."""
+    model = _CheckpointedModel(graph_break=False)
+    model.layers[0].experts.__class__ = _BreakingExperts
+    torch._dynamo.reset()
+    rep = moe_compile.explain(model, torch.randn(5, 8))
+    assert rep.graph_breaks, str(rep)
+    # layer 1 has no break of its own: it ran eagerly because layer 0's break made Dynamo give up the frame
+    assert {r.module for r in rep.refused if r.code == "ran_eagerly"} == {"layers.1.experts"}, str(rep)
+
+
+def test_probes_cost_the_compiled_model_no_recompile():
+    """explain's probes (forward pre-hooks on 3-D expert containers, added and removed) do not make a
+    model compiled before recompile."""
+    model = _CheckpointedModel(graph_break=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="moe", options=OPTS)
+    compiled(torch.randn(5, 8))
+    for _ in range(3):
+        assert len(moe_compile.explain(compiled, torch.randn(5, 8)).rewritten) == 2
+    frames = torch._dynamo.utils.counters["frames"]["total"]
+    compiled(torch.randn(5, 8))
+    assert torch._dynamo.utils.counters["frames"]["total"] == frames, "the compiled model recompiled after explain"

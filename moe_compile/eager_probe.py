@@ -1,0 +1,90 @@
+"""explain()'s probe for MoE experts that ran eagerly: code Dynamo never handed to the backend.
+
+Dynamo runs some code eagerly without a graph and without telling the backend: a graph break inside
+activation checkpointing (``torch.utils.checkpoint``, ``gradient_checkpointing_enable``) runs the
+whole checkpointed call eagerly, a frame Dynamo cannot resume is skipped, and ``torch.compiler.disable``
+runs as written. No graph, so no record: the layer would be missing from explain's report.
+
+While explain runs the model, ``probes(model)`` puts a forward pre-hook on every module that looks
+like experts (a container of 3-D Parameters stacked per expert, [E, ...], an expert-parallel one, or
+each expert of an nn.ModuleList named ``*expert*``). Traced by Dynamo, the hook does nothing
+(``torch.compiler.is_compiling()`` is constant there): only an eager call records the module. The
+hooks are removed when explain returns. ``records(...)`` turns what ran eagerly into refused records
+(code ``ran_eagerly``), except where a graph break in MoE code already says why.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+import torch.nn as nn
+
+from .records import REFUSED, RegionRecord
+
+
+def _experts(model: nn.Module):
+    """(path, module to probe, what it looks like) for every module that looks like experts."""
+    from .parallel import _module_list_experts, expert_parameters
+
+    for path, module in model.named_modules():
+        if getattr(module, "_moe_ep_info", None) is not None:
+            yield path, module, "experts sharded by parallelize_experts"
+            continue
+        try:
+            found = expert_parameters(module)
+        except ValueError:   # 3-D parameters with different E: not an expert container
+            found = None
+        if found is not None:
+            yield path, module, f"3-D Parameters stacked per expert, E={found[0]}"
+        elif _module_list_experts(path, module):
+            for expert in module:
+                yield path, expert, f"an nn.ModuleList of {len(module)} experts"
+
+
+@contextlib.contextmanager
+def probes(model):
+    """Yields {path: what it looks like} of the experts that ran eagerly inside the block."""
+    eager: dict[str, str] = {}
+    handles = []
+    if isinstance(model, nn.Module):
+        for path, module, what in _experts(model):
+            def hook(_module, _args, path=path, what=what):
+                if not torch.compiler.is_compiling():
+                    eager[path] = what
+            handles.append(module.register_forward_pre_hook(hook))
+    try:
+        yield eager
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def records(model: nn.Module, eager: dict[str, str], breaks) -> list[RegionRecord]:
+    """A refused record per module of ``eager``, unless a graph break record (``breaks``) sits in
+    its class's source: that record already names the cause and the fix."""
+    from .passes import reasons
+
+    out = []
+    for path, what in eager.items():
+        module = model.get_submodule(path) if path else model
+        cls = type(module[0]) if isinstance(module, nn.ModuleList) else type(module)
+        try:
+            lines, first = inspect.getsourcelines(cls)
+            file = inspect.getsourcefile(cls) or ""
+        except (OSError, TypeError):
+            lines, first, file = [], 0, ""
+        span = range(first, first + len(lines))
+        if any(_in(b.where, file, span) for b in breaks):
+            continue
+        where = f"{file.rsplit('/', 1)[-1]}:{first}" if file else "?"
+        detail = {"module": path or "<top>", "what": what, "cls": cls.__name__}
+        out.append(RegionRecord(module=path, form="eager", status=REFUSED, code="ran_eagerly",
+                                reason=reasons.message("ran_eagerly", detail), fix=reasons.fix("ran_eagerly"),
+                                ops=(), where=where))
+    return out
+
+
+def _in(where: str, file: str, span: range) -> bool:
+    name, _, line = where.rpartition(":")
+    return bool(file) and file.endswith(name) and line.isdigit() and int(line) in span
