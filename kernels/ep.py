@@ -50,8 +50,9 @@ EP_EXPERTS_ERROR = (
     "under torch.compiler.disable, or, with no warning, after a graph break it could not resume from "
     "inside activation checkpointing (e.g. FSDP2's hooks on an expert container that fully_shard_experts "
     "made an FSDP unit, dp > 1 or mp_policy, inside a layer checkpointed by gradient_checkpointing_enable "
-    "or torch.utils.checkpoint; not supported yet: train those layers without activation checkpointing, or "
-    "with ep over every rank (dp = 1: no FSDP unit on the experts); README, expert parallelism, known limits)")
+    "or torch.utils.checkpoint: use moe_compile.replicate_experts(model, mesh['dp']) in place of "
+    "fully_shard_experts (no FSDP unit on the experts), train those layers without activation checkpointing, "
+    "or put ep over every rank (dp = 1); README, expert parallelism, known limits)")
 
 
 def _ep_size(group_name: str) -> int:

@@ -3,7 +3,7 @@
 A post_grad pass (``pipeline.PASSES``: ``ep_overlap``) over each forward and backward ATen graph.
 AOTAutograd traces the expert-parallel movement (``kernels/ep_traceable.py``) into
 ``_c10d_functional`` collectives (the tokens' ``all_gather_into_tensor`` and the partial outputs'
-``reduce_scatter_tensor``: async, they return at once; NCCL runs the collectives of a group one
+``reduce_scatter_tensor``; ``replicate_experts``' gradient ``all_reduce``: async, they return at once; NCCL runs the collectives of a group one
 after another, in issue order, on its own stream) and ``wait_tensor`` (the compute stream waits there
 until the data arrived).
 
@@ -39,7 +39,7 @@ import heapq
 import torch
 import torch.fx as fx
 
-_COLLECTIVES = {"all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor"}
+_COLLECTIVES = {"all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"}
 _WAITS = {"wait_tensor"}
 _ORDERED_FREELY = {"_assert_async"}   # side effects that only need their inputs (a device-side check)
 

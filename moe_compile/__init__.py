@@ -12,7 +12,7 @@ torch configuration.
 from .config import MoEConfig
 
 __all__ = ["ExpertParallel", "MoEConfig", "Report", "compile_blocks", "compiled_backward", "counters", "explain", "moe_backend",
-           "fsdp_ignored_params", "fully_shard_experts", "parallelize_experts", "stack_experts"]
+           "fsdp_ignored_params", "fully_shard_experts", "parallelize_experts", "replicate_experts", "stack_experts"]
 __version__ = "0.1.0"
 
 
@@ -29,7 +29,8 @@ def __getattr__(name):  # lazy: keep `import moe_compile` light
     if name == "compiled_backward":
         from .autograd import compiled_backward
         return compiled_backward
-    if name in ("parallelize_experts", "ExpertParallel", "stack_experts", "fully_shard_experts", "fsdp_ignored_params"):  # imports torch.distributed
+    if name in ("parallelize_experts", "ExpertParallel", "stack_experts", "fully_shard_experts", "replicate_experts",
+                "fsdp_ignored_params"):  # imports torch.distributed
         from . import parallel
         return getattr(parallel, name)
     if name in ("explain", "Report"):

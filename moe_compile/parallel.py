@@ -50,7 +50,7 @@ from moe_compile.grad_norm import clip_grad_norm_  # noqa: F401  (re-exported: m
 from moe_compile.stacking import StackedExperts, stack_experts  # noqa: F401  (re-exported: the EP recipe's first step)
 
 __all__ = ["EPInfo", "ExpertParallel", "StackedExperts", "check_fsdp_composition", "clip_grad_norm_", "ep_info", "ep_infos",
-           "fsdp_ignored_params", "fully_shard_experts", "parallelize_experts", "stack_experts"]
+           "fsdp_ignored_params", "fully_shard_experts", "parallelize_experts", "replicate_experts", "stack_experts"]
 
 _ROOTS: dict[str, "weakref.WeakSet"] = {}  # group_name -> models given to parallelize_experts with it
 _EP_CLASSES: dict[tuple, type] = {}
@@ -128,6 +128,23 @@ class _DivideGrad(torch.autograd.Function):
         return grad / ctx.divisor, None
 
 
+class _ReduceGrad(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over the process group ``group_name`` (the
+    dp ranks holding replicas of these experts: ``replicate_experts``), with a functional all-reduce
+    the compiler sees and schedules, then divides it by ``divisor``."""
+
+    @staticmethod
+    def forward(ctx, rows, divisor, group_name):
+        ctx.divisor, ctx.group_name = divisor, group_name
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed._functional_collectives as fc
+
+        return fc.wait_tensor(fc.all_reduce(grad, "sum", ctx.group_name)) / ctx.divisor, None, None
+
+
 def _ep_class(cls: type, names: tuple[str, ...], num_experts: int, group_name: str, max_tokens: int = 0) -> type:
     """``cls`` plus one property per sharded name returning the ep_experts marker of the local shard."""
     key = (cls, names, num_experts, group_name, max_tokens)
@@ -140,7 +157,8 @@ def _ep_class(cls: type, names: tuple[str, ...], num_experts: int, group_name: s
                 rows = rows.to_local() if isinstance(rows, DTensor) else rows   # kept out of FSDP: _keep_local
                 divisor = self._moe_grad_divisor
                 if divisor is not None and torch.is_grad_enabled():  # kept out of FSDP: FSDP's division, traced
-                    rows = _DivideGrad.apply(rows, divisor)
+                    dp_group = self._moe_dp_group        # replicas over dp (replicate_experts): summed first
+                    rows = _ReduceGrad.apply(rows, divisor, dp_group) if dp_group else _DivideGrad.apply(rows, divisor)
                 return torch.ops.moe_compile.ep_experts(rows, num_experts, group_name, max_tokens)
             get.__name__ = name
             return property(get, doc=f"[E={num_experts}, ...] expert-parallel view of {local} (marker op)")
@@ -148,6 +166,7 @@ def _ep_class(cls: type, names: tuple[str, ...], num_experts: int, group_name: s
         ns = {n: marker(n) for n in names}
         ns["__module__"] = cls.__module__
         ns["_moe_grad_divisor"] = None      # the divide factor once fully_shard_experts keeps the experts local
+        ns["_moe_dp_group"] = None          # replicate_experts: the dp group their gradients are summed over
         _EP_CLASSES[key] = type(f"ExpertParallel{cls.__name__}", (cls,), ns)
     return _EP_CLASSES[key]
 
@@ -299,6 +318,7 @@ def fully_shard_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> li
     local = mesh.size() == 1 and not any(fsdp_kwargs.get(k) is not None for k in ("mp_policy", "offload_policy"))
     for _, module, info, _ in _ep_containers(model):
         factor = float(info.ep * mesh.size())
+        module._moe_dp_group = None
         if local:   # a repeated call keeps the form fsdp_ignored_params gave the Parameters
             _keep_local(module, factor, view=_viewed(module, info.names[0]))
         else:
@@ -310,6 +330,42 @@ def fully_shard_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> li
         done.append(module)
     if not done:
         raise ValueError("fully_shard_experts: no expert container sharded by parallelize_experts in "
+                         f"{type(model).__name__}; call parallelize_experts(model, ep_mesh) first")
+    return done
+
+
+def replicate_experts(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
+    """Compose expert parallelism with FSDP2 by keeping each rank's experts whole on every rank of
+    ``mesh`` (the dp ranks that hold the same experts, as for ``fully_shard_experts``) instead of
+    sharding them over it: no FSDP unit on the experts, so no FSDP hooks that break the compiled
+    graph. What that buys: the layer compiles inside activation checkpointing at dp > 1, where an FSDP
+    unit's hooks make Dynamo run the whole checkpointed layer eagerly (an error under expert
+    parallelism), and nothing is copied per step. What it costs: the experts and their optimizer state
+    are not divided over dp (memory ~ E / ep experts per rank, as at dp = 1). Use it in place of
+    ``fully_shard_experts``, before ``fully_shard`` on the blocks and the root, whose calls get
+    ``ignored_params=moe_compile.fsdp_ignored_params(...)``, as in ``fully_shard_experts``' recipe.
+
+    Gradients: summed over the ep ranks by the dispatch's backward, over ``mesh`` by an all-reduce in
+    the traced backward (``_ReduceGrad``: a functional collective the compiler schedules), divided by
+    ep * dp: the mean over the global batch, as FSDP's. The replicas start equal: the rows of ``mesh``'s
+    first rank are broadcast to the others here (not for a model on the meta device: load the same
+    checkpoint on every rank after ``to_empty``), and equal gradients keep them equal."""
+    import torch.distributed as dist
+
+    done = []
+    group = mesh.get_group() if mesh.size() > 1 else None
+    for _, module, info, _ in _ep_containers(model):
+        module._moe_dp_group = group.group_name if group is not None else None
+        _keep_local(module, float(info.ep * mesh.size()), view=_viewed(module, info.names[0]))
+        if group is not None:
+            src = dist.get_global_rank(group, 0)
+            for p in _local_params(module):
+                rows = p.detach().to_local() if isinstance(p, DTensor) else p.detach()
+                if rows.device.type != "meta":
+                    dist.broadcast(rows, src=src, group=group)
+        done.append(module)
+    if not done:
+        raise ValueError("replicate_experts: no expert container sharded by parallelize_experts in "
                          f"{type(model).__name__}; call parallelize_experts(model, ep_mesh) first")
     return done
 

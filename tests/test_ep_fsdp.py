@@ -273,3 +273,71 @@ def body_clip_counts_replicated_once(rank, ws):
 
 def test_clip_grad_norm_counts_a_replicated_parameter_of_an_expert_container_once():
     run_distributed(body_clip_counts_replicated_once, 2)
+
+
+class CheckpointedModel(Model):
+    """Model with its MoE part under activation checkpointing (as gradient_checkpointing_enable puts a
+    decoder layer): a graph break inside it makes Dynamo run the whole checkpointed call eagerly."""
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(h + torch.utils.checkpoint.checkpoint(self.moe, h, use_reentrant=False))
+
+    def moe(self, h):
+        w, ids = self.router(h).softmax(-1).topk(self.k, dim=-1)
+        return self.experts(h, ids, w)
+
+
+def body_replicated_over_dp(rank, ws, dp, loop):
+    """replicate_experts over dp ranks (dp x ep = ws), the dense parameters fully_shard-ed over every rank,
+    the MoE part under activation checkpointing: the layer is rewritten (no FSDP hook inside the
+    checkpoint), and two AdamW steps with clipping match the unsharded model on the global batch
+    (every parameter, outputs, clipped norms). The replicas start equal though built from different
+    seeds (broadcast from the first dp rank). With fully_shard_experts over the same dp ranks instead,
+    the checkpointed layer runs eagerly and the sharded experts raise (the known limit this avoids)."""
+    import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import moe_compile
+    from moe_compile import parallel, records
+
+    ep = ws // dp
+    mesh = init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp", "ep"))
+    every_rank = mesh._flatten()
+    full = CheckpointedModel(e=2 * ep, loop=loop)
+    model = copy.deepcopy(full)
+    with torch.no_grad():   # replicas that differ before replicate_experts (another seed per dp rank)
+        model.experts.down_proj.add_(float(mesh.get_coordinate()[0]))
+    moe_compile.parallelize_experts(model, mesh["ep"])
+    moe_compile.replicate_experts(model, mesh["dp"])
+    fully_shard(model, mesh=every_rank, ignored_params=moe_compile.fsdp_ignored_params(model))
+    compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
+    ref = copy.deepcopy(full)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    with records.recording() as graphs:
+        _train(compiled, model, opt, ref, ref_opt, rank, ws, parallel, "cpu", FSDP_REL)
+    found = [r for g in graphs for r in g]
+    assert any(r.status == "rewritten" for r in found) and all(r.status == "rewritten" for r in found), found
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        name = name.replace("_ep_local_", "")
+        assert _rel(_full(p.detach()), ref_params[name].detach()) <= FSDP_REL, f"{name} after {STEPS} steps"
+
+    other = moe_compile.parallelize_experts(copy.deepcopy(full), mesh["ep"])
+    moe_compile.fully_shard_experts(other, mesh["dp"])
+    fully_shard(other, mesh=every_rank, ignored_params=moe_compile.fsdp_ignored_params(other))
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="ep_experts: .*activation checkpointing"):
+        torch.compile(other, backend="moe", options={"moe.inductor": False})(torch.randn(6, 8))
+
+
+@pytest.mark.parametrize("loop", [False, True], ids=["grouped", "loop_form"])
+def test_experts_replicated_over_dp_train_under_checkpointing(loop):
+    run_distributed(body_replicated_over_dp, 2, 2, loop)
+
+
+def test_experts_replicated_over_dp_with_ep2_train_under_checkpointing():
+    """dp = 2 x ep = 2: replicas of each rank's half of the experts."""
+    run_distributed(body_replicated_over_dp, 4, 2, False, timeout_s=400)
