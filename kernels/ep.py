@@ -6,6 +6,7 @@ ep ranks in the expert-parallel group, E_local = E / ep (rank r owns global expe
 
     ep_experts(local[E_local, ...], E, group_name, max_tokens=0) -> [E, ...]   marker; never runs (raises)
     ep_same_tokens(counts[ep] i64, T) -> 1 (i64, 0-dim)             every rank holds T tokens, else an error
+    ep_tokens_fit(like, T, N) -> 1 (0-dim)                          T <= N (max_tokens), else an error
     ep_plan(offsets[E] i32, E, group_name) -> plan[2, ep, E_local] i64, recv_offsets[E_local] i32
     ep_dispatch(xp[N, H], plan, group_name) -> [ep*N, H]      (bwd: ep_combine of the gradient)
     ep_combine(y[ep*N, H2], plan, group_name) -> [N, H2]      (bwd: ep_dispatch of the gradient)
@@ -116,6 +117,28 @@ def ep_same_tokens(counts: torch.Tensor, t: int) -> torch.Tensor:
 @ep_same_tokens.register_fake
 def _(counts, t):
     return counts.new_empty((), dtype=torch.int64)
+
+
+# --------------------------------------------------------------------------- ep_tokens_fit
+TOO_MANY_TOKENS = ("moe_compile expert parallelism: this rank holds {t} tokens in the MoE layer, more than "
+                   "parallelize_experts(..., max_tokens={n}) allows; give parallelize_experts a larger max_tokens "
+                   "(every rank the same), or split the batch")
+
+
+@torch.library.custom_op("moe_compile::ep_tokens_fit", mutates_args=())
+def ep_tokens_fit(like: torch.Tensor, t: int, max_tokens: int) -> torch.Tensor:
+    """1 (0-dim, ``like``'s dtype and device) when this rank's T is at most ``max_tokens``, else
+    TOO_MANY_TOKENS. T is a host value (a size): no sync. For a data-dependent T (tokens
+    picked by a mask in the graph) no guard can check the bound when the graph compiles: pad_tokens
+    multiplies what it pads by this 1, so the check runs before any padding."""
+    if t > max_tokens:
+        raise RuntimeError(TOO_MANY_TOKENS.format(t=t, n=max_tokens))
+    return like.new_ones(())
+
+
+@ep_tokens_fit.register_fake
+def _(like, t, max_tokens):
+    return like.new_empty(())
 
 
 # --------------------------------------------------------------------------- ep_plan

@@ -42,7 +42,8 @@ from __future__ import annotations
 import torch
 import torch.distributed._functional_collectives as fc
 
-from . import ep as _ep_ops  # noqa: F401  (registers torch.ops.moe_compile.ep_same_tokens)
+from . import ep as _ep_ops  # noqa: F401  (registers torch.ops.moe_compile.ep_same_tokens, ep_tokens_fit)
+from .ep import TOO_MANY_TOKENS  # noqa: F401  (the lowering's error for a static T above the bound)
 from .ep_transport import resolve_group
 
 
@@ -66,19 +67,15 @@ def gather_tokens(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor | None, nu
     return x_all, local_ids, w_all
 
 
-TOO_MANY_TOKENS = ("moe_compile expert parallelism: this rank holds {t} tokens in the MoE layer, more than "
-                   "parallelize_experts(..., max_tokens={n}) allows; give parallelize_experts a larger max_tokens "
-                   "(every rank the same), or split the batch")
-
-
 def pad_tokens(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor | None, max_tokens: int, num_experts: int):
     """x [T, H], ids [T, K], w [T, K] | None padded to ``max_tokens`` rows: zero rows, id ``num_experts``
     (no rank's expert: gather_tokens drops it), weight 0. A T above the bound is an error (a guard on a
     symbolic T: host-side, no sync), never a truncation."""
     t = x.shape[0]
-    torch._check(t <= max_tokens, lambda: TOO_MANY_TOKENS.format(t=t, n=max_tokens))
+    one = torch.ops.moe_compile.ep_tokens_fit(x.detach(), t, max_tokens)   # a data-dependent T: checked when run
 
     def padded(v, fill):   # v written into a static [N, ...] buffer: a tensor of N - T rows (torch.cat)
+        v = v * one.to(v.dtype)   # after the check
         return torch.slice_scatter(v.new_full((max_tokens, *v.shape[1:]), fill), v, 0, 0, t)  # would guard N-T != 0, 1
 
     return padded(x, 0), padded(ids, num_experts), (padded(w, 0) if w is not None else None)

@@ -81,10 +81,14 @@ def gather_tokens(b, x: fx.Node, ids: fx.Node, w: fx.Node | None, ep: EPLayout):
 
 def pad_tokens(b, x: fx.Node, ids: fx.Node, w: fx.Node | None, ep: EPLayout):
     """x, ids, w padded to ``ep.max_tokens`` rows (kernels/ep_traceable.pad_tokens). A T above the
-    bound raises here, when the graph compiles; a symbolic T gets a guard (T <= bound: a larger T
-    recompiles, and raises here), checked on the host like every size guard (no sync)."""
+    bound raises here, when the graph compiles; a symbolic T with a value (backed: an input's size)
+    gets a guard (T <= bound: a larger T recompiles, and raises here), checked on the host like every
+    size guard (no sync); a data-dependent T (unbacked: tokens picked by a mask in the graph) is
+    checked when the graph runs, by pad_tokens' torch._check."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
     t = val(x).shape[0]
-    if t > ep.max_tokens:   # on a symbolic T: the guard
+    if not free_unbacked_symbols(t) and t > ep.max_tokens:   # on a backed symbolic T: the guard
         shown = t if isinstance(t, int) else t.node.hint   # this call's T, not its symbol
         raise InvalidSetup(ep_traceable.TOO_MANY_TOKENS.format(t=shown, n=ep.max_tokens))
     out = b.fn(ep_traceable.pad_tokens, x, ids, w, ep.max_tokens, ep.num_experts)

@@ -61,28 +61,36 @@ def probes(model):
 
 
 def records(model: nn.Module, eager: dict[str, str], breaks) -> list[RegionRecord]:
-    """A refused record per module of ``eager``, unless a graph break record (``breaks``) sits in
-    its class's source: that record already names the cause and the fix."""
+    """A refused record per module of ``eager``, unless a graph break record (``breaks``) sits in the
+    source of its class or of a module holding it (the MoE block whose loop calls ModuleList experts):
+    that record already names the cause and the fix."""
     from .passes import reasons
 
     out = []
     for path, what in eager.items():
         module = model.get_submodule(path) if path else model
         cls = type(module[0]) if isinstance(module, nn.ModuleList) else type(module)
-        try:
-            lines, first = inspect.getsourcelines(cls)
-            file = inspect.getsourcefile(cls) or ""
-        except (OSError, TypeError):
-            lines, first, file = [], 0, ""
-        span = range(first, first + len(lines))
-        if any(_in(b.where, file, span) for b in breaks):
+        parts = path.split(".") if path else []
+        holders = [model.get_submodule(".".join(parts[:i])) if i else model for i in range(len(parts))]
+        spans = [_span(c) for c in dict.fromkeys([cls, *(type(m) for m in holders)])]
+        if any(_in(b.where, file, span) for b in breaks for file, span in spans):
             continue
-        where = f"{file.rsplit('/', 1)[-1]}:{first}" if file else "?"
+        file, span = spans[0]
+        where = f"{file.rsplit('/', 1)[-1]}:{span.start}" if file else "?"
         detail = {"module": path or "<top>", "what": what, "cls": cls.__name__}
         out.append(RegionRecord(module=path, form="eager", status=REFUSED, code="ran_eagerly",
                                 reason=reasons.message("ran_eagerly", detail), fix=reasons.fix("ran_eagerly"),
                                 ops=(), where=where))
     return out
+
+
+def _span(cls: type) -> tuple[str, range]:
+    """(source file, line range) of ``cls`` ("", empty where it has no source)."""
+    try:
+        lines, first = inspect.getsourcelines(cls)
+        return inspect.getsourcefile(cls) or "", range(first, first + len(lines))
+    except (OSError, TypeError):
+        return "", range(0)
 
 
 def _in(where: str, file: str, span: range) -> bool:

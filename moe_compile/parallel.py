@@ -351,10 +351,24 @@ def replicate_experts(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
     first rank are broadcast to the others here (not for a model on the meta device: load the same
     checkpoint on every rank after ``to_empty``), and equal gradients keep them equal."""
     import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
 
     done = []
     group = mesh.get_group() if mesh.size() > 1 else None
-    for _, module, info, _ in _ep_containers(model):
+    for path, module, info, _ in _ep_containers(model):
+        where = f"replicate_experts: '{path or type(module).__name__}'"
+        if isinstance(module, FSDPModule):
+            raise ValueError(f"{where} is already an FSDP unit (fully_shard_experts over dp > 1, or fully_shard): "
+                             "replicate_experts is the alternative to it, not an addition; build the model again and "
+                             "call one of the two")
+        if group is not None:
+            shared = set(dist.get_process_group_ranks(group)) & set(
+                dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(info.group_name)))
+            if len(shared) > 1:
+                raise ValueError(f"{where}: the ranks of the given mesh {sorted(dist.get_process_group_ranks(group))} "
+                                 f"hold different experts (ranks {sorted(shared)} are in its expert-parallel group); "
+                                 "give replicate_experts the ranks holding the SAME experts, the dp dimension "
+                                 "orthogonal to 'ep' (mesh['dp'])")
         module._moe_dp_group = group.group_name if group is not None else None
         _keep_local(module, float(info.ep * mesh.size()), view=_viewed(module, info.names[0]))
         if group is not None:

@@ -48,7 +48,8 @@ class Report:
     graph_breaks: tuple[GraphBreak, ...]
     graphs: int = 0
     # what torch.compile(backend="moe") raises on this model (a setup it cannot run, e.g. an
-    # expert-parallel layer that cannot be rewritten): explain stops at that graph and reports it
+    # expert-parallel layer that cannot be rewritten, or sharded experts Dynamo ran eagerly): explain
+    # stops there and reports it
     errors: tuple[str, ...] = ()
 
     @property
@@ -105,7 +106,7 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
         try:
             torch.compile(fn, backend=backend, **_isolated())(*args, **kwargs)
         except Exception as exc:
-            failure = _setup_error(exc)
+            failure = _setup_error(exc) or (_eager_ep_error(exc) if eager else None)
             if failure is None:
                 raise
     records = list(dict.fromkeys([r for g in published for r in g] + list(getattr(failure, "records", ()))))
@@ -131,6 +132,20 @@ def _setup_error(exc: BaseException):
         seen.add(id(exc))
         # not __context__: an error raised while an InvalidSetup was handled is another error
         exc = getattr(exc, "inner_exception", None) or exc.__cause__
+    return None
+
+
+def _eager_ep_error(exc: BaseException):
+    """The sharded experts' error (kernels/ep.py, EP_EXPERTS_ERROR) behind ``exc``, or None: raised when
+    expert-parallel experts ran eagerly, which the probes then report as ``ran_eagerly`` beside it."""
+    from .kernels.ep import EP_EXPERTS_ERROR
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if EP_EXPERTS_ERROR in str(exc):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
     return None
 
 

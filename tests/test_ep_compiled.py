@@ -793,3 +793,52 @@ def body_hf_uneven(rank, ep, name):
 def test_ep2_hf_model_with_sequences_of_different_lengths():
     pytest.importorskip("transformers")
     run_distributed(body_hf_uneven, 2, HF_MODELS[0], timeout_s=400)
+
+
+class MaskedTokens(nn.Module):
+    """Only the real tokens of a padded buffer go through the MoE layer (``x[mask]``): inside the graph
+    the layer's T is data-dependent (an unbacked size), so no guard can check max_tokens at compile time."""
+
+    def __init__(self, moe):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x, mask, bias):
+        out = torch.zeros_like(x)
+        out[mask] = self.moe(x[mask], bias[mask])
+        return out
+
+
+def body_masked_tokens(rank, ep):
+    """max_tokens with a data-dependent T: outputs as eager's on every rank's real tokens, one compile
+    over changing counts; a count above the bound raises the named error when the graph runs (both
+    ranks here; it was a lowering failure for every count, then a bare slice_scatter size error)."""
+    import moe_compile
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+    torch.manual_seed(0)
+    e, h, rows = 2 * ep, 8, 20
+    full = MaskedTokens(LoopMoE(h=h, e=e, k=2))
+    model = copy.deepcopy(full)
+    moe_compile.parallelize_experts(model, mesh, max_tokens=MAX_TOKENS)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
+    for step, counts in enumerate(((5, 9), (12, 1), (MAX_TOKENS + 1, MAX_TOKENS + 1), (7, 3))):
+        gens = [torch.Generator().manual_seed(10 * step + r) for r in range(ep)]
+        xs = [torch.randn(rows, h, generator=g) for g in gens]
+        bs = [torch.randn(rows, e, generator=g) for g in gens]
+        masks = [torch.arange(rows) < counts[r % 2] for r in range(ep)]
+        if counts[0] > MAX_TOKENS:
+            with pytest.raises(RuntimeError, match=f"this rank holds {MAX_TOKENS + 1} tokens .*max_tokens={MAX_TOKENS}"):
+                compiled(xs[rank], masks[rank], bs[rank])
+            continue
+        out = compiled(xs[rank], masks[rank], bs[rank])
+        ref = copy.deepcopy(full).moe(torch.cat([x[m] for x, m in zip(xs, masks)]),
+                                      torch.cat([b[m] for b, m in zip(bs, masks)]))
+        start = sum(int(m.sum()) for m in masks[:rank])
+        assert_close(out[masks[rank]], ref[start:start + int(masks[rank].sum())], f"step {step}: rank {rank}")
+
+
+def test_ep2_max_tokens_with_data_dependent_token_counts():
+    run_distributed(body_masked_tokens, 2)

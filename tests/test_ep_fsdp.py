@@ -325,12 +325,23 @@ def body_replicated_over_dp(rank, ws, dp, loop):
         name = name.replace("_ep_local_", "")
         assert _rel(_full(p.detach()), ref_params[name].detach()) <= FSDP_REL, f"{name} after {STEPS} steps"
 
+    misused = moe_compile.parallelize_experts(copy.deepcopy(full), mesh["ep"])
+    if ep > 1:   # the ep mesh given for dp: it would average different experts
+        with pytest.raises(ValueError, match=r"replicate_experts: 'experts': the ranks of the given mesh .*hold different experts"):
+            moe_compile.replicate_experts(misused, mesh["ep"])
+    moe_compile.fully_shard_experts(misused, mesh["dp"])    # the FSDP unit, then replicate as well
+    with pytest.raises(ValueError, match="already an FSDP unit .*not an addition"):
+        moe_compile.replicate_experts(misused, mesh["dp"])
+
     other = moe_compile.parallelize_experts(copy.deepcopy(full), mesh["ep"])
     moe_compile.fully_shard_experts(other, mesh["dp"])
     fully_shard(other, mesh=every_rank, ignored_params=moe_compile.fsdp_ignored_params(other))
     torch._dynamo.reset()
     with pytest.raises(RuntimeError, match="ep_experts: .*activation checkpointing"):
         torch.compile(other, backend="moe", options={"moe.inductor": False})(torch.randn(6, 8))
+    report = moe_compile.explain(other, torch.randn(6, 8))   # the same error, and the experts that ran eagerly
+    assert [(r.module, r.code) for r in report.refused] == [("experts", "ran_eagerly")], str(report)
+    assert len(report.errors) == 1 and "replicate_experts" in report.errors[0], str(report)
 
 
 @pytest.mark.parametrize("loop", [False, True], ids=["grouped", "loop_form"])

@@ -997,3 +997,41 @@ def test_probes_cost_the_compiled_model_no_recompile():
     frames = torch._dynamo.utils.counters["frames"]["total"]
     compiled(torch.randn(5, 8))
     assert torch._dynamo.utils.counters["frames"]["total"] == frames, "the compiled model recompiled after explain"
+
+
+class _ListExpertsBlock(nn.Module):
+    """ModuleList experts called by the block's loop over a host list of the experts that got tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 4, bias=False)
+        self.experts = nn.ModuleList([SwiGLU(8, 6) for _ in range(4)])
+
+    def forward(self, x):
+        w, ids = self.gate(x).softmax(-1).topk(2, dim=-1)
+        out = torch.zeros_like(x)
+        for e in torch.unique(ids).tolist():   # the block's own graph break (break_tolist)
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, slot, None])
+        return out
+
+
+def test_list_experts_run_eagerly_by_their_blocks_break_are_listed_once():
+    """The break sits in the block that calls the ModuleList experts (not in the experts' class): its
+    record says why; no ran_eagerly record beside it."""
+    model = nn.Sequential(_ListExpertsBlock(), _ListExpertsBlock())
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = model
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = x + torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            return x
+
+    torch._dynamo.reset()
+    rep = moe_compile.explain(Checkpointed(), torch.randn(5, 8))
+    assert [b.reason_code for b in rep.graph_breaks] == ["break_tolist"], str(rep)
+    assert not [r for r in rep.refused if r.code == "ran_eagerly"], str(rep)
