@@ -278,6 +278,23 @@ def body_cases(rank, ep, cases, chunks=1, autocast=False, max_tokens=None):
         check_case(case, rank, ep, mesh, chunks, autocast, max_tokens)
 
 
+def counting_compile(model):
+    """torch.compile(model) through the moe backend (AOTAutograd only), counting its compiles: (the
+    compiled model, the list that gets one entry per compile)."""
+    import moe_compile
+    from moe_compile.backend import capture_ctx
+
+    calls = []
+
+    def counting(gm, example_inputs):
+        calls.append(1)
+        return moe_compile.moe_backend(gm, example_inputs, options={"moe.inductor": False})
+
+    counting.moe_capture_ctx = capture_ctx
+    torch._dynamo.reset()
+    return torch.compile(model, backend=counting), calls
+
+
 def body_no_recompiles(rank, ep):
     """20 random routings through one compiled graph: no recompile, no new graph."""
     import moe_compile
@@ -285,17 +302,7 @@ def body_no_recompiles(rank, ep):
 
     mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
     torch.manual_seed(0)
-    model = moe_compile.parallelize_experts(LoopMoE(e=2 * ep), mesh)
-    calls = []
-
-    def counting(gm, example_inputs):
-        calls.append(1)
-        return moe_compile.moe_backend(gm, example_inputs, options={"moe.inductor": False})
-
-    from moe_compile.backend import capture_ctx
-    counting.moe_capture_ctx = capture_ctx
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=counting)
+    compiled, calls = counting_compile(moe_compile.parallelize_experts(LoopMoE(e=2 * ep), mesh))
     for step in range(20):
         g = torch.Generator().manual_seed(1000 * step + rank)
         compiled(torch.randn(6, 8, generator=g), 4.0 * torch.randn(6, 2 * ep, generator=g)).sum().backward()
@@ -696,16 +703,7 @@ def body_uneven_steps(rank, ep):
     e, h = 2 * ep, 8
     full = LoopMoE(h=h, e=e, k=2)
     model = moe_compile.parallelize_experts(copy.deepcopy(full), mesh, max_tokens=MAX_TOKENS)
-    calls = []
-
-    def counting(gm, example_inputs):
-        calls.append(1)
-        return moe_compile.moe_backend(gm, example_inputs, options={"moe.inductor": False})
-
-    from moe_compile.backend import capture_ctx
-    counting.moe_capture_ctx = capture_ctx
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=counting)
+    compiled, calls = counting_compile(model)
     seen = []
     for step, ts in enumerate(((5, 9), (12, 3), (1, 7), (8, 8), (0, 11))):
         ts = tuple(ts[r % 2] + (r // 2) for r in range(ep))   # any ep: every rank its own count

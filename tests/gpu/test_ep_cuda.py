@@ -7,6 +7,7 @@ Run on the 2 x H200 kind with multicast off (MOE_EP_RANKS=4 on the 4-GPU kind):
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import os
@@ -37,12 +38,25 @@ def _rel(got, ref):
     return (got.double() - ref.double()).norm().item() / max(ref.double().norm().item(), 1e-12)
 
 
-def _body(rank, world, init_file, cudagraphs, chunks):
+@contextlib.contextmanager
+def _nccl_group(rank, world, init_file):
+    """This process's GPU and NCCL group for a test body; afterwards the compiled graphs (and the CUDA
+    graphs that captured NCCL work) are dropped before the group: with them alive
+    destroy_process_group hung on 2 x H200."""
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
+        yield
+    finally:
+        torch.cuda.synchronize()
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+
+
+def _body(rank, world, init_file, cudagraphs, chunks):
+    with _nccl_group(rank, world, init_file):
         import test_ep_compiled as cases
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -76,12 +90,6 @@ def _body(rank, world, init_file, cudagraphs, chunks):
             dist.all_gather(shards, p.grad.contiguous())
             want = dict(ref.experts.named_parameters())[name.removeprefix("_ep_local_")].grad
             assert _rel(torch.cat(shards).float(), want.float()) <= EP_BF16_GRAD_REL, name
-    finally:
-        # drop the compiled graphs (and the CUDA graphs that captured NCCL work) before the group:
-        # with them alive destroy_process_group hung on 2 x H200
-        torch.cuda.synchronize()
-        torch._dynamo.reset()
-        dist.destroy_process_group()
 
 
 def _ranks() -> int:
@@ -105,11 +113,7 @@ def _uneven_body(rank, world, init_file):
     """max_tokens: token counts that differ between the ranks and between steps (one compiled graph for
     a symbolic count after the first); the step on a count seen before is sync-free, and its outputs
     and expert gradients match the unsharded model on the concatenated batch."""
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
+    with _nccl_group(rank, world, init_file):
         import test_ep_compiled as cases
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -141,21 +145,13 @@ def _uneven_body(rank, world, init_file):
             dist.all_gather(shards, p.grad.contiguous())
             want = dict(ref.experts.named_parameters())[name.removeprefix("_ep_local_")].grad
             assert _rel(torch.cat(shards).float(), want.float()) <= EP_BF16_GRAD_REL, name
-    finally:
-        torch.cuda.synchronize()
-        torch._dynamo.reset()
-        dist.destroy_process_group()
 
 
 def _masked_body(rank, world, init_file):
     """max_tokens with a data-dependent T (tokens picked by a mask inside the compiled model) under
     Inductor: outputs match the unsharded model; a count above the bound raises the named error."""
     import pytest as _pytest
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
+    with _nccl_group(rank, world, init_file):
         import test_ep_compiled as cases
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -179,10 +175,6 @@ def _masked_body(rank, world, init_file):
             ref = full.moe(torch.cat([x[m] for x, m in zip(xs, masks)]), torch.cat([b[m] for b, m in zip(bias, masks)]))
             got = out[masks[rank]]
             assert _rel(got.float(), ref[rank * count:(rank + 1) * count].float()) <= EP_BF16_REL, f"step {step}"
-    finally:
-        torch.cuda.synchronize()
-        torch._dynamo.reset()
-        dist.destroy_process_group()
 
 
 @pytest.mark.xfail(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13), strict=True,
@@ -202,18 +194,10 @@ def test_ep_token_counts_differ_between_ranks_and_steps():
 
 
 def _fsdp_body(rank, world, init_file, dp, cpu_built=False):
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
+    with _nccl_group(rank, world, init_file):
         import test_ep_fsdp as cases
 
         cases.body_train(rank, world, dp=dp, device="cuda", rel=EP_FSDP_FP32_REL, cpu_built=cpu_built)
-    finally:
-        torch.cuda.synchronize()
-        torch._dynamo.reset()
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("dp", [1, 2], ids=["experts_local", "experts_fsdp_over_dp"])
