@@ -43,7 +43,6 @@ import torch
 import torch.distributed._functional_collectives as fc
 
 from . import ep as _ep_ops  # noqa: F401  (registers torch.ops.moe_compile.ep_same_tokens, ep_tokens_fit)
-from .ep import TOO_MANY_TOKENS  # noqa: F401  (the lowering's error for a static T above the bound)
 from .ep_transport import resolve_group
 
 
@@ -69,8 +68,8 @@ def gather_tokens(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor | None, nu
 
 def pad_tokens(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor | None, max_tokens: int, num_experts: int):
     """x [T, H], ids [T, K], w [T, K] | None padded to ``max_tokens`` rows: zero rows, id ``num_experts``
-    (no rank's expert: gather_tokens drops it), weight 0. A T above the bound is an error (a guard on a
-    symbolic T: host-side, no sync), never a truncation."""
+    (no rank's expert: gather_tokens drops it), weight 0. A T above the bound is an error, never a
+    truncation: ``ep_tokens_fit`` checks it on the host (T is a size: no sync) before anything is padded."""
     t = x.shape[0]
     one = torch.ops.moe_compile.ep_tokens_fit(x.detach(), t, max_tokens)   # a data-dependent T: checked when run
 

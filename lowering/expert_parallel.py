@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from moe_compile.kernels import ep_traceable
+from moe_compile.kernels.ep import TOO_MANY_TOKENS
 from moe_compile.passes.normalize import val
 from moe_compile.passes.region import Region, ep_marker, is_ep_marker
 
@@ -84,13 +85,13 @@ def pad_tokens(b, x: fx.Node, ids: fx.Node, w: fx.Node | None, ep: EPLayout):
     bound raises here, when the graph compiles; a symbolic T with a value (backed: an input's size)
     gets a guard (T <= bound: a larger T recompiles, and raises here), checked on the host like every
     size guard (no sync); a data-dependent T (unbacked: tokens picked by a mask in the graph) is
-    checked when the graph runs, by pad_tokens' torch._check."""
+    checked when the graph runs, by the ``ep_tokens_fit`` op pad_tokens calls."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
     t = val(x).shape[0]
     if not free_unbacked_symbols(t) and t > ep.max_tokens:   # on a backed symbolic T: the guard
         shown = t if isinstance(t, int) else t.node.hint   # this call's T, not its symbol
-        raise InvalidSetup(ep_traceable.TOO_MANY_TOKENS.format(t=shown, n=ep.max_tokens))
+        raise InvalidSetup(TOO_MANY_TOKENS.format(t=shown, n=ep.max_tokens))
     out = b.fn(ep_traceable.pad_tokens, x, ids, w, ep.max_tokens, ep.num_experts)
     return tuple(b.fn(operator.getitem, out, i) for i in range(2)) + \
         ((b.fn(operator.getitem, out, 2) if w is not None else None),)

@@ -209,12 +209,8 @@ def _lower_whole(b: GraphBuilder, region: Region, ep):
     parallel: ``_ep_chain``): (last expert output, combined output, the expert rows' buffer or None)."""
     router = region.router
     if ep is not None:
-        # -1, not T: a symbolic T would enter the graph as a raw SymInt (dynamic shapes)
-        x, ids, w = region.x, b.method("reshape", router.ids, -1, router.top_k), _ep_weights(b, router)
-        if ep.max_tokens:
-            x, ids, w = expert_parallel.pad_tokens(b, x, ids, w, ep)
-        h, out, received = _ep_chain(b, region, ep, x, ids, w)
-        return h, (expert_parallel.unpad_tokens(b, out, region.x) if ep.max_tokens else out), received
+        h, out, received = _ep_chain(b, region, ep, *_ep_tokens(b, region, ep))
+        return h, _ep_own_rows(b, region, ep, out), received
     routed = b.fn(OPS.route_permute.default, router.ids, router.num_experts)
     perm, inv, offs = (b.fn(operator.getitem, routed, i) for i in range(3))
     rows = region_forms.scale_rows(b, router, b.fn(OPS.permute_rows.default, region.x, perm, inv, offs,
@@ -226,6 +222,20 @@ def _lower_whole(b: GraphBuilder, region: Region, ep):
     if weights is None:  # weight 1: the backward is a gather, y is not kept
         return h, b.fn(OPS.unpermute_sum.default, y, perm, inv, offs, router.top_k), None
     return h, b.fn(OPS.unpermute_combine.default, y, inv, weights, offs), None
+
+
+def _ep_tokens(b: GraphBuilder, region: Region, ep):
+    """The tokens [T, H], ids [T, K] and weights [T, K] | None an expert-parallel region sends; with a
+    token bound (``ep.max_tokens``) padded to that many rows."""
+    router = region.router
+    # -1, not T: a symbolic T would enter the graph as a raw SymInt (dynamic shapes)
+    x, ids, w = region.x, b.method("reshape", router.ids, -1, router.top_k), _ep_weights(b, router)
+    return expert_parallel.pad_tokens(b, x, ids, w, ep) if ep.max_tokens else (x, ids, w)
+
+
+def _ep_own_rows(b: GraphBuilder, region: Region, ep, out: fx.Node) -> fx.Node:
+    """The output rows of the rank's own tokens: ``out`` without the padding of ``_ep_tokens``."""
+    return expert_parallel.unpad_tokens(b, out, region.x) if ep.max_tokens else out
 
 
 def _ep_weights(b: GraphBuilder, router) -> fx.Node | None:
@@ -296,11 +306,7 @@ def _chunks(region: Region, ep, ep_chunks: int) -> list[int]:
 def _lower_chunked(b: GraphBuilder, region: Region, ep, sizes: list[int]):
     """``_ep_chain`` per chunk of tokens, so that one chunk's tokens travel while another chunk's
     expert GEMMs run (lowering/overlap.py issues each collective early and waits late); outputs cat."""
-    router = region.router
-    k = router.top_k
-    x, ids, w = region.x, b.method("reshape", router.ids, -1, k), _ep_weights(b, router)
-    if ep.max_tokens:
-        x, ids, w = expert_parallel.pad_tokens(b, x, ids, w, ep)
+    x, ids, w = _ep_tokens(b, region, ep)
     splits = [b.fn(torch.split, v, sizes) for v in (x, ids)]
     w_split = b.fn(torch.split, w, sizes) if w is not None else None
     outs = []
@@ -309,8 +315,7 @@ def _lower_chunked(b: GraphBuilder, region: Region, ep, sizes: list[int]):
         w_c = b.fn(operator.getitem, w_split, i) if w_split is not None else None
         h, out, received = _ep_chain(b, region, ep, x_c, ids_c, w_c)
         outs.append(out)
-    out = b.fn(torch.cat, outs)
-    return h, (expert_parallel.unpad_tokens(b, out, region.x) if ep.max_tokens else out), received
+    return h, _ep_own_rows(b, region, ep, b.fn(torch.cat, outs)), received
 
 
 def _pair_weights(b: GraphBuilder, router, ones: bool = True) -> fx.Node | None:

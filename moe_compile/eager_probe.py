@@ -25,10 +25,11 @@ from .records import REFUSED, RegionRecord
 
 def _experts(model: nn.Module):
     """(path, module to probe, what it looks like) for every module that looks like experts."""
+    from .ep_info import ep_info
     from .parallel import _module_list_experts, expert_parameters
 
     for path, module in model.named_modules():
-        if getattr(module, "_moe_ep_info", None) is not None:
+        if ep_info(module) is not None:
             yield path, module, "experts sharded by parallelize_experts"
             continue
         try:

@@ -353,6 +353,8 @@ def replicate_experts(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
+    from moe_compile.kernels.ep_transport import resolve_group
+
     done = []
     group = mesh.get_group() if mesh.size() > 1 else None
     for path, module, info, _ in _ep_containers(model):
@@ -363,7 +365,7 @@ def replicate_experts(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
                              "call one of the two")
         if group is not None:
             shared = set(dist.get_process_group_ranks(group)) & set(
-                dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(info.group_name)))
+                dist.get_process_group_ranks(resolve_group(info.group_name)))
             if len(shared) > 1:
                 raise ValueError(f"{where}: the ranks of the given mesh {sorted(dist.get_process_group_ranks(group))} "
                                  f"hold different experts (ranks {sorted(shared)} are in its expert-parallel group); "

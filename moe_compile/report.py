@@ -125,14 +125,7 @@ def _setup_error(exc: BaseException):
     ``inner_exception``, ``raise ... from``), or None: any other error is explain's to raise."""
     from .lowering.graph_edit import InvalidSetup
 
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, InvalidSetup):
-            return exc
-        seen.add(id(exc))
-        # not __context__: an error raised while an InvalidSetup was handled is another error
-        exc = getattr(exc, "inner_exception", None) or exc.__cause__
-    return None
+    return next((e for e in _causes(exc) if isinstance(e, InvalidSetup)), None)
 
 
 def _eager_ep_error(exc: BaseException):
@@ -140,13 +133,17 @@ def _eager_ep_error(exc: BaseException):
     expert-parallel experts ran eagerly, which the probes then report as ``ran_eagerly`` beside it."""
     from .kernels.ep import EP_EXPERTS_ERROR
 
+    return next((e for e in _causes(exc) if EP_EXPERTS_ERROR in str(e)), None)
+
+
+def _causes(exc: BaseException):
+    """``exc`` and the errors it wraps (Dynamo's ``inner_exception``, ``raise ... from``); not
+    ``__context__``: an error raised while another was handled is another error."""
     seen = set()
     while exc is not None and id(exc) not in seen:
-        if EP_EXPERTS_ERROR in str(exc):
-            return exc
+        yield exc
         seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return None
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__
 
 
 def _unwrap(fn):
