@@ -62,6 +62,10 @@ class Session:
         self.refused = 0
         self.warned: set = set()
         self.lock = threading.Lock()
+        # explain's: (records, graph inputs' attribute paths, one call's inputs) -> the records with
+        # module paths from the model's root (a graph compiled for a nested frame, e.g. a decoder
+        # layer's forward after a graph break, names modules from that frame and serves every layer)
+        self.place = None
 
     def warn_once(self, key, message: str) -> None:
         with self.lock:

@@ -94,6 +94,10 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
                         "call moe_compile.explain(model, *inputs) with the inputs of one forward call")
     fn = _unwrap(model_or_fn)
     session = Session(quiet=True)
+    if isinstance(fn, torch.nn.Module):
+        session.place = functools.partial(_place, {id(t): name for name, t in
+                                                   [*fn.named_parameters(remove_duplicate=False),
+                                                    *fn.named_buffers(remove_duplicate=False)]})
     graphs = [0]
 
     def backend(gm, example_inputs):  # a fresh callable per call: a fresh trace, not a cache hit
@@ -118,6 +122,34 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
     breaks = tuple(dict.fromkeys(GraphBreak(r.where, r.reason, r.fix, r.source, r.code)
                                  for r in records if r.is_break))
     return Report(regions, breaks, graphs[0], errors=(str(failure),) if failure is not None else ())
+
+
+def _place(names: dict, records, attributes, inputs) -> tuple[RegionRecord, ...]:
+    """``records`` with module paths from the model's root, for one call of their graph.
+
+    A graph Dynamo compiled for a nested frame (a decoder layer's forward after a graph break) names
+    modules from that frame (``mlp``, or ``block.mlp`` for a local ``block``) and runs for every layer.
+    A parameter or buffer input, at ``path`` from the frame (``attributes``: (input index, path)) and
+    named ``name`` in the model, places the frame: the common dotted tail of the two is the same
+    attribute, and what precedes it in ``name`` replaces what precedes it in ``path``. A module keeps
+    its path where no input under it is one of the model's."""
+    pairs = [(path.split("."), names[id(inputs[i])].split(".")) for i, path in attributes
+             if i < len(inputs) and id(inputs[i]) in names]
+
+    def placed(module: str) -> str:
+        parts = module.split(".") if module else []
+        for path, name in pairs:
+            if path[:len(parts)] != parts or len(path) == len(parts):
+                continue
+            tail = 0
+            while tail < min(len(path), len(name)) and path[-1 - tail] == name[-1 - tail]:
+                tail += 1
+            root = len(path) - tail   # leading parts of the frame's path that the model spells otherwise
+            if len(parts) >= root:
+                return ".".join(name[:len(name) - tail] + parts[root:])
+        return module
+
+    return tuple(dataclasses.replace(r, module=placed(r.module)) for r in records)
 
 
 def _setup_error(exc: BaseException):

@@ -166,6 +166,16 @@ def module_path(node: fx.Node) -> str:
     return _clean_module_path(path)
 
 
+def attribute_path(n: fx.Node) -> str:
+    """Dotted path of a parameter or buffer graph input, relative to its frame's root as
+    ``module_path`` spells modules (``L['self']._modules['mlp']._parameters['weight']`` ->
+    ``mlp.weight``), or '' for any other input."""
+    name = source_name(n)
+    if "._parameters['" not in name and "._buffers['" not in name:
+        return ""
+    return _clean_module_path(name.replace("._parameters['", "._modules['").replace("._buffers['", "._modules['"))
+
+
 def _clean_module_path(path: str) -> str:
     # Dynamo spells it L['self'].layers[0].mlp or L['self'].experts._modules['0'] depending on version;
     # a module reached through a local or global other than self starts with L['block'] / G['model']

@@ -223,6 +223,32 @@ def test_explain_notes_once_per_region():
         assert text.count(note) == 1, (note, text)
 
 
+class Layers(nn.Module):
+    """Two MoE layers called from a loop with a graph break in it: Dynamo compiles each layer's forward
+    as a nested frame, so one graph (its module paths spelled from the layer: ``mlp``) serves both."""
+
+    def __init__(self, second="where_setitem"):
+        super().__init__()
+        self.layers = nn.ModuleList([Block(spelling="where_setitem", e=4, k=2), Block(spelling=second, e=4, k=2)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            torch._dynamo.graph_break()
+            x = layer(x)
+        return x
+
+
+def test_explain_places_nested_frames_per_layer():
+    """Each layer of a graph compiled for a nested frame is its own record, at its path from the model."""
+    x = make_input((2, 5, 16))
+    rep = moe_compile.explain(Layers(), x)
+    assert [(r.module, r.status) for r in rep.regions] == [("layers.0.mlp", "rewritten"), ("layers.1.mlp", "rewritten")], str(rep)
+    assert rep.graphs == 1, "the test needs one graph serving both layers"
+    rep = moe_compile.explain(Layers(second="assign"), x)
+    assert [(r.module, r.status) for r in rep.regions] == [("layers.0.mlp", "rewritten"), ("layers.1.mlp", "refused")], str(rep)
+    assert "layers.1.mlp" in str(rep)
+
+
 def test_refusal_is_one_word():
     """User-visible text calls a refusal "refused", never anything else."""
     import pathlib
