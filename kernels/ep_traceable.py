@@ -70,19 +70,35 @@ def pad_tokens(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor | None, max_t
     """x [T, H], ids [T, K], w [T, K] | None padded to ``max_tokens`` rows: zero rows, id ``num_experts``
     (no rank's expert: gather_tokens drops it), weight 0. A T above the bound is an error, never a
     truncation: ``ep_tokens_fit`` checks it on the host (T is a size: no sync) before anything is padded."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
     t = x.shape[0]
     one = torch.ops.moe_compile.ep_tokens_fit(x.detach(), t, max_tokens)   # a data-dependent T: checked when run
+    # a data-dependent T: rows written by index; Inductor re-places a slice_scatter as a copy into
+    # buffer[:T], whose Min(T, N) rows torch 2.11 cannot match to T (GuardOnDataDependentSymNode)
+    rows = torch.arange(t, device=x.device) if free_unbacked_symbols(t) else None
 
     def padded(v, fill):   # v written into a static [N, ...] buffer: a tensor of N - T rows (torch.cat)
         v = v * one.to(v.dtype)   # after the check
-        return torch.slice_scatter(v.new_full((max_tokens, *v.shape[1:]), fill), v, 0, 0, t)  # would guard N-T != 0, 1
+        buffer = v.new_full((max_tokens, *v.shape[1:]), fill)
+        if rows is not None:
+            return buffer.index_copy(0, rows, v)
+        return torch.slice_scatter(buffer, v, 0, 0, t)  # would guard N-T != 0, 1
 
     return padded(x, 0), padded(ids, num_experts), (padded(w, 0) if w is not None else None)
 
 
 def unpad_tokens(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The first T = like.shape[0] rows of ``out`` (the rank's own tokens, without the padding)."""
-    return out[:like.shape[0]]
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    t = like.shape[0]
+    if free_unbacked_symbols(t):
+        # a data-dependent T (tokens picked by a mask in the graph): out[:T] has Min(T, N) rows, a new
+        # unbacked size that torch 2.11's AOTAutograd cannot bind (PendingUnbackedSymbolNotFound); rows
+        # picked by index have T's own size (ep_tokens_fit has checked T <= N before the padding)
+        return out.index_select(0, torch.arange(t, device=out.device))
+    return out[:t]
 
 
 def scatter_tokens(partial: torch.Tensor, group_name: str) -> torch.Tensor:

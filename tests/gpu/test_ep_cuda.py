@@ -177,10 +177,6 @@ def _masked_body(rank, world, init_file):
             assert _rel(got.float(), ref[rank * count:(rank + 1) * count].float()) <= EP_BF16_REL, f"step {step}"
 
 
-@pytest.mark.xfail(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13), strict=True,
-                   reason="torch 2.11: the rewritten graph with a data-dependent T and max_tokens fails to compile "
-                          "(PendingUnbackedSymbolNotFound), and the compile raises (README, known limits); the CPU "
-                          "suite runs it on torch 2.13")
 def test_ep_max_tokens_with_data_dependent_counts():
     world = _ranks()
     with tempfile.TemporaryDirectory() as tmp:
