@@ -7,7 +7,8 @@ MoE regions) -> Inductor via ``compile_fx`` with the mode's options and the non-
 scoped config patches, the post_grad stage hooked in as Inductor's ``post_grad_custom_post_pass``
 (or, with ``moe.inductor=False``, AOTAutograd with eager kernels and the post_grad stage in its
 compilers) -> the after_compile stage; the region records are published when the compiled graph
-first runs (``records.publish``: counters, ``explain``, one WARNING per refused region and compile).
+first runs (``records.PublishOnFirstCall``; ``records.publish``: counters, ``explain``, one WARNING
+per refused region and compile).
 
 Capture of data-dependent ops. Per-expert loops (``torch.where(sel == i)``, ``nonzero``, boolean
 masks) reach a backend as ONE graph only when Dynamo's ``capture_dynamic_output_shape_ops`` is on
@@ -439,44 +440,7 @@ def _moe_backend(gm, example_inputs, mode, options):
                         "them", type(exc).__name__, exc)
     if not records:
         return compiled
-    return _PublishOnFirstCall(compiled, records, session, gm)
-
-
-class _PublishOnFirstCall:
-    """The compiled graph; its region records are published when it first runs, so a region counts as
-    rewritten only once the code that runs contains it (never for a graph Dynamo compiled and then
-    dropped, e.g. when it failed after the backend returned). In explain's session (``place``) the
-    records are published for every call whose inputs place them at other module paths: one graph
-    of a nested frame serves every layer that runs it."""
-
-    def __init__(self, fn, records, session, gm):
-        from .passes.normalize import attribute_path
-
-        self.fn, self.records, self.session = fn, records, session
-        if getattr(fn, "_boxed_call", False):
-            self._boxed_call = True
-        self.all_records, self.placed = tuple(records), set()
-        self.attributes = () if session.place is None else tuple(
-            (i, path) for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
-            if (path := attribute_path(n)))
-
-    def __call__(self, *args, **kwargs):
-        from .records import publish
-
-        if self.session.place is not None:   # before the call: a boxed call empties its input list
-            inputs = args[0] if len(args) == 1 and isinstance(args[0], list) else args
-            records = self.session.place(self.all_records, self.attributes, inputs)
-            if records not in self.placed:
-                self.placed.add(records)
-                publish(records, self.session)
-            self.records = None
-        elif self.records is not None:
-            records, self.records = self.records, None
-            publish(records, self.session)
-        return self.fn(*args, **kwargs)
-
-    def __getattr__(self, name):  # anything else Dynamo or Inductor read from the compiled function
-        return getattr(self.__dict__["fn"], name)
+    return records_mod.PublishOnFirstCall(compiled, records, session, gm)
 
 
 moe_backend.moe_capture_ctx = capture_ctx

@@ -123,6 +123,41 @@ def publish(records, session: Session | None = None) -> None:
         sink.append(records)
 
 
+class PublishOnFirstCall:
+    """The compiled graph; its region records are published when it first runs, so a region counts as
+    rewritten only once the code that runs contains it (never for a graph Dynamo compiled and then
+    dropped, e.g. when it failed after the backend returned). In explain's session (``place``) the
+    records are published for every call whose inputs place them at other module paths: one graph
+    of a nested frame serves every layer that runs it."""
+
+    def __init__(self, fn, records, session, gm):
+        from .passes.normalize import attribute_path
+
+        self.fn, self.records, self.session = fn, records, session
+        if getattr(fn, "_boxed_call", False):
+            self._boxed_call = True
+        self.all_records, self.placed = tuple(records), set()
+        self.attributes = () if session.place is None else tuple(
+            (i, path) for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
+            if (path := attribute_path(n)))
+
+    def __call__(self, *args, **kwargs):
+        if self.session.place is not None:   # before the call: a boxed call empties its input list
+            inputs = args[0] if len(args) == 1 and isinstance(args[0], list) else args
+            records = self.session.place(self.all_records, self.attributes, inputs)
+            if records not in self.placed:
+                self.placed.add(records)
+                publish(records, self.session)
+            self.records = None
+        elif self.records is not None:
+            records, self.records = self.records, None
+            publish(records, self.session)
+        return self.fn(*args, **kwargs)
+
+    def __getattr__(self, name):  # anything else Dynamo or Inductor read from the compiled function
+        return getattr(self.__dict__["fn"], name)
+
+
 @contextlib.contextmanager
 def recording():
     """Collect the RegionRecords of every graph compiled by the moe backend inside the block:
