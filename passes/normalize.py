@@ -33,6 +33,7 @@ _ALIASES = {
     "floor_divide": "floordiv", "remainder": "mod", "fmod": "mod", "greater": "gt", "greater_equal": "ge",
     "less": "lt", "less_equal": "le", "not_equal": "ne", "concat": "cat", "concatenate": "cat",
     "sigmoid_": "sigmoid", "add_": "add_inplace", "mul_": "mul_inplace", "clip": "clamp",
+    "prim_to_local": "to_local",   # torch 2.11's Dynamo traces DTensor.to_local() as a function of that name
     "argsort": "argsort", "type_as": "type_as", "swapaxes": "transpose", "swapdims": "transpose",
 }
 

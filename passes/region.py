@@ -167,18 +167,36 @@ def _same_trace(a, b) -> bool:
     the same gradient) of the same inputs. Anything else is not known to be the same value."""
     if a is b:
         return True
-    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)) or (a.op, a.target) != (b.op, b.target):
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
         return False
-    if len(a.args) != len(b.args) or a.kwargs != b.kwargs:
-        return False
-    if a.op == "call_method" and a.target == "to_local" and len(a.args) == 1:
+    if _same_to_local(a, b):
         return _same_trace(a.args[0], b.args[0])
+    if (a.op, a.target) != (b.op, b.target) or len(a.args) != len(b.args) or a.kwargs != b.kwargs:
+        return False
     if a.op == "call_function" and a.target is operator.getitem:
         return a.args[1] == b.args[1] and _same_trace(a.args[0], b.args[0])
     if a.op == "call_function" and a.target is getattr(torch.ops.higher_order, "autograd_function_apply", None):
         bodies = all(_same_body(x, y) for x, y in zip(a.args[:2], b.args[:2]))
         return bodies and all(_same_trace(x, y) for x, y in zip(a.args[2:], b.args[2:]))
     return False
+
+
+def _same_to_local(a: fx.Node, b: fx.Node) -> bool:
+    """Two ``to_local()`` calls with the same arguments: ``x.to_local()`` (torch 2.13), or torch 2.11's
+    function ``prim_to_local``, one closure per call over the call's arguments (equal cells: equal calls)."""
+    if len(a.args) != 1 or len(b.args) != 1 or a.kwargs != b.kwargs or a.op != b.op:
+        return False
+    if a.op == "call_method":
+        return a.target == b.target == "to_local"
+    fa, fb = a.target, b.target
+    if a.op != "call_function" or getattr(fa, "__name__", "") != "prim_to_local" or \
+            getattr(fb, "__name__", "") != "prim_to_local" or getattr(fa, "__code__", None) is not getattr(fb, "__code__", None):
+        return False
+    cells = [[c.cell_contents for c in (f.__closure__ or ())] for f in (fa, fb)]
+    try:
+        return bool(cells[0] == cells[1])
+    except Exception:  # noqa: BLE001  (arguments that cannot be compared are not known to be equal)
+        return False
 
 
 def _same_body(a, b) -> bool:

@@ -352,3 +352,34 @@ def test_experts_replicated_over_dp_train_under_checkpointing(loop):
 def test_experts_replicated_over_dp_with_ep2_train_under_checkpointing():
     """dp = 2 x ep = 2: replicas of each rank's half of the experts."""
     run_distributed(body_replicated_over_dp, 4, 2, False, timeout_s=400)
+
+
+def _prim_to_local(grad_placements):
+    """What torch 2.11's Dynamo puts in the graph for ``dtensor.to_local(...)``: a fresh function named
+    ``prim_to_local`` per call, closing over the call's arguments."""
+    def prim_to_local(x):
+        return x.to_local(grad_placements=grad_placements)
+    return prim_to_local
+
+
+def test_to_local_of_torch_2_11_is_one_trace_per_argument_set():
+    """Loop-form experts read the sharded weight once per expert; under FSDP2 each read traces the
+    DTensor's to_local again. torch 2.13 spells it ``x.to_local()``; torch 2.11 a call of a new
+    ``prim_to_local`` closure, which the region finder took for different values (ep_markers then
+    raised on the GPU image's torch for EP + FSDP2 loop forms). Equal closures are one value,
+    different arguments are not, and the walk back to the Parameter goes through both spellings."""
+    from moe_compile.passes.normalize import annotate, canon
+    from moe_compile.passes.region import _same_trace
+    from moe_compile.passes.token_paths import param_of
+
+    g = torch.fx.Graph()
+    p = g.placeholder("l_self_modules_experts_parameters_ep_local_gate_up_proj_")
+    a, b = (g.call_function(_prim_to_local(None), (p,)) for _ in range(2))
+    c = g.call_function(_prim_to_local(("replicate",)), (p,))
+    m1, m2 = (g.call_method("to_local", (p,)) for _ in range(2))
+    g.output((a, b, c, m1, m2))
+    annotate(g)
+    assert a.target is not b.target and canon(a) == "to_local"
+    assert _same_trace(a, b) and _same_trace(m1, m2)
+    assert not _same_trace(a, c) and not _same_trace(a, m1)
+    assert param_of(a, {p}) is p and param_of(m1, {p}) is p

@@ -268,8 +268,7 @@ def grouped_mm(x, w, offs):
     wants bf16). backend="moe" rewrites either."""
     if x.device.type == "cuda":
         return torch._grouped_mm(x, w, offs=offs)
-    import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transformers.grouped_mm_fallback)
-
+    # registered by Experts.__init__ (an import in traced code is a graph break on torch 2.11)
     return torch.ops.transformers.grouped_mm_fallback(x, w, offs=offs)
 
 
@@ -281,6 +280,10 @@ class Experts(nn.Module):
 
     def __init__(self, e, h, i):
         super().__init__()
+        try:   # registers torch.ops.transformers.grouped_mm_fallback (the CPU path of grouped_mm)
+            import transformers.integrations.moe  # noqa: F401
+        except ImportError:   # CUDA runs torch._grouped_mm
+            pass
         self.num_experts, self.inter = e, i
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
