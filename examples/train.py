@@ -7,6 +7,7 @@
     python examples/train.py --amp                             # fp32 weights, forward under torch.autocast(bf16)
     torchrun --nproc-per-node 2 examples/train.py              # FSDP2 over 2 ranks (gloo on CPU, NCCL on GPU)
     torchrun --nproc-per-node 4 examples/train.py --ep 2       # expert parallelism 2 x FSDP2 data parallel 2
+    python examples/train.py --grad-checkpointing --compile blocks   # activation checkpointing (transformers')
 
 What it does: builds the model (random init, or the checkpoint), compiles it with ``backend="moe"``
 (each MoE layer rewritten into grouped GEMMs; ``--compile blocks`` compiles each decoder layer on its
@@ -32,7 +33,11 @@ layers and the root are ``fully_shard``-ed (FSDP2). ``--ep N`` also shards the e
 same experts (``moe_compile.fully_shard_experts``; with one such rank the experts stay out of FSDP,
 and the layers' ``fully_shard`` get them as ``ignored_params``); gradients are clipped with
 ``moe_compile.parallel.clip_grad_norm_``, which combines the norms of both meshes (as
-tests/test_ep_fsdp.py). The eager reference of an ``--ep`` run is the same training without expert
+tests/test_ep_fsdp.py). ``--grad-checkpointing`` turns on transformers' activation checkpointing in
+every run; with it, ``--ep N`` on more than N ranks keeps each rank's experts whole on the ranks
+holding the same experts (``moe_compile.replicate_experts``, ``--ep-experts replicate``: an FSDP unit's
+hooks inside a checkpointed layer would make Dynamo run that layer eagerly, an error under expert
+parallelism). The eager reference of an ``--ep`` run is the same training without expert
 parallelism (expert-parallel layers only run compiled), which computes the same function.
 """
 from __future__ import annotations
@@ -113,7 +118,8 @@ def make_model(args, cfg, device, dtype):
 
     torch.manual_seed(args.seed)
     if args.checkpoint:
-        return transformers.AutoModelForCausalLM.from_pretrained(args.checkpoint, config=cfg, dtype=dtype).to(device).train()
+        return _checkpointed(transformers.AutoModelForCausalLM.from_pretrained(
+            args.checkpoint, config=cfg, dtype=dtype).to(device).train(), args)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters built in their dtype, on the device
     try:
@@ -125,7 +131,17 @@ def make_model(args, cfg, device, dtype):
         for name, p in model.named_parameters():
             if p.dim() == 2 and name.endswith(("gate.weight", "router.weight")) and not p.abs().sum():
                 p.normal_(0.0, p.shape[-1] ** -0.5)
-    return model.train()
+    return _checkpointed(model.train(), args)
+
+
+def _checkpointed(model, args):
+    if args.grad_checkpointing:   # transformers' activation checkpointing of each decoder layer
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):   # its name from transformers 5.2x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model
 
 
 def shard(model, args, world: int, device_type: str, ep: int):
@@ -144,7 +160,10 @@ def shard(model, args, world: int, device_type: str, ep: int):
     flat = init_device_mesh(device_type, (world,), mesh_dim_names=("all",))
     if ep > 1:
         moe_compile.parallelize_experts(model, mesh["ep"])     # each rank keeps E / ep experts
-        moe_compile.fully_shard_experts(model, mesh["dp"])     # ... sharded over the ranks holding the same ones
+        if args.ep_experts == "replicate":                     # ... whole on the ranks holding the same ones
+            moe_compile.replicate_experts(model, mesh["dp"])
+        else:                                                  # ... sharded over them
+            moe_compile.fully_shard_experts(model, mesh["dp"])
     ignored = moe_compile.fsdp_ignored_params(model)           # experts kept out of FSDP (dp = 1: nothing to shard)
     for layer in find_blocks(model):                           # the decoder layers
         fully_shard(layer, mesh=flat, ignored_params=ignored)  # dense parameters over every rank
@@ -311,6 +330,12 @@ def parse_args(argv=None):
     ap.add_argument("--amp", action="store_true",
                     help="fp32 parameters, the forward under torch.autocast(bfloat16) (HF Trainer's bf16=True)")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (under torchrun)")
+    ap.add_argument("--ep-experts", choices=["shard", "replicate"], default=None,
+                    help="with --ep on more ranks than --ep: the experts sharded over the ranks holding the same ones "
+                         "(fully_shard_experts) or kept whole there (replicate_experts); default: replicate with "
+                         "--grad-checkpointing, else shard")
+    ap.add_argument("--grad-checkpointing", action="store_true",
+                    help="transformers' activation checkpointing of every decoder layer (non-reentrant)")
     ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
                     help="also train eagerly from the same weights on the same batches (the reference curve)")
     ap.add_argument("--stock", action=argparse.BooleanOptionalAction, default=None,
@@ -336,6 +361,8 @@ def main(argv=None):
     if args.ep < 1 or (args.ep > 1 and world == 1):
         raise SystemExit(f"--ep {args.ep}: expert parallelism needs torchrun with a multiple of --ep ranks "
                          "(e.g. torchrun --nproc-per-node 4 examples/train.py --ep 2)")
+    if args.ep_experts is None:
+        args.ep_experts = "replicate" if args.grad_checkpointing else "shard"
     if args.inductor is None:
         args.inductor = device.type == "cuda"
     if args.stock is None:
@@ -347,7 +374,9 @@ def main(argv=None):
     data = PermutationData(vocab=cfg.vocab_size, seq=args.seq, noise=args.noise, seed=args.seed + 1234)
     if rank == 0:
         print(f"{cfg.model_type}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}; "
-              f"{world} rank(s) on {device.type}, {dtype}{' under autocast(bfloat16)' if args.amp else ''}, ep {args.ep}, compile {args.compile}, "
+              f"{world} rank(s) on {device.type}, {dtype}{' under autocast(bfloat16)' if args.amp else ''}, ep {args.ep}"
+              f"{f' (experts: {args.ep_experts})' if args.ep > 1 and world > args.ep else ''}, compile {args.compile}, "
+              f"{'activation checkpointing, ' if args.grad_checkpointing else ''}"
               f"inductor {args.inductor}; loss starts near ln(vocab) = {math.log(data.vocab):.2f}, "
               f"floor (data entropy) {data.entropy():.2f}")
     curves = {"moe": train(args, cfg, "moe", device, dtype, rank, world, data)}

@@ -232,6 +232,15 @@ def test_train_amp_tracks_eager(tmp_path):
     assert max(abs(a - b) for a, b in zip(moe, fp32)) > AMP_VS_FP32_MIN, list(zip(moe, fp32))
 
 
+def test_train_grad_checkpointing_tracks_eager(tmp_path):
+    """--grad-checkpointing (transformers' activation checkpointing in every run): both layers are
+    still rewritten (inside the checkpointed calls) and the curve tracks eager's."""
+    stdout = _run([sys.executable, TRAIN, "--grad-checkpointing", "--steps", "8", "--layers", "2", "--out", "ac"], tmp_path)
+    assert "activation checkpointing" in stdout and "backend='moe' rewrote 2 MoE region(s)" in stdout
+    moe, eager = _curves(tmp_path / "ac" / "loss.csv")
+    assert max(abs(a - b) for a, b in zip(moe, eager)) <= CURVE_ATOL, list(zip(moe, eager))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("args", [["--ep", "2"], ["--compile", "blocks"]])
 def test_train_torchrun_fsdp2(tmp_path, args):
