@@ -189,11 +189,22 @@ def test_ep_token_counts_differ_between_ranks_and_steps():
         mp.start_processes(_uneven_body, args=(world, os.path.join(tmp, "store")), nprocs=world, start_method="spawn")
 
 
-def _fsdp_body(rank, world, init_file, dp, cpu_built=False):
+def _fsdp_body(rank, world, init_file, dp, cpu_built=False, loop=False):
     with _nccl_group(rank, world, init_file):
         import test_ep_fsdp as cases
 
-        cases.body_train(rank, world, dp=dp, device="cuda", rel=EP_FSDP_FP32_REL, cpu_built=cpu_built)
+        cases.body_train(rank, world, dp=dp, device="cuda", rel=EP_FSDP_FP32_REL, cpu_built=cpu_built, loop=loop)
+
+
+def test_ep_fsdp2_loop_form_trains_like_unsharded():
+    """Loop-form experts (W[e] read once per expert) under FSDP2's DTensor experts, on any number of
+    ranks (one included): torch 2.11 traces each read's to_local() as its own closure, which the region
+    finder once took for different weights (the compile raised the ep_markers error)."""
+    pytest.importorskip("transformers")
+    world = _ranks()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_fsdp_body, args=(world, os.path.join(tmp, "store"), 1, False, True), nprocs=world,
+                           start_method="spawn")
 
 
 @pytest.mark.parametrize("dp", [1, 2], ids=["experts_local", "experts_fsdp_over_dp"])
