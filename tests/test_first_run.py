@@ -50,4 +50,11 @@ def test_first_run_prints_no_warning():
         print("ok")
     """)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
-    assert r.stderr.strip() == "", r.stderr[-3000:]
+    # torch's own line when a CUDA build of torch compiles C++ on a machine without a GPU (the GPU
+    # image's torch 2.11 run on the CPU, README): not ours, and nothing else may be printed
+    ours = [line for line in r.stderr.splitlines() if line.strip() and not
+            (_TORCH_CPP_EXTENSION in line and "No CUDA runtime is found" in line)]
+    assert not ours, r.stderr[-3000:]
+
+
+_TORCH_CPP_EXTENSION = "torch/utils/cpp_extension.py"
