@@ -373,9 +373,10 @@ def main(argv=None):
     cfg = make_config(args)
     data = PermutationData(vocab=cfg.vocab_size, seq=args.seq, noise=args.noise, seed=args.seed + 1234)
     if rank == 0:
+        experts = f" (experts: {args.ep_experts})" if args.ep > 1 and world > args.ep else ""
         print(f"{cfg.model_type}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}; "
-              f"{world} rank(s) on {device.type}, {dtype}{' under autocast(bfloat16)' if args.amp else ''}, ep {args.ep}"
-              f"{f' (experts: {args.ep_experts})' if args.ep > 1 and world > args.ep else ''}, compile {args.compile}, "
+              f"{world} rank(s) on {device.type}, {dtype}{' under autocast(bfloat16)' if args.amp else ''}, "
+              f"ep {args.ep}{experts}, compile {args.compile}, "
               f"{'activation checkpointing, ' if args.grad_checkpointing else ''}"
               f"inductor {args.inductor}; loss starts near ln(vocab) = {math.log(data.vocab):.2f}, "
               f"floor (data entropy) {data.entropy():.2f}")

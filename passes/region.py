@@ -189,13 +189,14 @@ def _same_to_local(a: fx.Node, b: fx.Node) -> bool:
     if a.op == "call_method":
         return a.target == b.target == "to_local"
     fa, fb = a.target, b.target
-    if a.op != "call_function" or getattr(fa, "__name__", "") != "prim_to_local" or \
-            getattr(fb, "__name__", "") != "prim_to_local" or getattr(fa, "__code__", None) is not getattr(fb, "__code__", None):
+    names = {getattr(fa, "__name__", ""), getattr(fb, "__name__", "")}
+    same_code = getattr(fa, "__code__", 0) is getattr(fb, "__code__", 1)
+    if a.op != "call_function" or names != {"prim_to_local"} or not same_code:
         return False
-    cells = [[c.cell_contents for c in (f.__closure__ or ())] for f in (fa, fb)]
     try:
+        cells = [[c.cell_contents for c in (f.__closure__ or ())] for f in (fa, fb)]
         return bool(cells[0] == cells[1])
-    except Exception:  # noqa: BLE001  (arguments that cannot be compared are not known to be equal)
+    except Exception:  # noqa: BLE001  (arguments that cannot be read or compared are not known to be equal)
         return False
 
 

@@ -373,7 +373,7 @@ def test_to_local_of_torch_2_11_is_one_trace_per_argument_set():
     from moe_compile.passes.token_paths import param_of
 
     g = torch.fx.Graph()
-    p = g.placeholder("l_self_modules_experts_parameters_ep_local_gate_up_proj_")
+    p = g.placeholder("l_self_experts_ep_local_gate_up_proj_")
     a, b = (g.call_function(_prim_to_local(None), (p,)) for _ in range(2))
     c = g.call_function(_prim_to_local(("replicate",)), (p,))
     m1, m2 = (g.call_method("to_local", (p,)) for _ in range(2))

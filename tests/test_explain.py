@@ -242,10 +242,12 @@ def test_explain_places_nested_frames_per_layer():
     """Each layer of a graph compiled for a nested frame is its own record, at its path from the model."""
     x = make_input((2, 5, 16))
     rep = moe_compile.explain(Layers(), x)
-    assert [(r.module, r.status) for r in rep.regions] == [("layers.0.mlp", "rewritten"), ("layers.1.mlp", "rewritten")], str(rep)
+    found = [(r.module, r.status) for r in rep.regions]
+    assert found == [("layers.0.mlp", "rewritten"), ("layers.1.mlp", "rewritten")], str(rep)
     assert rep.graphs == 1, "the test needs one graph serving both layers"
     rep = moe_compile.explain(Layers(second="assign"), x)
-    assert [(r.module, r.status) for r in rep.regions] == [("layers.0.mlp", "rewritten"), ("layers.1.mlp", "refused")], str(rep)
+    found = [(r.module, r.status) for r in rep.regions]
+    assert found == [("layers.0.mlp", "rewritten"), ("layers.1.mlp", "refused")], str(rep)
     assert "layers.1.mlp" in str(rep)
 
 
