@@ -80,6 +80,28 @@ def gather_tokens(b, x: fx.Node, ids: fx.Node, w: fx.Node | None, ep: EPLayout):
     return x_all, local_ids, (b.fn(operator.getitem, out, 2) if w is not None else None)
 
 
+# a data-dependent T with max_tokens under Inductor on CUDA: refused (check_data_dependent_tokens)
+DATA_DEPENDENT_TOKENS = (
+    "expert_parallel: the MoE layer's token count is data-dependent inside the compiled graph (its tokens picked by "
+    "a mask or nonzero, x[mask]) and parallelize_experts(..., max_tokens={n}) pads them, in a graph that goes to "
+    "Inductor on CUDA: on 2 x H200 (torch 2.11) that combination gave rank 0 wrong outputs when it held exactly "
+    "max_tokens tokens (AOTAutograd without Inductor gave the right ones), so it is refused. Fix: give the layer its "
+    "tokens with their count as a tensor size (select them before the compiled call, or keep the padded batch and "
+    "mask the loss), or compile with options={{\"moe.inductor\": False}}")
+
+
+def check_data_dependent_tokens(region: Region, ep: EPLayout | None, inductor: bool) -> None:
+    """Refuse (``InvalidSetup``) an expert-parallel region with a token bound whose T is data-dependent
+    (unbacked) when its graph goes to Inductor on CUDA (``DATA_DEPENDENT_TOKENS`` says why)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    if ep is None or not ep.max_tokens or not inductor:
+        return
+    x = val(region.x)
+    if x.device.type == "cuda" and free_unbacked_symbols(x.shape[0]):
+        raise InvalidSetup(DATA_DEPENDENT_TOKENS.format(n=ep.max_tokens))
+
+
 def pad_tokens(b, x: fx.Node, ids: fx.Node, w: fx.Node | None, ep: EPLayout):
     """x, ids, w padded to ``ep.max_tokens`` rows (kernels/ep_traceable.pad_tokens). A T above the
     bound raises here, when the graph compiles; a symbolic T with a value (backed: an input's size)

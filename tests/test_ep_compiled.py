@@ -843,3 +843,38 @@ def body_masked_tokens(rank, ep, inductor=False):
 @pytest.mark.parametrize("inductor", [False, True], ids=["aot_eager", "inductor"])
 def test_ep2_max_tokens_with_data_dependent_token_counts(inductor):
     run_distributed(body_masked_tokens, 2, inductor, timeout_s=400)
+
+
+@pytest.mark.parametrize("device, inductor, bound, unbacked, refused", [
+    ("cuda", True, 12, True, True),      # the refused case
+    ("cuda", False, 12, True, False),    # AOTAutograd only: right on the GPU
+    ("cpu", True, 12, True, False),      # Inductor on the CPU: right (the test above)
+    ("cuda", True, 0, True, False),      # no bound: no padding
+    ("cuda", True, 12, False, False),    # T an input size (backed)
+])
+def test_data_dependent_tokens_with_a_bound_are_refused_under_inductor_on_cuda(device, inductor, bound, unbacked,
+                                                                              refused):
+    """On 2 x H200 (torch 2.11, Inductor) a data-dependent T padded to max_tokens gave rank 0 wrong outputs
+    when it held exactly max_tokens tokens (AOTAutograd alone gave the right ones): that combination is
+    refused with a named error and its fix, never compiled. A fake CUDA tensor stands in for the region's
+    tokens (no GPU here)."""
+    import types
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from moe_compile.lowering.expert_parallel import EPLayout, check_data_dependent_tokens
+    from moe_compile.lowering.graph_edit import InvalidSetup
+
+    env = ShapeEnv()
+    with FakeTensorMode(shape_env=env):
+        t = env.create_unbacked_symint() if unbacked else 7
+        x = torch.empty(t, 8, device=device)
+    node = torch.fx.Graph().placeholder("x")
+    node.meta["val"] = x
+    region, ep = types.SimpleNamespace(x=node), EPLayout("0", 4, max_tokens=bound)
+    if refused:
+        with pytest.raises(InvalidSetup, match=r"^expert_parallel: .*data-dependent.*max_tokens=12.*moe.inductor\": False"):
+            check_data_dependent_tokens(region, ep, inductor)
+    else:
+        check_data_dependent_tokens(region, ep, inductor)

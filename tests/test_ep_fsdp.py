@@ -288,13 +288,14 @@ class CheckpointedModel(Model):
         return self.experts(h, ids, w)
 
 
-def body_replicated_over_dp(rank, ws, dp, loop):
+def body_replicated_over_dp(rank, ws, dp, loop, device="cpu", rel=FSDP_REL):
     """replicate_experts over dp ranks (dp x ep = ws), the dense parameters fully_shard-ed over every rank,
     the MoE part under activation checkpointing: the layer is rewritten (no FSDP hook inside the
     checkpoint), and two AdamW steps with clipping match the unsharded model on the global batch
     (every parameter, outputs, clipped norms). The replicas start equal though built from different
     seeds (broadcast from the first dp rank). With fully_shard_experts over the same dp ranks instead,
-    the checkpointed layer runs eagerly and the sharded experts raise (the known limit this avoids)."""
+    the checkpointed layer runs eagerly and the sharded experts raise (the known limit this avoids).
+    tests/gpu/test_ep_cuda.py runs it on NCCL (``device="cuda"``)."""
     import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -303,9 +304,9 @@ def body_replicated_over_dp(rank, ws, dp, loop):
     from moe_compile import parallel, records
 
     ep = ws // dp
-    mesh = init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp", "ep"))
+    mesh = init_device_mesh(device, (dp, ep), mesh_dim_names=("dp", "ep"))
     every_rank = mesh._flatten()
-    full = CheckpointedModel(e=2 * ep, loop=loop)
+    full = CheckpointedModel(e=2 * ep, loop=loop).to(device)
     model = copy.deepcopy(full)
     with torch.no_grad():   # replicas that differ before replicate_experts (another seed per dp rank)
         model.experts.down_proj.add_(float(mesh.get_coordinate()[0]))
@@ -317,13 +318,13 @@ def body_replicated_over_dp(rank, ws, dp, loop):
     ref = copy.deepcopy(full)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     with records.recording() as graphs:
-        _train(compiled, model, opt, ref, ref_opt, rank, ws, parallel, "cpu", FSDP_REL)
+        _train(compiled, model, opt, ref, ref_opt, rank, ws, parallel, device, rel)
     found = [r for g in graphs for r in g]
     assert any(r.status == "rewritten" for r in found) and all(r.status == "rewritten" for r in found), found
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         name = name.replace("_ep_local_", "")
-        assert _rel(_full(p.detach()), ref_params[name].detach()) <= FSDP_REL, f"{name} after {STEPS} steps"
+        assert _rel(_full(p.detach()), ref_params[name].detach()) <= rel, f"{name} after {STEPS} steps"
 
     misused = moe_compile.parallelize_experts(copy.deepcopy(full), mesh["ep"])
     if ep > 1:   # the ep mesh given for dp: it would average different experts
@@ -338,8 +339,8 @@ def body_replicated_over_dp(rank, ws, dp, loop):
     fully_shard(other, mesh=every_rank, ignored_params=moe_compile.fsdp_ignored_params(other))
     torch._dynamo.reset()
     with pytest.raises(RuntimeError, match="ep_experts: .*activation checkpointing"):
-        torch.compile(other, backend="moe", options={"moe.inductor": False})(torch.randn(6, 8))
-    report = moe_compile.explain(other, torch.randn(6, 8))   # the same error, and the experts that ran eagerly
+        torch.compile(other, backend="moe", options={"moe.inductor": False})(torch.randn(6, 8, device=device))
+    report = moe_compile.explain(other, torch.randn(6, 8, device=device))   # the same error, and what ran eagerly
     assert [(r.module, r.code) for r in report.refused] == [("experts", "ran_eagerly")], str(report)
     assert len(report.errors) == 1 and "replicate_experts" in report.errors[0], str(report)
 
