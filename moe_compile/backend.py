@@ -138,9 +138,9 @@ class _Scope:
             if exc is not None:
                 _note_break(exc)
             if _frames_tried() != self.frames:
-                _report_skipped_frames(self.session, self.t0)
+                skipped = _report_skipped_frames(self.session, self.t0)
                 if exc is None:   # a call that raised ran nothing "as the default backend would"
-                    self.session.after_call(True)
+                    self.session.after_call(True, skipped)
 
 
 def _frames_tried() -> int:
@@ -149,18 +149,20 @@ def _frames_tried() -> int:
     return counters["frames"]["total"]
 
 
-def _report_skipped_frames(session, since_us: int) -> None:
+def _report_skipped_frames(session, since_us: int) -> tuple[str, ...]:
     """Publish a record for each frame in MoE code that Dynamo gave up on since ``since_us`` (from
-    Dynamo's compilation metrics: the frame then ran eagerly, MoE layer included)."""
+    Dynamo's compilation metrics: the frame then ran eagerly, MoE layer included). Returns the other
+    frames it gave up on, as `Class.method` (file:line) and the reason's first line."""
     try:
         from torch._dynamo.utils import get_compilation_metrics
     except ImportError:  # pragma: no cover - torch without compilation metrics
-        return
+        return ()
     from . import records
     from .passes import reasons
     from .passes.unclaimed import Frame, break_fix, classify_break, in_moe_code
 
     found: dict = {}
+    others: dict = {}
     for m in get_compilation_metrics():
         if not getattr(m, "fail_type", None) or (getattr(m, "start_time_us", None) or since_us) < since_us \
                 or m.fail_type == "BackendCompilerFailed":  # our own error: raised (moe.strict) or warned
@@ -168,7 +170,12 @@ def _report_skipped_frames(session, since_us: int) -> None:
         file, line = getattr(m, "fail_user_frame_filename", None), getattr(m, "fail_user_frame_lineno", None)
         skipped = Frame(m.co_filename or "?", m.co_firstlineno or 0, m.co_name or "?")
         frames = [skipped] + ([Frame(file, line, "")] if file and line else [])
-        if not in_moe_code(frames) or (frames[-1].filename, frames[-1].lineno) in found:
+        if not in_moe_code(frames):
+            reason = (m.fail_reason or m.fail_type).strip().splitlines()[0]
+            at = f", at {frames[-1].at}" if len(frames) > 1 else ""
+            others.setdefault(skipped.at, f"`{_qualname(skipped)}` ({skipped.at}{at}: {reason})")
+            continue
+        if (frames[-1].filename, frames[-1].lineno) in found:
             continue
         code, detail = classify_break(frames, f"{m.fail_type}: {m.fail_reason or ''}")
         detail.update(what="skipped frame", effect=f"; Dynamo gave up on the frame `{_qualname(skipped)}` "
@@ -180,6 +187,7 @@ def _report_skipped_frames(session, since_us: int) -> None:
     if found:
         records.publish([r for _, r in found.values()], session)
         _skipped.update(found)
+    return tuple(others.values())
 
 
 # frames Dynamo gave up on, by (file, line) of the failing user line: ((file, first line, name) of the

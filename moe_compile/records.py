@@ -86,11 +86,16 @@ class Session:
                 key = ("break", r.code, r.where) if r.is_break else ("region", r.module, r.code, r.where)
                 self.warn_once(key, format_warning(r))
 
-    def after_call(self, compiled_frames: bool) -> None:
-        """After a call of the compiled model that compiled frames: warn once if nothing was rewritten."""
+    def after_call(self, compiled_frames: bool, skipped: tuple[str, ...] = ()) -> None:
+        """After a call of the compiled model that compiled frames: warn once if nothing was rewritten.
+        ``skipped``: frames outside MoE code that Dynamo gave up on in the call (they ran eagerly, with
+        every MoE layer they call)."""
         if compiled_frames and self.rewritten == 0:
             why = (f"{self.refused} MoE region(s) or graph break(s) were refused, each logged above"
                    if self.refused else "no MoE layer was found in the compiled graphs")
+            if skipped and not self.refused:
+                why = (f"no MoE layer reached a compiled graph: Dynamo gave up on {'; '.join(skipped)}, which then "
+                       "ran eagerly with every MoE layer it calls")
             self.warn_once(("nothing",), f"moe_compile: backend=\"moe\" rewrote no MoE region of this compiled model "
                                          f"({why}); it runs as torch.compile's default backend would run it. "
                                          "moe_compile.explain(model, *inputs) lists what was found and why.")

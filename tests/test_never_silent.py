@@ -1036,3 +1036,37 @@ def test_list_experts_run_eagerly_by_their_blocks_break_are_listed_once():
     rep = moe_compile.explain(Checkpointed(), torch.randn(5, 8))
     assert [b.reason_code for b in rep.graph_breaks] == ["break_tolist"], str(rep)
     assert not [r for r in rep.refused if r.code == "ran_eagerly"], str(rep)
+
+
+class _LoopBreakAboveCheckpoints(nn.Module):
+    """A graph break in the model's own loop, outside MoE code, over checkpointed MoE layers: Dynamo
+    gives up on the whole forward, and torch.utils.checkpoint runs each layer with Dynamo off, so no
+    MoE layer reaches a graph. The compile's one warning used to say no MoE layer was found."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([make_model(spelling="index_add", e=4, k=2) for _ in range(2)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            torch._dynamo.graph_break()
+            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+        return x
+
+
+def test_nothing_rewritten_names_the_frame_dynamo_gave_up_on(caplog):
+    """The nothing-rewritten warning names the frame Dynamo gave up on outside MoE code (where, and its
+    reason), once; explain lists the layers that ran eagerly."""
+    torch._dynamo.reset()
+    model = _LoopBreakAboveCheckpoints()
+    x = make_input((2, 5, 16))
+    compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        for _ in range(2):
+            compiled(x)
+    (message,) = _nothing(caplog)
+    assert "no MoE layer reached a compiled graph: Dynamo gave up on `_LoopBreakAboveCheckpoints.forward`" in message
+    assert "torch._dynamo.graph_break()" in message and "ran eagerly" in message, message
+    report = moe_compile.explain(model, x)
+    assert [r.code for r in report.refused] == ["ran_eagerly", "ran_eagerly"], str(report)
