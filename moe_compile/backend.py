@@ -104,7 +104,7 @@ class _Scope:
     frames in MoE code that Dynamo gave up on, and the nothing-rewritten warning. An exception
     leaving a graph break in MoE code (``fullgraph=True``) gets a note with the fix."""
 
-    __slots__ = ("session", "inner", "patched", "prev", "frames", "t0", "handling")
+    __slots__ = ("session", "inner", "patched", "prev", "frames", "graphs", "t0", "handling")
 
     def __init__(self, session, inner, patched: bool):
         self.session, self.inner, self.patched = session, inner, patched
@@ -114,7 +114,7 @@ class _Scope:
 
         self.prev = (getattr(_local, "session", None), getattr(_local, "patched", False))
         _local.session, _local.patched = self.session, self.patched
-        self.frames = _frames_tried()
+        self.frames, self.graphs = _frames_tried(), self.session.graphs
         self.t0 = time.time_ns() // 1000
         self.handling = sys.exc_info()[1]   # a call made inside the caller's own `except` block
         try:
@@ -140,7 +140,9 @@ class _Scope:
             if _frames_tried() != self.frames:
                 skipped = _report_skipped_frames(self.session, self.t0)
                 if exc is None:   # a call that raised ran nothing "as the default backend would"
-                    self.session.after_call(True, skipped)
+                    # frames outside MoE code are named only when no graph reached this backend in the
+                    # call: otherwise they may be another compile's, or have nothing to do with MoE
+                    self.session.after_call(True, skipped if self.session.graphs == self.graphs else ())
 
 
 def _frames_tried() -> int:
@@ -412,6 +414,7 @@ def _moe_backend(gm, example_inputs, mode, options):
 
     config, inductor_options = MoEConfig.from_options(mode, options)
     session = records_mod.current_session()
+    session.graphs += 1
     new_gm, records = pipeline.run_dynamo_stage(gm, example_inputs, config)
     pipeline.check_ep_markers(new_gm, records)
     plan, inputs, stacked = None, example_inputs, []

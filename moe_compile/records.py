@@ -62,6 +62,7 @@ class Session:
         self.refused = 0
         self.warned: set = set()
         self.lock = threading.Lock()
+        self.graphs = 0   # graphs the backend was handed in this session
         # explain's: (records, graph inputs' attribute paths, one call's inputs) -> the records with
         # module paths from the model's root (a graph compiled for a nested frame, e.g. a decoder
         # layer's forward after a graph break, names modules from that frame and serves every layer)
@@ -88,14 +89,14 @@ class Session:
 
     def after_call(self, compiled_frames: bool, skipped: tuple[str, ...] = ()) -> None:
         """After a call of the compiled model that compiled frames: warn once if nothing was rewritten.
-        ``skipped``: frames outside MoE code that Dynamo gave up on in the call (they ran eagerly, with
-        every MoE layer they call)."""
+        ``skipped``: frames outside MoE code that Dynamo gave up on in a call that handed this session no
+        graph at all (they ran eagerly, with everything they call)."""
         if compiled_frames and self.rewritten == 0:
             why = (f"{self.refused} MoE region(s) or graph break(s) were refused, each logged above"
                    if self.refused else "no MoE layer was found in the compiled graphs")
             if skipped and not self.refused:
-                why = (f"no MoE layer reached a compiled graph: Dynamo gave up on {'; '.join(skipped)}, which then "
-                       "ran eagerly with every MoE layer it calls")
+                why = (f"no graph reached the backend: Dynamo gave up on {'; '.join(skipped)}, which then ran "
+                       "eagerly with everything it calls")
             self.warn_once(("nothing",), f"moe_compile: backend=\"moe\" rewrote no MoE region of this compiled model "
                                          f"({why}); it runs as torch.compile's default backend would run it. "
                                          "moe_compile.explain(model, *inputs) lists what was found and why.")

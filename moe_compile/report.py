@@ -95,9 +95,10 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
     fn = _unwrap(model_or_fn)
     session = Session(quiet=True)
     if isinstance(fn, torch.nn.Module):
-        session.place = functools.partial(_place, {id(t): name for name, t in
-                                                   [*fn.named_parameters(remove_duplicate=False),
-                                                    *fn.named_buffers(remove_duplicate=False)]})
+        names: dict = {}   # id -> every name of the tensor (tied parameters have several)
+        for name, t in [*fn.named_parameters(remove_duplicate=False), *fn.named_buffers(remove_duplicate=False)]:
+            names.setdefault(id(t), []).append(name)
+        session.place = functools.partial(_place, names)
     graphs = [0]
 
     def backend(gm, example_inputs):  # a fresh callable per call: a fresh trace, not a cache hit
@@ -129,27 +130,46 @@ def _place(names: dict, records, attributes, inputs) -> tuple[RegionRecord, ...]
 
     A graph Dynamo compiled for a nested frame (a decoder layer's forward after a graph break) names
     modules from that frame (``mlp``, or ``block.mlp`` for a local ``block``) and runs for every layer.
-    A parameter or buffer input, at ``path`` from the frame (``attributes``: (input index, path)) and
-    named ``name`` in the model, places the frame: the common dotted tail of the two is the same
-    attribute, and what precedes it in ``name`` replaces what precedes it in ``path``. A module keeps
-    its path where no input under it is one of the model's."""
-    pairs = [(path.split("."), names[id(inputs[i])].split(".")) for i, path in attributes
-             if i < len(inputs) and id(inputs[i]) in names]
-
-    def placed(module: str) -> str:
-        parts = module.split(".") if module else []
-        for path, name in pairs:
-            if path[:len(parts)] != parts or len(path) == len(parts):
-                continue
+    Each parameter or buffer input, at ``path`` from the frame (``attributes``: (input index, path)) and
+    named ``name`` in the model (``names``: every name of each tensor, tied ones included), places the
+    frame's root: the common dotted tail of the two is the same attribute, and what precedes it in
+    ``name`` stands for what precedes it in ``path``. An input with several names allows the prefixes of
+    those with the longest common tail (its own name alone, at the top level); the root takes the first
+    prefix, in the model's order, that every input of that root allows (a weight tied across layers
+    allows each layer, the layer's own weights only it; a module with two names, either). A module
+    under no placed root, or under one whose inputs disagree, keeps its path."""
+    options: dict = {}   # the frame's root (leading parts of its paths) -> the model's prefixes it can be
+    for i, path in attributes:
+        if i >= len(inputs) or id(inputs[i]) not in names:
+            continue
+        parts = path.split(".")
+        by_tail: dict = {}
+        for name in names[id(inputs[i])]:   # in the model's order
+            name = name.split(".")
             tail = 0
-            while tail < min(len(path), len(name)) and path[-1 - tail] == name[-1 - tail]:
+            while tail < min(len(parts), len(name)) and parts[-1 - tail] == name[-1 - tail]:
                 tail += 1
-            root = len(path) - tail   # leading parts of the frame's path that the model spells otherwise
-            if len(parts) >= root:
-                return ".".join(name[:len(name) - tail] + parts[root:])
-        return module
+            pair = (tuple(parts[:len(parts) - tail]), tuple(name[:len(name) - tail]))
+            by_tail.setdefault(tail, {}).setdefault(pair, None)
+        for root, prefix in by_tail[max(by_tail)]:
+            options.setdefault(root, []).append((i, prefix))
+    votes: dict = {}   # root -> the first prefix (in the model's order) that every input of the root allows
+    for root, pairs in options.items():
+        allowed = [{p for j, p in pairs if j == i} for i in dict.fromkeys(j for j, _ in pairs)]
+        common = set.intersection(*allowed)
+        first = next((p for _, p in pairs if p in common), None)
+        if first is not None:
+            votes[root] = first
 
-    return tuple(dataclasses.replace(r, module=placed(r.module)) for r in records)
+    def placed_path(module: str) -> str:
+        parts = tuple(module.split(".")) if module else ()
+        roots = [r for r in votes if parts[:len(r)] == r]
+        if not roots:
+            return module
+        root = max(roots, key=len)
+        return ".".join(votes[root] + parts[len(root):])
+
+    return tuple(dataclasses.replace(r, module=placed_path(r.module)) for r in records)
 
 
 def _setup_error(exc: BaseException):

@@ -251,6 +251,36 @@ def test_explain_places_nested_frames_per_layer():
     assert "layers.1.mlp" in str(rep)
 
 
+class TiedLayers(Layers):
+    """Layers whose routers share one weight, and a second name for layer 1 (``last``): a tensor or a
+    module with several names in the model must not move a record to another layer's path."""
+
+    def __init__(self, graph_break: bool):
+        super().__init__()
+        self.graph_break = graph_break
+        self.layers[1].mlp.router.proj.weight = self.layers[0].mlp.router.proj.weight
+        self.last = self.layers[1]
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.graph_break:
+                torch._dynamo.graph_break()
+            x = layer(x)
+        return x
+
+
+def test_explain_places_layers_with_tied_weights_and_aliases():
+    """Found by a review: the last name of a shared tensor won, so layer 0's record moved to
+    ``layers.1.mlp`` (and merged with layer 1's), top-level frame included; an aliased module renamed
+    a top-level record. Each input now takes the name that matches its own path best, and inputs
+    still ambiguous (a tied weight seen from a layer's frame) do not place it."""
+    x = make_input((2, 5, 16))
+    for graph_break in (False, True):
+        rep = moe_compile.explain(TiedLayers(graph_break), x)
+        found = [(r.module, r.status) for r in rep.regions]
+        assert found == [("layers.0.mlp", "rewritten"), ("layers.1.mlp", "rewritten")], (graph_break, str(rep))
+
+
 def test_refusal_is_one_word():
     """User-visible text calls a refusal "refused", never anything else."""
     import pathlib
