@@ -66,17 +66,23 @@ def gather_tokens(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor | None, nu
     return x_all, local_ids, w_all
 
 
+def data_dependent(t) -> bool:
+    """Whether the token count ``t`` is data-dependent (an unbacked symbol: tokens picked by a mask or
+    nonzero inside the graph), not an int or an input's (backed) size."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    return bool(free_unbacked_symbols(t))
+
+
 def pad_tokens(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor | None, max_tokens: int, num_experts: int):
     """x [T, H], ids [T, K], w [T, K] | None padded to ``max_tokens`` rows: zero rows, id ``num_experts``
     (no rank's expert: gather_tokens drops it), weight 0. A T above the bound is an error, never a
     truncation: ``ep_tokens_fit`` checks it on the host (T is a size: no sync) before anything is padded."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
     t = x.shape[0]
     one = torch.ops.moe_compile.ep_tokens_fit(x.detach(), t, max_tokens)   # a data-dependent T: checked when run
     # a data-dependent T: rows written by index; Inductor re-places a slice_scatter as a copy into
     # buffer[:T], whose Min(T, N) rows torch 2.11 cannot match to T (GuardOnDataDependentSymNode)
-    rows = torch.arange(t, device=x.device) if free_unbacked_symbols(t) else None
+    rows = torch.arange(t, device=x.device) if data_dependent(t) else None
 
     def padded(v, fill):   # v written into a static [N, ...] buffer: a tensor of N - T rows (torch.cat)
         v = v * one.to(v.dtype)   # after the check
@@ -90,10 +96,8 @@ def pad_tokens(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor | None, max_t
 
 def unpad_tokens(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The first T = like.shape[0] rows of ``out`` (the rank's own tokens, without the padding)."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
     t = like.shape[0]
-    if free_unbacked_symbols(t):
+    if data_dependent(t):
         # a data-dependent T (tokens picked by a mask in the graph): out[:T] has Min(T, N) rows, a new
         # unbacked size that torch 2.11's AOTAutograd cannot bind (PendingUnbackedSymbolNotFound); rows
         # picked by index have T's own size (ep_tokens_fit has checked T <= N before the padding)

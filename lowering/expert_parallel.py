@@ -90,15 +90,17 @@ DATA_DEPENDENT_TOKENS = (
     "mask the loss), or compile with options={{\"moe.inductor\": False}}")
 
 
-def check_data_dependent_tokens(region: Region, ep: EPLayout | None, inductor: bool) -> None:
+def check_data_dependent_tokens(region: Region, inductor: bool) -> None:
     """Refuse (``InvalidSetup``) an expert-parallel region with a token bound whose T is data-dependent
-    (unbacked) when its graph goes to Inductor on CUDA (``DATA_DEPENDENT_TOKENS`` says why)."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    if ep is None or not ep.max_tokens or not inductor:
+    (unbacked) when its graph goes to Inductor on CUDA (``DATA_DEPENDENT_TOKENS`` says why). The
+    region's layout is read only for such a T."""
+    if not inductor:
         return
     x = val(region.x)
-    if x.device.type == "cuda" and free_unbacked_symbols(x.shape[0]):
+    if x.device.type != "cuda" or not ep_traceable.data_dependent(x.shape[0]):
+        return
+    ep = layout(region)
+    if ep is not None and ep.max_tokens:
         raise InvalidSetup(DATA_DEPENDENT_TOKENS.format(n=ep.max_tokens))
 
 
@@ -108,10 +110,8 @@ def pad_tokens(b, x: fx.Node, ids: fx.Node, w: fx.Node | None, ep: EPLayout):
     gets a guard (T <= bound: a larger T recompiles, and raises here), checked on the host like every
     size guard (no sync); a data-dependent T (unbacked: tokens picked by a mask in the graph) is
     checked when the graph runs, by the ``ep_tokens_fit`` op pad_tokens calls."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
     t = val(x).shape[0]
-    if not free_unbacked_symbols(t) and t > ep.max_tokens:   # on a backed symbolic T: the guard
+    if not ep_traceable.data_dependent(t) and t > ep.max_tokens:   # on a backed symbolic T: the guard
         shown = t if isinstance(t, int) else t.node.hint   # this call's T, not its symbol
         raise InvalidSetup(TOO_MANY_TOKENS.format(t=shown, n=ep.max_tokens))
     out = b.fn(ep_traceable.pad_tokens, x, ids, w, ep.max_tokens, ep.num_experts)

@@ -97,13 +97,13 @@ def _check(s: DynamoState) -> None:
 
 
 def _lower(s: DynamoState) -> None:
-    from moe_compile.lowering.expert_parallel import check_data_dependent_tokens, layout
+    from moe_compile.lowering.expert_parallel import check_data_dependent_tokens
     from moe_compile.lowering.region import lower_region
     from moe_compile.passes.autocast import narrowed_product, wide_experts_note
 
     autocast = narrowed_product(s.gm.graph.nodes) if s.accepted else None   # read before any region is lowered
     for region in s.accepted:
-        check_data_dependent_tokens(region, layout(region), s.config.inductor)
+        check_data_dependent_tokens(region, s.config.inductor)
         wide = wide_experts_note(region, autocast)
         before = set(s.gm.graph.nodes)
         s.region_notes[id(region)] = lower_region(s.gm, region, s.config.ep_overlap_chunks) + ((wide,) if wide else ())

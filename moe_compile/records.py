@@ -139,26 +139,29 @@ class PublishOnFirstCall:
     def __init__(self, fn, records, session, gm):
         from .passes.normalize import attribute_path
 
-        self.fn, self.records, self.session = fn, records, session
+        self.fn, self.records, self.session = fn, tuple(records), session
         if getattr(fn, "_boxed_call", False):
             self._boxed_call = True
-        self.all_records, self.placed = tuple(records), set()
+        self.placed: set = set()   # explain: the placed records already published
         self.attributes = () if session.place is None else tuple(
             (i, path) for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
             if (path := attribute_path(n)))
 
     def __call__(self, *args, **kwargs):
-        if self.session.place is not None:   # before the call: a boxed call empties its input list
-            inputs = args[0] if len(args) == 1 and isinstance(args[0], list) else args
-            records = self.session.place(self.all_records, self.attributes, inputs)
-            if records not in self.placed:
-                self.placed.add(records)
-                publish(records, self.session)
-            self.records = None
-        elif self.records is not None:
+        if self.records is not None:   # the first call; every call in explain's session
+            self._publish(args[0] if len(args) == 1 and isinstance(args[0], list) else args)
+        return self.fn(*args, **kwargs)
+
+    def _publish(self, inputs) -> None:
+        """Before the call runs (a boxed call empties its input list)."""
+        if self.session.place is None:
             records, self.records = self.records, None
             publish(records, self.session)
-        return self.fn(*args, **kwargs)
+            return
+        records = self.session.place(self.records, self.attributes, inputs)
+        if records not in self.placed:
+            self.placed.add(records)
+            publish(records, self.session)
 
     def __getattr__(self, name):  # anything else Dynamo or Inductor read from the compiled function
         return getattr(self.__dict__["fn"], name)

@@ -138,7 +138,7 @@ def _place(names: dict, records, attributes, inputs) -> tuple[RegionRecord, ...]
     prefix, in the model's order, that every input of that root allows (a weight tied across layers
     allows each layer, the layer's own weights only it; a module with two names, either). A module
     under no placed root, or under one whose inputs disagree, keeps its path."""
-    options: dict = {}   # the frame's root (leading parts of its paths) -> the model's prefixes it can be
+    options: dict = {}   # the frame's root (leading parts of its paths) -> per input, the prefixes it allows
     for i, path in attributes:
         if i >= len(inputs) or id(inputs[i]) not in names:
             continue
@@ -149,15 +149,16 @@ def _place(names: dict, records, attributes, inputs) -> tuple[RegionRecord, ...]
             tail = 0
             while tail < min(len(parts), len(name)) and parts[-1 - tail] == name[-1 - tail]:
                 tail += 1
-            pair = (tuple(parts[:len(parts) - tail]), tuple(name[:len(name) - tail]))
-            by_tail.setdefault(tail, {}).setdefault(pair, None)
+            by_tail.setdefault(tail, []).append((tuple(parts[:len(parts) - tail]), tuple(name[:len(name) - tail])))
+        allowed: dict = {}
         for root, prefix in by_tail[max(by_tail)]:
-            options.setdefault(root, []).append((i, prefix))
+            allowed.setdefault(root, []).append(prefix)
+        for root, prefixes in allowed.items():
+            options.setdefault(root, []).append(prefixes)
     votes: dict = {}   # root -> the first prefix (in the model's order) that every input of the root allows
-    for root, pairs in options.items():
-        allowed = [{p for j, p in pairs if j == i} for i in dict.fromkeys(j for j, _ in pairs)]
-        common = set.intersection(*allowed)
-        first = next((p for _, p in pairs if p in common), None)
+    for root, allowed in options.items():
+        common = set.intersection(*map(set, allowed))
+        first = next((p for p in allowed[0] if p in common), None)
         if first is not None:
             votes[root] = first
 

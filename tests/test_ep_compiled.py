@@ -853,7 +853,7 @@ def test_ep2_max_tokens_with_data_dependent_token_counts(inductor):
     ("cuda", True, 12, False, False),    # T an input size (backed)
 ])
 def test_data_dependent_tokens_with_a_bound_are_refused_under_inductor_on_cuda(device, inductor, bound, unbacked,
-                                                                              refused):
+                                                                              refused, monkeypatch):
     """On 2 x H200 (torch 2.11, Inductor) a data-dependent T padded to max_tokens gave rank 0 wrong outputs
     when it held exactly max_tokens tokens (AOTAutograd alone gave the right ones): that combination is
     refused with a named error and its fix, never compiled. A fake CUDA tensor stands in for the region's
@@ -863,6 +863,7 @@ def test_data_dependent_tokens_with_a_bound_are_refused_under_inductor_on_cuda(d
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+    from moe_compile.lowering import expert_parallel
     from moe_compile.lowering.expert_parallel import EPLayout, check_data_dependent_tokens
     from moe_compile.lowering.graph_edit import InvalidSetup
 
@@ -872,9 +873,10 @@ def test_data_dependent_tokens_with_a_bound_are_refused_under_inductor_on_cuda(d
         x = torch.empty(t, 8, device=device)
     node = torch.fx.Graph().placeholder("x")
     node.meta["val"] = x
-    region, ep = types.SimpleNamespace(x=node), EPLayout("0", 4, max_tokens=bound)
+    region = types.SimpleNamespace(x=node)
+    monkeypatch.setattr(expert_parallel, "layout", lambda r: EPLayout("0", 4, max_tokens=bound) if r is region else None)
     if refused:
         with pytest.raises(InvalidSetup, match=r"^expert_parallel: .*data-dependent.*max_tokens=12.*moe.inductor\": False"):
-            check_data_dependent_tokens(region, ep, inductor)
+            check_data_dependent_tokens(region, inductor)
     else:
-        check_data_dependent_tokens(region, ep, inductor)
+        check_data_dependent_tokens(region, inductor)
