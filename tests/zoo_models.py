@@ -358,6 +358,24 @@ def build(arch: str, seed: int = 0) -> tuple[nn.Module, int]:
     return Logits(model.float()).train(), VOCAB
 
 
+def to_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``model`` cast to ``dtype`` in place as ``from_pretrained(..., dtype=dtype)`` casts it: the
+    parameters and buffers that a Hugging Face model keeps in fp32 (``_keep_in_fp32_modules`` and
+    ``_strict``: Inkling2's router, for one, runs in fp32 and fails with bf16 weights) stay fp32."""
+    model.to(dtype)
+    keep = set()
+    for m in model.modules():
+        keep.update(getattr(m, "_keep_in_fp32_modules", None) or ())
+        keep.update(getattr(m, "_keep_in_fp32_modules_strict", None) or ())
+    if dtype == torch.float32 or not keep:
+        return model
+    names = re.compile(r"(^|\.)(" + "|".join(map(re.escape, sorted(keep))) + r")($|\.)")
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point() and names.search(name):
+            t.data = t.data.float()
+    return model
+
+
 _EXPERTS_CLS = re.compile(r"Experts$")
 # MoE layers with no experts container: Doge's retrieval experts are rows of two nn.Embedding
 _MOE_BLOCK_CLS = re.compile(r"^DogeCDMoE$")

@@ -184,11 +184,14 @@ def test_cuda_graphs_with_checkpointed_compiled_layers_cuda(caplog):
     when the backward recomputes a CUDA-graphed graph called inside a checkpoint (pytorch/pytorch
     #154306; stock torch.compile too, measured on an H200 with one to four layers). The backend
     compiles those graphs without CUDA graphs and warns once: three steps run, each layer is
-    rewritten, and every gradient matches eager."""
+    rewritten, and every gradient matches eager. transformers >= 5.2x checkpoints the layer's
+    ``forward`` (inside the compiled call: Dynamo traces the checkpoint, CUDA graphs stay on, no
+    warning); earlier versions checkpoint ``__call__``, around the compiled call."""
     import copy
     import logging
 
     import moe_compile
+    from transformers.modeling_layers import GradientCheckpointingLayer
     from helpers import HF_FP32_REL, assert_close_rel, tiny_qwen3_moe
     from moe_compile import records
 
@@ -213,4 +216,5 @@ def test_cuda_graphs_with_checkpointed_compiled_layers_cuda(caplog):
             model.zero_grad(set_to_none=True)
             ref.zero_grad(set_to_none=True)
     assert any(r.status == records.REWRITTEN for g in graphs for r in g), "no MoE region was rewritten"
-    assert sum("pytorch/pytorch#154306" in r.getMessage() for r in caplog.records) == 1
+    around = "__call__" in vars(GradientCheckpointingLayer)   # the checkpoint wraps the compiled call
+    assert sum("pytorch/pytorch#154306" in r.getMessage() for r in caplog.records) == int(around)
