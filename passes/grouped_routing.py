@@ -297,11 +297,40 @@ def routing_matrix(f, n, op, a0, r0, rk):
 
 
 def routing_view(f, n, op, a0, r0, rk):
-    """routing.t() / .unsqueeze(-1): orientation "te" -> "et" -> "et1"."""
+    """routing.t() / .unsqueeze(-1): orientation "te" -> "et" -> "et1". Only ops that move no entry are
+    views here: a transpose that swaps the two dims (not ``permute(0, 1)`` or ``transpose(0, 0)``, the
+    same shape when T == E), and a trailing unit dim added by unsqueeze, view / reshape or a None index
+    among full slices (an index by a tensor or list keeps the shape and moves the entries)."""
     s, s0 = shape(n), shape(a0)
     ids, w, orient = r0.info
-    if op in ("t", "transpose", "permute") and len(s0) == 2:
+    if len(s0) == 2 and (op == "t" or op in ("transpose", "permute") and _swaps(n, op)):
         f.set(n, "routing", None, (ids, w, orient[::-1]))
-    elif s and len(s) == 3 and s[-1] == 1 and s[:2] == s0[:2]:
+    elif s and len(s) == 3 and s[-1] == 1 and s[:2] == s0[:2] and len(s0) == 2 and _appends_unit_dim(n, op):
         f.set(n, "routing", None, (ids, w, orient + "1"))
     return DONE
+
+
+def _swaps(n: fx.Node, op: str) -> bool:
+    """``transpose(0, 1)`` / ``permute(1, 0)`` of a 2-D tensor (dims as ints, negative ones allowed)."""
+    if op == "transpose":
+        dims = (arg(n, 1, "dim0"), arg(n, 2, "dim1"))
+    else:
+        dims = tuple(n.args[1:]) if len(n.args) > 2 else arg(n, 1, "dims")
+    if not isinstance(dims, (tuple, list)) or len(dims) != 2 or any(as_int(d) is None for d in dims):
+        return False
+    d0, d1 = dims[0] % 2, dims[1] % 2
+    return d0 != d1 if op == "transpose" else (d0, d1) == (1, 0)
+
+
+def _appends_unit_dim(n: fx.Node, op: str) -> bool:
+    """[a, b] -> [a, b, 1] without moving an entry: unsqueeze(-1 / 2), view / reshape (row-major order
+    is unchanged by a trailing 1), or ``[..., None]`` / ``[:, :, None]``."""
+    if op == "unsqueeze":
+        return arg(n, 1, "dim") in (-1, 2)
+    if op in ("view", "reshape"):
+        return True
+    if op == "getitem":
+        idx = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+        return len(idx) >= 2 and idx[-1] is None and idx.count(Ellipsis) <= 1 \
+            and all(i is Ellipsis or i == slice(None) for i in idx[:-1])
+    return False

@@ -132,6 +132,8 @@ def bias_add(f, g, n, op, rows_in):
         return None
     if len(n.args) != 2 or n.kwargs:   # add(rows, b, alpha=a) scales the bias: not a bias add
         return None
+    if g.weighted_at is not None:      # y * w + b[ids]: folded into the linear it would be (y + b) * w
+        return g.note("bias_after_weights", n, node=n.name)
     # b[sorted_ids] on sorted rows; b[flat] (one bias row per (token, slot) pair) on pair-ordered rows only
     ok_group = rb.g is g if rb.g is not None else \
         (rb.info[1] == "pair" and rb.info[2] is g.flat and g.family == "batched")
@@ -213,8 +215,13 @@ def unsort_rows(f, g, n, op, rows_in):
 
 
 def dense_sum(f, g, n, op, rows_in):
+    """rows [E, T, H] -> .sum(0): the region's output, the sum over the experts. Any other reduction over
+    the experts (mean, amax, prod, select, cumsum, ...), a keepdim or a dtype is not what the rewrite
+    computes: refused."""
     a0, r0 = n.args[0], f.r(n.args[0])
-    if g.family == "dense" and r0 and r0.kind == "rows" and arg(n, 1, "dim") in (0, (0,)):
+    if g.family == "dense" and r0 and r0.kind == "rows" and arg(n, 1, "dim") in (0, (0,), -3, (-3,)):
+        if op != "sum" or arg(n, 2, "keepdim") or arg(n, 3, "dtype") is not None or len(n.args) > 4:
+            return g.note("dense_not_sum", n, node=n.name, op=op)
         if g.weighted_at is None and g.input_weights is None:
             return g.note("dense_unrouted")
         g.output, g.end = n, g.step_of[a0]

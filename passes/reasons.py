@@ -86,6 +86,9 @@ REASONS: dict[str, Reason] = {
     "expert_count_mismatch": Reason("expert weight `{node}` has {weights} experts, the router {router}",
                                     "use one weight row per expert of the router"),
     "bias_not_per_expert": Reason("per-expert bias `{node}` is not [E, out]", "store per-expert biases as [E, out]"),
+    "bias_after_weights": Reason(
+        "per-expert bias add `{node}` after the routing weights (y * w + b[ids]): the rewrite adds a bias before "
+        "the weights", "add the bias before multiplying by the routing weights, or outside the MoE layer"),
     "bias_not_after_linear": Reason("per-expert bias add `{node}` that is not right after a linear",
                                     "add the bias right after the grouped GEMM"),
     "gmm_bias_out_dtype": Reason("`{node}`: grouped_mm with bias/out_dtype is not supported",
@@ -136,6 +139,9 @@ REASONS: dict[str, Reason] = {
         "if each token uses only its top-k experts, build it as `torch.zeros(T, E).scatter(1, ids, w)` with w final "
         "(renormalise w before the scatter) to have the layer run on its routed tokens only; otherwise nothing to "
         "fix: it is compiled as written"),
+    "dense_not_sum": Reason(
+        "the dense expert outputs are reduced over the experts by `{node}` ({op}), not summed: the rewrite computes "
+        "the routed sum", "sum the weighted expert outputs over the expert dim: (y * routing).sum(0)"),
     "dense_unrouted": Reason(
         "the dense experts are summed without a routing matrix: every token uses every expert (not a sparse MoE)",
         "nothing to fix: compiled as written"),

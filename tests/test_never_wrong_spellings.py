@@ -37,6 +37,7 @@ class Stacked(nn.Module):
         self.gate_up = nn.Parameter(torch.randn(E, H, 2 * I, generator=g) / math.sqrt(H))
         self.down = nn.Parameter(torch.randn(E, I, H, generator=g) / math.sqrt(I))
         self.b1 = nn.Parameter(torch.randn(E, 2 * I, generator=g) * 0.1)
+        self.b2 = nn.Parameter(torch.randn(E, H, generator=g) * 0.3)   # the down projection's bias
 
     def route(self, x):
         w, ids = F.softmax(self.router(x), dim=-1).topk(K, dim=-1)
@@ -75,10 +76,14 @@ class Stacked(nn.Module):
             h = h + self.b1[s]
         g, u = h.chunk(2, dim=-1)
         y = GMM(F.silu(g) * u, self.down, offs=offs)
+        if how == "down_bias":
+            y = y + self.b2[s]
         if how == "slot_weights":           # [1, K, 1] per-slot scales, not the routing weights
             inv = perm.argsort()
             return (y[inv].view(T, K, H) * torch.tensor([1.0, 0.25]).view(1, K, 1)).sum(1)
         y = y * sw.unsqueeze(-1)
+        if how == "bias_after_weights":    # y * w + b: was folded into the GEMM as (y + b) * w
+            y = y + self.b2[s]
         if how.startswith("index_add"):
             acc = torch.zeros(2 * T if how == "index_add_acc_2T" else T, H)
             return acc.index_add_(0, perm // K, y, alpha=0.5 if how == "index_add_alpha" else 1)
@@ -103,21 +108,45 @@ class Stacked(nn.Module):
             h.add_(self.b1[flat])
         g, u = h.chunk(2, dim=-1)
         y = torch.bmm((F.silu(g) * u).unsqueeze(1), self.down[flat]).squeeze(1)
-        return (y * w.reshape(-1)[:, None]).view(T, K, H).sum(1)
+        if how == "down_bias":
+            y = y + self.b2[flat]
+        y = y * w.reshape(-1)[:, None]
+        if how == "bias_after_weights":
+            y = y + self.b2[flat]
+        return y.view(T, K, H).sum(1)
 
     # -------------------------------------------------------------- every token through every expert
     def dense(self, x, how):
+        if how == "permute_identity":      # T == E: r.permute(0, 1) has the transpose's shape
+            x = x[:E]
+        t = x.shape[0]
         w, ids = self.route(x)
-        r = torch.zeros(T, E).scatter_(1, ids, w)
+        r = torch.zeros(t, E).scatter_(1, ids, w)
         if how == "matrix_written":
             r.mul_(2.0)
         elif how == "column_written":
             r[:, 0] = 0.0
         elif how == "row_written_T":
             r.T[0] = 0.0
-        h = torch.bmm(x.unsqueeze(0).expand(E, T, H), self.gate_up)
+        h = torch.bmm(x.unsqueeze(0).expand(E, t, H), self.gate_up)
         g, u = h.chunk(2, dim=-1)
-        return (torch.bmm(F.silu(g) * u, self.down) * r.t().unsqueeze(-1)).sum(0)
+        factor = {   # the [E, T, 1] routing factor: views of r.t() (rewritten), or entries moved (refused)
+            "index_none": lambda: r.t()[:, :, None],
+            "reshape_unit": lambda: r.t().reshape(E, t, 1),
+            "permute_swap": lambda: r.permute(1, 0).unsqueeze(-1),
+            "transpose_negative": lambda: r.transpose(-1, -2)[..., None],
+            "experts_swapped": lambda: r.t()[[1, 0, 3, 2], :, None],          # shape kept, experts moved
+            "tokens_reversed": lambda: r.t()[:, torch.arange(t).flip(0), None],
+            "permute_identity": lambda: r.permute(0, 1).unsqueeze(-1),        # no transpose at all
+        }.get(how, lambda: r.t().unsqueeze(-1))()
+        y = torch.bmm(F.silu(g) * u, self.down) * factor
+        reduce = {   # over the experts: only a plain sum is the routed combine (the others were rewritten)
+            "sum_dim_keyword": lambda: torch.sum(y, dim=0),
+            "mean": lambda: y.mean(0), "amax": lambda: y.amax(0), "select": lambda: y.select(0, 1),
+            "cumsum_last": lambda: y.cumsum(0)[-1], "nansum": lambda: y.nansum(0),
+            "sum_keepdim": lambda: y.sum(0, keepdim=True)[0],
+        }.get(how, lambda: y.sum(0))
+        return reduce()
 
     # -------------------------------------------------------------- per-expert loop
     def loop(self, x, how):
@@ -156,8 +185,9 @@ class Stacked(nn.Module):
         return view + 0 if how == "view_before_loop" else out
 
 
-REWRITTEN = ["sorted:", "sorted:histc_titan", "sorted:bias", "sorted:index_add", "sorted:inv_fill", "batched:", "batched:bias", "dense:",
-             "loop:"]
+REWRITTEN = ["sorted:", "sorted:histc_titan", "sorted:bias", "sorted:down_bias", "sorted:index_add", "sorted:inv_fill",
+             "batched:", "batched:bias", "batched:down_bias", "dense:", "dense:index_none", "dense:reshape_unit",
+             "dense:permute_swap", "dense:transpose_negative", "dense:sum_dim_keyword", "loop:"]
 # (variant, reason code of the refusal; None: refused as an op the form does not have)
 REFUSED = [
     ("sorted:inv_descending", None),          # argsort(descending=True) is not the inverse permutation
@@ -186,6 +216,18 @@ REFUSED = [
     ("loop:reads_accumulator_view", "partial_read"),   # was rewritten, output error 0.04-0.06
     ("loop:overwrite_own_rows", "overwrite_topk"),   # was refused, as moe_unmatched (no reason of its own)
     ("loop:view_before_loop", "view_before_sum"),    # was rewritten: the view kept the zeros (error 1.0)
+    # found by a second adversarial review: rewritten and wrong before (relative error of the output)
+    ("sorted:bias_after_weights", "bias_after_weights"),   # 0.47
+    ("batched:bias_after_weights", "bias_after_weights"),  # 0.47
+    ("dense:mean", "dense_not_sum"),                       # E times the mean
+    ("dense:amax", "dense_not_sum"),
+    ("dense:select", "dense_not_sum"),
+    ("dense:cumsum_last", "dense_not_sum"),
+    ("dense:nansum", "dense_not_sum"),                     # NaN rows would count (never seen, but not equal)
+    ("dense:sum_keepdim", "dense_not_sum"),
+    ("dense:experts_swapped", "routing_matrix_form"),      # 1.2
+    ("dense:tokens_reversed", "routing_matrix_form"),
+    ("dense:permute_identity", "routing_matrix_form"),     # 0.90
 ]
 
 

@@ -360,12 +360,14 @@ def build(arch: str, seed: int = 0) -> tuple[nn.Module, int]:
 
 def to_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """``model`` cast to ``dtype`` in place as ``from_pretrained(..., dtype=dtype)`` casts it: the
-    parameters and buffers that a Hugging Face model keeps in fp32 (``_keep_in_fp32_modules`` and
-    ``_strict``: Inkling2's router, for one, runs in fp32 and fails with bf16 weights) stay fp32."""
+    parameters and buffers that a Hugging Face model keeps in fp32 stay fp32, ``_keep_in_fp32_modules_strict``
+    in fp16 and bf16 (Inkling2's router runs in fp32 and fails with bf16 weights), ``_keep_in_fp32_modules``
+    in fp16 only (DeepSeek-V4's compressor projections then read bf16 inputs and fail in fp32)."""
     model.to(dtype)
     keep = set()
     for m in model.modules():
-        keep.update(getattr(m, "_keep_in_fp32_modules", None) or ())
+        if dtype == torch.float16:
+            keep.update(getattr(m, "_keep_in_fp32_modules", None) or ())
         keep.update(getattr(m, "_keep_in_fp32_modules_strict", None) or ())
     if dtype == torch.float32 or not keep:
         return model
