@@ -20,6 +20,11 @@ module finds the rest, from the graph and from Dynamo's own records:
                 feed a matmul or a product directly
     weighted    the outputs of a stacked matmul multiplied by a tensor built from the ids (a dense
                 routing matrix)
+    listed      a matmul-class op of an nn.ModuleList element of the block (``experts.3.w1``: a digit in
+                its module path below the router's block) on rows computed from the ids
+                (``x[tok[:, e]]`` of expert-choice routing: a top-k over the tokens), or its output
+                multiplied by a tensor built from the ids (``r[:, e, None] * experts[e](x)``: every
+                expert on every token, weighted by a top-k routing matrix)
 
     A router is *claimed* when a candidate region uses it (its ids come from the same top-k, or it
     feeds one that does), when its evidence lies inside a candidate region, or when a candidate
@@ -48,7 +53,7 @@ import torch.fx as fx
 
 from .expert_ids import ID_VIEWS, OTHER_ROUTERS, router_kind, router_root, routers as _routers
 from .moe_source import Frame, declares_experts_implementation, enclosing_class, in_moe_code  # noqa: F401
-from .normalize import canon, common_module, module_path, source_name, val, where_in_user_code
+from .normalize import arg, canon, common_module, module_path, source_name, val, where_in_user_code
 from .token_paths import MATMULS, ep_experts_of, graph_params, param_of, router_params, token_values
 from .writes import basic_index, written
 
@@ -186,7 +191,37 @@ def _evidence(router: fx.Node, reach: set, params: set, weights: set, e: int, sk
         if op in ("mul", "einsum", "bmm", "matmul"):
             if any(a not in reach and _near_stacked(a, weights, e) for a in n.all_input_nodes):
                 found.append(("weighted", n))
+                continue
+        if op in MATMULS and _listed(rmod, n, params, own) or op == "mul" and any(
+                a not in reach and _near_listed(rmod, a, params, own) for a in n.all_input_nodes):
+            found.append(("listed", n))
     return found
+
+
+def _listed(rmod: str, n: fx.Node, params: set, own: set) -> bool:
+    """``n`` is a matmul-class op on a 2-D Parameter (not the router's own) of an nn.ModuleList element
+    below the router's block: a digit segment in its module path past the common prefix."""
+    if (canon(n) or "") not in MATMULS or not any(
+            len(_dims(p)) == 2 and p not in own for a in n.all_input_nodes if (p := param_of(a, params)) is not None):
+        return False
+    r, m = [p for p in rmod.split(".") if p], [p for p in module_path(n).split(".") if p]
+    i = 0
+    while i < min(len(r), len(m)) and r[i] == m[i]:
+        i += 1
+    return any(p.isdigit() for p in m[i:])
+
+
+def _near_listed(rmod: str, n: fx.Node, params: set, own: set, hops: int = 4) -> bool:
+    """``n`` is the output of a ``_listed`` matmul, through at most ``hops`` single-input ops."""
+    while isinstance(n, fx.Node) and hops >= 0:
+        if _listed(rmod, n, params, own):
+            return True
+        ins = n.all_input_nodes
+        if (canon(n) or "") in MATMULS or not ins:
+            return False
+        n = ins[0]
+        hops -= 1
+    return False
 
 
 _DESCRIBE = {
@@ -194,6 +229,7 @@ _DESCRIBE = {
     "selected": "linears on the rows each expert's selection picks",
     "gathered": "expert weight rows gathered by the routed ids",
     "weighted": "expert outputs weighted by a routing tensor built from the ids",
+    "listed": "the nn.ModuleList experts' linears, on rows or weights taken from the ids",
 }
 
 
@@ -224,7 +260,7 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
             continue  # a sub-selection of a claimed router (e.g. group-limited top-k)
         found = _evidence(router, reach, params, weights, e, claimed_nodes, order, tokens)
         if canon(router) in OTHER_ROUTERS:   # drawn ids: only expert compute per expert counts (not an
-            found = [(kd, n) for kd, n in found if kd in ("selected", "stacked")]   # embedding of samples)
+            found = [(kd, n) for kd, n in found if kd in ("selected", "stacked", "listed")]   # embedding of samples)
         if not found:
             continue
         module = common_module([router] + [n for _, n in found])
@@ -235,12 +271,24 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
         at = where_in_user_code(first) or "?"
         evidence = " and ".join(f"{_DESCRIBE[kind]} (`{next(n for kd, n in found if kd == kind).name}`)"
                                 for kind in kinds)
-        detail = {"k": k, "e": e, "router": router_kind(router, k), "router_at": where_in_user_code(router) or "?",
+        e, how = _expert_choice(router) or (e, router_kind(router, k))
+        detail = {"k": k, "e": e, "router": how, "router_at": where_in_user_code(router) or "?",
                   "evidence": evidence,
                   "disabled": f" (the finders {', '.join(disabled)} are disabled by moe.disable)" if disabled else ""}
         out.append(Unclaimed(module, at, e, k, detail,
                              "router_draws" if canon(router) in OTHER_ROUTERS else "moe_unmatched"))
     return out
+
+
+def _expert_choice(router: fx.Node) -> tuple[int, str] | None:
+    """(E, words) for a top-k over the first dim of a 2-D [T, E] score matrix (each expert picks its
+    tokens: expert-choice routing), else None."""
+    if canon(router) != "topk" or not isinstance(x := router.args[0], fx.Node) or len(_dims(x)) != 2:
+        return None
+    dim, k = arg(router, 2, "dim", -1), arg(router, 1, "k", 1)
+    if not isinstance(dim, int) or dim % 2 != 0:
+        return None
+    return _dims(x)[1], f"an expert-choice router (each expert takes its top-{k} tokens)"
 
 
 def _same_block(a: str, b: str) -> bool:

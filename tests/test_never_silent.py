@@ -1105,3 +1105,43 @@ def test_nothing_rewritten_names_no_frame_when_graphs_were_compiled(caplog):
         torch.compile(_DenseLoopBreak(), backend="moe", options={"moe.inductor": False})(torch.randn(4, 16))
     (message,) = _nothing(caplog)
     assert "no MoE layer was found in the compiled graphs" in message and "gave up on" not in message, message
+
+
+class _ListExpertsRouting(nn.Module):
+    """ModuleList experts routed in ways no finder rewrites (found silent by an adversarial review):
+    ``expert_choice``: each expert takes its top-c tokens (a top-k over the token dim);
+    ``dense_loop``: every expert on every token, each output weighted by its column of a top-k routing
+    matrix. Both compiled into one graph with no record and no graph break before."""
+
+    def __init__(self, kind: str, h: int = 16, e: int = 4):
+        super().__init__()
+        self.kind = kind
+        self.router = nn.Linear(h, e)
+        self.experts = nn.ModuleList([SwiGLU(h, 8) for _ in range(e)])
+
+    def forward(self, x):
+        s = F.softmax(self.router(x), -1)
+        out = torch.zeros_like(x)
+        if self.kind == "expert_choice":
+            wv, tok = s.topk(x.shape[0] // 2, dim=0)
+            for e, expert in enumerate(self.experts):
+                out.index_add_(0, tok[:, e], wv[:, e, None] * expert(x[tok[:, e]]))
+            return out
+        w, ids = s.topk(2, -1)
+        r = torch.zeros_like(s).scatter(1, ids, w / w.sum(-1, keepdim=True))
+        for e, expert in enumerate(self.experts):
+            out = out + r[:, e, None] * expert(x)
+        return out
+
+
+@pytest.mark.parametrize("kind, words", [("expert_choice", "an expert-choice router (each expert takes its top-8"),
+                                         ("dense_loop", "a top-2 router over 4 experts")])
+def test_module_list_experts_routed_another_way_are_listed(kind, words):
+    """Refused as moe_unmatched with the router named and the ModuleList experts as evidence; values as
+    eager's (nothing rewritten)."""
+    torch._dynamo.reset()
+    rep = moe_compile.explain(_ListExpertsRouting(kind), make_input((16, 16)))
+    assert [r.code for r in rep.refused] == ["moe_unmatched"] and not rep.rewritten, str(rep)
+    assert words in rep.refused[0].reason and "nn.ModuleList experts' linears" in rep.refused[0].reason, str(rep)
+    check_compiled(_ListExpertsRouting(kind), [make_input((16, 16))], expect_rewritten=0, expect_refused=1,
+                   fresh_inputs=0)
