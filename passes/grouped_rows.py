@@ -214,13 +214,21 @@ def unsort_rows(f, g, n, op, rows_in):
         return DONE
 
 
+# ops whose second argument is a dim they reduce over, select along or scan: over dim 0 of dense rows
+# [E, T, H] they combine the experts (clamp(h, 0), mul(h, 0) and the like are element-wise steps)
+_OVER_DIM = {"sum", "nansum", "mean", "nanmean", "amax", "amin", "max", "min", "prod", "logsumexp", "std", "var",
+             "norm", "median", "nanmedian", "select", "unbind", "cumsum", "cumprod", "cummax", "cummin", "softmax",
+             "log_softmax", "argmax", "argmin", "any", "all", "count_nonzero", "mode", "kthvalue"}
+
+
 def dense_sum(f, g, n, op, rows_in):
     """rows [E, T, H] -> .sum(0): the region's output, the sum over the experts. Any other reduction over
     the experts (mean, amax, prod, select, cumsum, ...), a keepdim or a dtype is not what the rewrite
     computes: refused."""
     a0, r0 = n.args[0], f.r(n.args[0])
-    if g.family == "dense" and r0 and r0.kind == "rows" and arg(n, 1, "dim") in (0, (0,), -3, (-3,)):
-        if op != "sum" or arg(n, 2, "keepdim") or arg(n, 3, "dtype") is not None or len(n.args) > 4:
+    if g.family == "dense" and r0 and r0.kind == "rows" and op in _OVER_DIM \
+            and arg(n, 1, "dim") in (0, (0,), -3, (-3,)):
+        if op != "sum" or arg(n, 2, "keepdim") or arg(n, 3, "dtype") is not None:
             return g.note("dense_not_sum", n, node=n.name, op=op)
         if g.weighted_at is None and g.input_weights is None:
             return g.note("dense_unrouted")

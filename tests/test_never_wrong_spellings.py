@@ -129,6 +129,8 @@ class Stacked(nn.Module):
         elif how == "row_written_T":
             r.T[0] = 0.0
         h = torch.bmm(x.unsqueeze(0).expand(E, t, H), self.gate_up)
+        if how == "clamp_zero":            # an element-wise step whose second argument is 0 (not a dim)
+            h = h.clamp(0)
         g, u = h.chunk(2, dim=-1)
         factor = {   # the [E, T, 1] routing factor: views of r.t() (rewritten), or entries moved (refused)
             "index_none": lambda: r.t()[:, :, None],
@@ -187,7 +189,7 @@ class Stacked(nn.Module):
 
 REWRITTEN = ["sorted:", "sorted:histc_titan", "sorted:bias", "sorted:down_bias", "sorted:index_add", "sorted:inv_fill",
              "batched:", "batched:bias", "batched:down_bias", "dense:", "dense:index_none", "dense:reshape_unit",
-             "dense:permute_swap", "dense:transpose_negative", "dense:sum_dim_keyword", "loop:"]
+             "dense:permute_swap", "dense:transpose_negative", "dense:sum_dim_keyword", "dense:clamp_zero", "loop:"]
 # (variant, reason code of the refusal; None: refused as an op the form does not have)
 REFUSED = [
     ("sorted:inv_descending", None),          # argsort(descending=True) is not the inverse permutation
