@@ -22,7 +22,7 @@ import math
 import torch
 import torch.fx as fx
 
-from .grouped_state import CASTS, DONE, as_int
+from .grouped_state import CASTS, DONE, as_int, swaps_2d
 from .normalize import arg, canon, distinct_per_row, shape, val
 
 
@@ -47,6 +47,10 @@ def routing_of_sigmoid(f, n, op, a0, r0, rk):
 
 
 def cast_keeps(f, n, op, a0, r0, rk):
+    """A cast keeps the routing matrix; the cast node becomes the matrix pair_weights gathers from, so
+    only a cast of the [T, E] matrix itself (not of its transpose or a view) keeps the role."""
+    if rk == "routing_m" and r0.info[2] != "te":
+        return None
     if rk in ("prerouting", "routing_m") and op in CASTS:
         info = r0.info if rk == "prerouting" else (r0.info[0], n, r0.info[2])
         f.set(n, rk, None, info)
@@ -59,7 +63,8 @@ def routing_m_view(f, n, op, a0, r0, rk):
         return None
     ids, m, orient = r0.info
     s, s0 = shape(n), shape(a0)
-    if op in ("t", "transpose", "permute") and orient == "te" and s0 and len(s0) == 2:
+    if op in ("t", "transpose", "permute") and orient == "te" and s0 and len(s0) == 2 \
+            and (op == "t" or swaps_2d(n, op)):   # not permute(0, 1) / transpose(0, 0): the same shape at T == E
         f.set(n, "routing_m", None, (ids, m, "et"))
     elif op in ("reshape", "view") and orient == "et" and s and len(s) == 2 and s[1] == 1 and s[0] == s0[0] * s0[1]:
         f.set(n, "routing_m", None, (ids, m, "n1"))

@@ -76,7 +76,9 @@ def pair_op(f, g, n, op, src, kind):
     if kind == "pair" and op in ("view", "reshape", "unflatten") and pair3(f, g, n):
         return
     if op in CASTS:
-        f.set(n, kind, g)
+        v = val(n)
+        if isinstance(v, torch.Tensor) and v.is_floating_point():   # an integer cast truncates each pair
+            f.set(n, kind, g)
         return
     if kind == "pair3" and op == "mul":
         other = n.args[1] if n.args[0] is src else n.args[0]
@@ -97,9 +99,14 @@ def combine_add(f, g, n, op, acc, src) -> bool:
     idx = arg(n, 2, "index")
     ok = f.r(idx) and f.r(idx).kind == "tok" and f.r(idx).g is g
     if not ok and op.startswith("scatter_add") and canon(idx) == "expand":
-        base = idx.args[0]
-        base = base.args[0] if canon(base) in ("unsqueeze", "view", "reshape") else base
-        ok = f.r(base) and f.r(base).kind == "tok" and f.r(base).g is g
+        # (perm // K)[:, None].expand(N, H): each row's token down dim 0, the index the rows' own shape
+        # ([N, 1] or [N, H / 2] would add some columns only; unsqueeze(0).expand(H, N) other tokens)
+        col = idx.args[0]
+        n_rows = shape(src)[0] if shape(src) else None
+        if canon(col) in ("unsqueeze", "view", "reshape") and shape(col) == (n_rows, 1) \
+                and shape(idx) == shape(src):
+            base = col.args[0]
+            ok = f.r(base) and f.r(base).kind == "tok" and f.r(base).g is g
     if not ok or arg(n, 1, "dim") != 0 or [u for u in acc.users if f.order[u] < f.order[n]]:
         return False
     if n.kwargs.get("alpha", 1) != 1 or shape(acc) != (shape(g.x)[0], shape(src)[-1]):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .grouped_state import CASTS, DONE, as_int
+from .grouped_state import CASTS, DONE, as_int, swaps_2d
 from .expert_ids import ID_VIEWS, router_root
 from .normalize import arg, canon, id_bound, shape, val
 
@@ -63,8 +63,17 @@ def sort_parts(f, n, op, a0, r0, rk):
     return DONE
 
 
+# casts that keep expert ids (< E, at most 2^15 experts) and row counts / offsets (fp32: < 2^24 rows) exact;
+# a bool, 8-bit or 16-bit float cast changes the sort key or the counts
+_EXACT = {"ids": {torch.int16, torch.int32, torch.int64, torch.float32, torch.float64},
+          "counts": {torch.int32, torch.int64, torch.float32, torch.float64}}
+
+
 def cast_keeps_kind(f, n, op, a0, r0, rk):
     if rk in ("sorted_ids", "flat", "counts", "offs") and op in CASTS:
+        v = val(n)
+        if not isinstance(v, torch.Tensor) or v.dtype not in _EXACT["ids" if rk in ("sorted_ids", "flat") else "counts"]:
+            return None
         f.set(n, rk, r0.g, r0.info)
         return DONE
 
@@ -176,7 +185,8 @@ def inverse_alloc(f, n, op, a0, r0, rk):
 
 def inverse_fill(f, n, op, a0, r0, rk):
     """inv[perm] = arange(N)."""
-    if f.r(n.args[1]) and f.r(n.args[1]).kind == "perm" and isinstance(n.args[2], fx.Node) \
+    ri = f.r(n.args[1])   # the perm of this inverse's own sort (empty_like(perm)), not another sort's
+    if ri and ri.kind == "perm" and ri.g is r0.g and isinstance(n.args[2], fx.Node) \
             and _counts_up(n.args[2], val(n.args[1]).numel()):
         f.set(a0, "inv", r0.g)
         f.set(n, "mut", r0.g)
@@ -267,7 +277,8 @@ def side_tensor(f, n, op, a0, r0, rk):
         ri = f.r(n.args[1])
         v = val(n)
         if ri.kind == "perm" and v.is_floating_point() and v.dim() == 1:
-            f.set(n, "sw", ri.g, a0)
+            if isinstance(va := val(a0), torch.Tensor) and va.dim() == 1 and va.shape[0] == v.shape[0]:
+                f.set(n, "sw", ri.g, a0)   # one weight per pair: w.reshape(-1), not a longer vector
         elif ri.kind == "sorted_ids" and v.dim() == 2:
             f.set(n, "bias", ri.g, a0)
         elif ri.kind == "flat" and v.dim() == 2:
@@ -303,23 +314,11 @@ def routing_view(f, n, op, a0, r0, rk):
     among full slices (an index by a tensor or list keeps the shape and moves the entries)."""
     s, s0 = shape(n), shape(a0)
     ids, w, orient = r0.info
-    if len(s0) == 2 and (op == "t" or op in ("transpose", "permute") and _swaps(n, op)):
+    if len(s0) == 2 and (op == "t" or op in ("transpose", "permute") and swaps_2d(n, op)):
         f.set(n, "routing", None, (ids, w, orient[::-1]))
     elif s and len(s) == 3 and s[-1] == 1 and s[:2] == s0[:2] and len(s0) == 2 and _appends_unit_dim(n, op):
         f.set(n, "routing", None, (ids, w, orient + "1"))
     return DONE
-
-
-def _swaps(n: fx.Node, op: str) -> bool:
-    """``transpose(0, 1)`` / ``permute(1, 0)`` of a 2-D tensor (dims as ints, negative ones allowed)."""
-    if op == "transpose":
-        dims = (arg(n, 1, "dim0"), arg(n, 2, "dim1"))
-    else:
-        dims = tuple(n.args[1:]) if len(n.args) > 2 else arg(n, 1, "dims")
-    if not isinstance(dims, (tuple, list)) or len(dims) != 2 or any(as_int(d) is None for d in dims):
-        return False
-    d0, d1 = dims[0] % 2, dims[1] % 2
-    return d0 != d1 if op == "transpose" else (d0, d1) == (1, 0)
 
 
 def _appends_unit_dim(n: fx.Node, op: str) -> bool:

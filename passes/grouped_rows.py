@@ -14,6 +14,7 @@ name fall through to the element-wise rules at the end::
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from .expert_ids import router_root
@@ -32,6 +33,8 @@ def sentinel_mask(f, g, n, op, rows_in):
     if r0 and r0.kind == "rows" and arg(n, 2, "value") == 0 and rm and rm.kind == "sentinel" and rm.g is g:
         if g.e is not None and rm.info != g.e:
             g.note("sentinel_mismatch", n, sentinel=rm.info, experts=g.e)
+        elif g.e is None:   # a mask before the offsets: checked against E when the region finishes
+            g.clamps.append((n, rm.info - 1))
         g.step_of[n] = g.step_of[a0]
         f.set(n, "rows", g)
         if op == "masked_fill_":
@@ -153,6 +156,8 @@ def weights_mul(f, g, n, op, rows_in):
     other = n.args[1] if n.args[0] is rows_in[0] else n.args[0]
     ro = f.r(other)
     w = row_weights(f, g, other, ro)
+    if w is not None and g.input_weights is not None:   # the input is weighted already (Llama 4 form)
+        return g.note("weights_twice")
     if w is not None:
         if ro is None or ro.kind != "routing":
             f.set(other, "wview", g)
@@ -201,8 +206,12 @@ def _places_ids(n: fx.Node) -> bool:
 
 
 def cast_after_weights(f, g, n, op, rows_in):
+    """A floating cast of the weighted rows (the rewrite sums in fp32 and casts once; an integer cast
+    truncates each pair in eager)."""
     r0 = f.r(n.args[0])
-    if op in CASTS and g.weighted_at is not None and r0 and r0.kind == "rows":
+    v = val(n)
+    if op in CASTS and g.weighted_at is not None and r0 and r0.kind == "rows" \
+            and isinstance(v, torch.Tensor) and v.is_floating_point():
         g.step_of[n] = g.step_of[n.args[0]]
         f.set(n, "rows", g)
         return DONE
@@ -228,7 +237,8 @@ def dense_sum(f, g, n, op, rows_in):
     a0, r0 = n.args[0], f.r(n.args[0])
     if g.family == "dense" and r0 and r0.kind == "rows" and op in _OVER_DIM \
             and arg(n, 1, "dim") in (0, (0,), -3, (-3,)):
-        if op != "sum" or arg(n, 2, "keepdim") or arg(n, 3, "dtype") is not None:
+        if op != "sum" or arg(n, 2, "keepdim") or arg(n, 3, "dtype") is not None \
+                or not isinstance(va := val(a0), torch.Tensor) or va.dim() != 3:   # [E * T, H].sum(0): over tokens too
             return g.note("dense_not_sum", n, node=n.name, op=op)
         if g.weighted_at is None and g.input_weights is None:
             return g.note("dense_unrouted")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .normalize import val
+from .normalize import arg, val
 from .region import Finding
 
 GMM_OPS = {"_grouped_mm", "grouped_mm", "transformers::grouped_mm_fallback"}
@@ -87,3 +87,15 @@ def shared_ok(x) -> bool:
         return True
     v = val(x)
     return isinstance(v, torch.Tensor) and (v.numel() == 1 or v.dim() <= 1)
+
+
+def swaps_2d(n: fx.Node, op: str) -> bool:
+    """``transpose(0, 1)`` / ``permute(1, 0)`` of a 2-D tensor (dims as ints, negative ones allowed)."""
+    if op == "transpose":
+        dims = (arg(n, 1, "dim0"), arg(n, 2, "dim1"))
+    else:
+        dims = tuple(n.args[1:]) if len(n.args) > 2 else arg(n, 1, "dims")
+    if not isinstance(dims, (tuple, list)) or len(dims) != 2 or any(as_int(d) is None for d in dims):
+        return False
+    d0, d1 = dims[0] % 2, dims[1] % 2
+    return d0 != d1 if op == "transpose" else (d0, d1) == (1, 0)

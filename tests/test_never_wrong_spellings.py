@@ -38,6 +38,7 @@ class Stacked(nn.Module):
         self.down = nn.Parameter(torch.randn(E, I, H, generator=g) / math.sqrt(I))
         self.b1 = nn.Parameter(torch.randn(E, 2 * I, generator=g) * 0.1)
         self.b2 = nn.Parameter(torch.randn(E, H, generator=g) * 0.3)   # the down projection's bias
+        self.router2 = nn.Linear(H, E)     # a second router (another sort's permutation)
 
     def route(self, x):
         w, ids = F.softmax(self.router(x), dim=-1).topk(K, dim=-1)
@@ -48,14 +49,21 @@ class Stacked(nn.Module):
 
     # -------------------------------------------------------------- sort + grouped GEMM + unsort
     def sorted(self, x, how):
+        if how == "scatter_index_transposed":   # T * K == H: an [H, N] index has the rows' shape too
+            x = x[: H // K]
+        T = x.shape[0]
         w, ids = self.route(x)
         flat = ids.reshape(-1)
         perm = flat.argsort(stable=True)
+        if how == "sort_key_bool":          # sorted by flat.to(bool): rows not grouped by expert
+            perm = flat.to(torch.bool).argsort(stable=True)
         if how == "key_computed":           # sorted by ids * 2 (the same order), then flat[perm] read as the
             perm = (ids * 2).reshape(-1).argsort(stable=True)   # sorted ids: the group's ids were ids * 2
         s = flat[perm]
         if how == "clamp_low":
             s = s.clamp(max=E - 2)
+        if how == "sentinel_before_offsets":   # before the offsets (E unknown yet): zeroes expert E-1's
+            masked = x[perm // K].masked_fill((s >= E - 1).unsqueeze(-1), 0)   # rows in eager; was dropped
         if how == "histc_titan":   # torchtitan's range: bins of width 1 over [0, E] (ids < E from the top-k)
             offs = torch.histc(flat.float(), bins=E, min=0, max=E).cumsum(0).to(torch.int32)
         else:
@@ -63,11 +71,13 @@ class Stacked(nn.Module):
         if how == "offsets_written":
             offs[0] += 1
         sw = w.reshape(-1)[perm]
+        if how == "weights_longer":        # gathered from a [2N] vector: accepted, then raised when run
+            sw = torch.cat([w, 3 * w], -1).reshape(-1)[perm]
         if how == "weights_written":
             w.mul_(2)                      # after the gather: eager's sw keeps the old values
         elif how == "weights_written_data":
             w.data.mul_(2)
-        h = GMM(x[perm // K], self.gate_up, offs=offs)
+        h = GMM(masked if how == "sentinel_before_offsets" else x[perm // K], self.gate_up, offs=offs)
         if how == "bias_alpha":
             h = h.add(self.b1[s], alpha=2.0)
         elif how == "bias_pair_order":
@@ -78,16 +88,26 @@ class Stacked(nn.Module):
         y = GMM(F.silu(g) * u, self.down, offs=offs)
         if how == "down_bias":
             y = y + self.b2[s]
+        if how == "cast_long_pairs":
+            y = 20 * y
         if how == "slot_weights":           # [1, K, 1] per-slot scales, not the routing weights
             inv = perm.argsort()
             return (y[inv].view(T, K, H) * torch.tensor([1.0, 0.25]).view(1, K, 1)).sum(1)
         y = y * sw.unsqueeze(-1)
         if how == "bias_after_weights":    # y * w + b: was folded into the GEMM as (y + b) * w
             y = y + self.b2[s]
+        if how == "scatter_index_transposed":   # idx[i, j] = token of row j, not of row i
+            return torch.zeros(T, H).scatter_add_(0, (perm // K).unsqueeze(0).expand(H, perm.numel()), y)
+        if how == "scatter_index":
+            return torch.zeros(T, H).scatter_add_(0, (perm // K).unsqueeze(1).expand(-1, H), y)
         if how.startswith("index_add"):
             acc = torch.zeros(2 * T if how == "index_add_acc_2T" else T, H)
             return acc.index_add_(0, perm // K, y, alpha=0.5 if how == "index_add_alpha" else 1)
-        if how == "inv_descending":
+        if how == "inv_other_perm":        # the inverse of another router's sort
+            perm2 = F.softmax(self.router2(x), -1).topk(K, -1)[1].reshape(-1).argsort(stable=True)
+            inv = torch.empty_like(perm)
+            inv[perm2] = torch.arange(perm.numel())
+        elif how == "inv_descending":
             inv = perm.argsort(descending=True)
         elif how.startswith("inv_fill"):
             inv = torch.empty_like(perm)
@@ -95,6 +115,8 @@ class Stacked(nn.Module):
                 torch.arange(perm.numel())
         else:
             inv = perm.argsort()
+        if how == "cast_long_pairs":       # eager truncates each pair before the sum
+            return y[inv].view(T, K, H).long().sum(1).float()
         return y[inv].view(T, K, H).sum(1)
 
     # -------------------------------------------------------------- per-pair gathered weights + bmm
@@ -147,8 +169,29 @@ class Stacked(nn.Module):
             "mean": lambda: y.mean(0), "amax": lambda: y.amax(0), "select": lambda: y.select(0, 1),
             "cumsum_last": lambda: y.cumsum(0)[-1], "nansum": lambda: y.nansum(0),
             "sum_keepdim": lambda: y.sum(0, keepdim=True)[0],
+            "flat_sum": lambda: x + y.reshape(-1, H).sum(0),     # [E * T, H].sum(0): over the tokens too
         }.get(how, lambda: y.sum(0))
         return reduce()
+
+    # -------------------------------------------------------------- Llama 4: router scores scale the input
+    def llama(self, x, how):
+        if how in ("permute_identity", "cast_after_transpose"):   # T == E: [E, T] has [T, E]'s shape
+            x = x[:E]
+        t = x.shape[0]
+        logits = self.router(x)
+        top, ids = torch.topk(logits, K, dim=1)
+        scores = torch.sigmoid(torch.full_like(logits, float("-inf")).scatter_(1, ids, top))
+        view = {"permute_identity": lambda m: m.permute(0, 1).reshape(-1, 1),
+                "cast_after_transpose": lambda m: m.t().float().reshape(-1, 1)}.get(
+            how, lambda m: m.transpose(0, 1).reshape(-1, 1))
+        rin = (x.repeat(E, 1) * view(scores)).view(E, -1, H)
+        g, u = torch.bmm(rin, self.gate_up).chunk(2, -1)
+        y = torch.bmm(u * F.silu(g), self.down)
+        if how == "output_weights_too":    # the input scaled AND the outputs weighted: were dropped
+            y = y * torch.zeros(t, E).scatter(1, ids, F.softmax(top, -1)).t().unsqueeze(-1)
+        if how == "flat_sum":
+            return x + y.view(-1, H).sum(0)
+        return y.view(-1, H).reshape(E, -1, H).sum(0)
 
     # -------------------------------------------------------------- per-expert loop
     def loop(self, x, how):
@@ -189,7 +232,8 @@ class Stacked(nn.Module):
 
 REWRITTEN = ["sorted:", "sorted:histc_titan", "sorted:bias", "sorted:down_bias", "sorted:index_add", "sorted:inv_fill",
              "batched:", "batched:bias", "batched:down_bias", "dense:", "dense:index_none", "dense:reshape_unit",
-             "dense:permute_swap", "dense:transpose_negative", "dense:sum_dim_keyword", "dense:clamp_zero", "loop:"]
+             "dense:permute_swap", "dense:transpose_negative", "dense:sum_dim_keyword", "dense:clamp_zero",
+             "sorted:scatter_index", "llama:", "loop:"]
 # (variant, reason code of the refusal; None: refused as an op the form does not have)
 REFUSED = [
     ("sorted:inv_descending", None),          # argsort(descending=True) is not the inverse permutation
@@ -230,6 +274,18 @@ REFUSED = [
     ("dense:experts_swapped", "routing_matrix_form"),      # 1.2
     ("dense:tokens_reversed", "routing_matrix_form"),
     ("dense:permute_identity", "routing_matrix_form"),     # 0.90
+    # a third review (rewritten and wrong before; output error)
+    ("sorted:inv_other_perm", None),                       # 1.43: unsorted by another sort's inverse
+    ("sorted:scatter_index_transposed", None),             # 1.67: other tokens' rows combined
+    ("sorted:sentinel_before_offsets", "sentinel_mismatch"),   # 0.63: expert E-1's rows were not zeroed
+    ("sorted:sort_key_bool", None),                        # 1.30: a bool sort key kept the ids' role
+    ("sorted:cast_long_pairs", None),                      # 0.09: truncation per pair, not of the sum
+    ("sorted:weights_longer", None),                       # rewritten, then a ValueError when run
+    ("dense:flat_sum", "dense_not_sum"),                   # 0.77
+    ("llama:permute_identity", None),                      # 1.14
+    ("llama:cast_after_transpose", None),                  # 0.83 (T == E), an IndexError when run (T < E)
+    ("llama:output_weights_too", "weights_twice"),         # 0.95: the output weights were dropped
+    ("llama:flat_sum", "dense_not_sum"),                   # 0.61
 ]
 
 
