@@ -144,10 +144,11 @@ def _stacked(n: fx.Node, weights: set, e: int) -> fx.Node | None:
     return None
 
 
-def _near_stacked(n: fx.Node, weights: set, e: int, hops: int = 4) -> bool:
-    """``n`` is the output of a stacked matmul, through at most ``hops`` single-input ops."""
+def _near(n: fx.Node, is_matmul, hops: int = 4) -> bool:
+    """``n`` is the output of a matmul for which ``is_matmul(node)`` holds, through at most ``hops``
+    single-input ops."""
     while isinstance(n, fx.Node) and hops >= 0:
-        if _stacked(n, weights, e) is not None:
+        if is_matmul(n):
             return True
         ins = n.all_input_nodes
         if (canon(n) or "") in MATMULS or not ins:
@@ -155,6 +156,11 @@ def _near_stacked(n: fx.Node, weights: set, e: int, hops: int = 4) -> bool:
         n = ins[0]
         hops -= 1
     return False
+
+
+def _near_stacked(n: fx.Node, weights: set, e: int) -> bool:
+    """``n`` is the output of a stacked matmul, through at most 4 single-input ops."""
+    return _near(n, lambda m: _stacked(m, weights, e) is not None)
 
 
 def _evidence(router: fx.Node, reach: set, params: set, weights: set, e: int, skip: set, order: dict, tokens: list
@@ -211,17 +217,9 @@ def _listed(rmod: str, n: fx.Node, params: set, own: set) -> bool:
     return any(p.isdigit() for p in m[i:])
 
 
-def _near_listed(rmod: str, n: fx.Node, params: set, own: set, hops: int = 4) -> bool:
-    """``n`` is the output of a ``_listed`` matmul, through at most ``hops`` single-input ops."""
-    while isinstance(n, fx.Node) and hops >= 0:
-        if _listed(rmod, n, params, own):
-            return True
-        ins = n.all_input_nodes
-        if (canon(n) or "") in MATMULS or not ins:
-            return False
-        n = ins[0]
-        hops -= 1
-    return False
+def _near_listed(rmod: str, n: fx.Node, params: set, own: set) -> bool:
+    """``n`` is the output of a ``_listed`` matmul, through at most 4 single-input ops."""
+    return _near(n, lambda m: _listed(rmod, m, params, own))
 
 
 _DESCRIBE = {
