@@ -45,7 +45,7 @@ import torch.fx as fx
 from moe_compile.passes.normalize import arg, canon
 
 from .graph_edit import GraphBuilder, eliminate_dead_code
-from .rehome import _params, _placeholder_of, _rehome, cast_dtype, fsdp_in_use, uncast
+from .rehome import _params, _placeholder_of, _rehome, _shared_storage, cast_dtype, fsdp_in_use, uncast
 
 OPS = torch.ops.moe_compile
 
@@ -210,8 +210,8 @@ def stack_expert_params(gm: fx.GraphModule, example_inputs, may_move: bool = Tru
         phs = [p for s in c.placeholders for p in s]
         if not _only_used_by(c) or seen & set(phs) or len(set(phs)) != len(phs):
             continue
-        if not may_move and not _laid_out_segments(c.params):
-            continue
+        if not _laid_out_segments(c.params) and (not may_move or _shared_storage([p for s in c.params for p in s])):
+            continue   # not ours to move: rehome_weights off, or a storage others hold too (rehome._shared_storage)
         seen.update(phs)
         chosen.append(c)
     if not chosen:

@@ -17,6 +17,9 @@ latter copies into the buffer). Skipped (recorded, never required for correctnes
 not plain leaf Parameters of one dtype/device/shape, non-contiguous or already evenly spaced ones.
 A later ``model.to(...)`` allocates new storages: the op then reads the weights in place again.
 
+Never for weights whose storage is not theirs alone (``_shared_storage``: ZeroRedundancyOptimizer's
+bucket views, experts tied through ``.data``, a user's alias): those ties would be cut.
+
 Never under FSDP2 (``fully_shard``): the parameters a compiled graph reads are FSDP's unsharded
 parameters, whose storage FSDP refills on every all-gather; moving their ``.data`` would leave the
 experts computing with the weights of the step that compiled (``fsdp_in_use``; the graph then reads
@@ -73,6 +76,21 @@ def _params(node_list, index, example_inputs) -> list[torch.Tensor] | None:
     ok = all(isinstance(p, torch.nn.Parameter) and type(p.data) is torch.Tensor and p.is_contiguous()
              and p.shape == first.shape and p.dtype == first.dtype and p.device == first.device for p in params)
     return params if ok and len(params) > 1 else None
+
+
+def _shared_storage(params) -> bool:
+    """Some weight's storage is not its own alone: a view into a larger buffer (ZeroRedundancyOptimizer's
+    bucket views, a user's flat buffer) or a storage other tensors hold too (two experts tied through
+    ``.data``, a ``p.detach()`` alias the user updates in place). Moving ``.data`` would cut those ties:
+    the other holders would stop being the weight (wrong values from the next update on)."""
+    for p in params:
+        storage = p.untyped_storage()
+        if p.storage_offset() != 0 or storage.nbytes() != p.numel() * p.element_size():
+            return True
+        # the Parameter and the ``storage`` object above hold it: any more is another tensor on it
+        if torch._C._storage_Use_Count(storage._cdata) > 2:
+            return True
+    return False
 
 
 def _rehome(groups: list[list[torch.Tensor]]) -> str:
@@ -133,6 +151,10 @@ def rehome_expert_weights(gm: fx.GraphModule, example_inputs) -> list[str]:
         if fsdp:
             notes.append("expert weights not re-homed: FSDP2 owns the storage of the parameters it gathers "
                          "(the grouped GEMMs read the per-expert weights in place)")
+            continue
+        if _shared_storage([w for g in groups for w in g]):
+            notes.append("expert weights not re-homed: a weight shares its storage (a view into a larger buffer, "
+                         "weights tied through .data, or another tensor on it); the grouped GEMMs read them in place")
             continue
         notes.append(_rehome(groups))
     return notes
