@@ -276,9 +276,11 @@ def roww_of_weighted(a, n, op, r0):
     if isinstance(idx, tuple) and len(idx) == 2 and idx[1] is None:
         idx = idx[0]  # we[mask, None]: the trailing None is an unsqueeze, RowW-neutral
     ri = a.r(idx)
-    if isinstance(ri, TokMask) and ri.e == r0.e:
+    # the rows of the same router's choice: expert e's mask of other ids (a second router) would pair
+    # w with rows it did not pick
+    if isinstance(ri, TokMask) and ri.e == r0.e and ri.ids.root is r0.ids.root:
         return RowW(r0.w, r0.ids, r0.e, ("tok", r0.e))
-    if isinstance(ri, Index) and ri.kind == "tok" and ri.e == r0.e:
+    if isinstance(ri, Index) and ri.kind == "tok" and ri.e == r0.e and ri.ids.root is r0.ids.root:
         return RowW(r0.w, r0.ids, r0.e, ri.enum)
 
 
@@ -342,7 +344,7 @@ def gather(a, n, op, r0):
             return RowW(src, roles[0].ids, roles[0].e, roles[0].enum)  # top-1 weights w[tok, None]
         if len(index) >= 2 and isinstance(roles[0], Index) and isinstance(roles[1], Index) \
                 and roles[0].kind == "tok" and roles[1].kind == "slot" and roles[0].enum == roles[1].enum \
-                and all(i is None for i in index[2:]):
+                and roles[0].ids.root is roles[1].ids.root and all(i is None for i in index[2:]):
             return RowW(src, roles[0].ids, roles[0].e, roles[0].enum)
         if len(index) == 2 and index[0] is None and isinstance(roles[1], Index) and roles[1].kind == "tok":
             return expert_rows(a, n, src, roles[1].ids, roles[1].e, roles[1].enum)  # x[None, tok] (reshaped later)
@@ -383,7 +385,8 @@ def rowwise(a: Analysis, n: fx.Node, op: str, r0):
         return None  # two experts' rows mixed: not a per-expert function
     if roww:
         w = roww[0]
-        if op == "mul" and len(roww) == 1 and len(rows) == 1 and w.e == base.e and w.enum == base.enum:
+        if op == "mul" and len(roww) == 1 and len(rows) == 1 and w.e == base.e and w.enum == base.enum \
+                and w.ids.root is base.ids.root:   # the weight of the router that picked these rows
             fn_node = next(x for x, r in in_roles if isinstance(r, (Rows, RowFn)))
             return Contrib(base, fn_node, w.w)
         return None

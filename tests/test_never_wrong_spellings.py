@@ -196,6 +196,31 @@ class Stacked(nn.Module):
     # -------------------------------------------------------------- per-expert loop
     def loop(self, x, how):
         w, ids = self.route(x)
+        if how.startswith("other_router"):  # tokens by one router's choice, weights by another's
+            w2, ids2 = F.softmax(self.router2(x), dim=-1).topk(K, dim=-1)
+            out = torch.zeros_like(x)
+            for e in range(E):
+                we = (w2 * (ids2 == e)).sum(-1)
+                if how == "other_router_mask":
+                    m = (ids == e).any(-1)
+                    g, u = (x[m] @ self.gate_up[e]).chunk(2, dim=-1)
+                    out[m] += we[m, None] * ((F.silu(g) * u) @ self.down[e])
+                else:
+                    tok = torch.where(ids == e)[0]
+                    g, u = (x[tok] @ self.gate_up[e]).chunk(2, dim=-1)
+                    out.index_add_(0, tok, (F.silu(g) * u) @ self.down[e] * we[tok, None])
+            return out
+        if how == "slot_of_other_sort":    # the slot where ANOTHER top-k (ascending, K = E) put expert e
+            probs = F.softmax(self.router(x), dim=-1)
+            w, ids = probs.topk(E, dim=-1)
+            _, ids2 = (-probs).topk(E, dim=-1)
+            out = torch.zeros_like(x)
+            for e in range(E):
+                tok, _ = torch.where(ids == e)
+                _, slot2 = torch.where(ids2 == e)
+                g, u = (x[tok] @ self.gate_up[e]).chunk(2, dim=-1)
+                out[tok] += w[tok, slot2, None] * ((F.silu(g) * u) @ self.down[e])
+            return out
         xin, out = x.clone(), torch.zeros_like(x)
         if how == "reads_accumulator":     # out = x.clone(); out[tok] += w * expert(out[tok]): at top-k > 1 an
             xin = out = x.clone()          # expert reads rows that earlier experts already added to
@@ -286,6 +311,10 @@ REFUSED = [
     ("llama:cast_after_transpose", None),                  # 0.83 (T == E), an IndexError when run (T < E)
     ("llama:output_weights_too", "weights_twice"),         # 0.95: the output weights were dropped
     ("llama:flat_sum", "dense_not_sum"),                   # 0.61
+    # a fourth review: the loop form paired rows with the weights of another router's choice
+    ("loop:other_router_mask", None),                      # 0.66
+    ("loop:other_router_index_add", None),                 # 0.66
+    ("loop:slot_of_other_sort", None),                     # 0.83
 ]
 
 
