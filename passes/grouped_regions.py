@@ -40,7 +40,7 @@ from . import grouped_routing as route
 from . import grouped_rows as rows
 from .grouped_combine import pair_op
 from .grouped_state import CASTS, DONE, FLATTEN, GMM_OPS, ROW_KINDS, GRole, Group
-from .normalize import canon, common_module, dtype_of, module_path, shape, val, where_in_user_code
+from .normalize import canon, common_module, dtype_of, id_bound, module_path, shape, val, where_in_user_code
 from .region import Candidate, ExpertMLP, Finding, Region, ReplaceOutput, Router, Step
 
 _R = route
@@ -260,6 +260,9 @@ class Finder:
         for node, bound in g.clamps:   # clamp(max=E - 1) only: another bound moves rows to another expert
             if bound != g.e - 1:
                 return [Finding.of("sentinel_mismatch", node, sentinel=bound + 1, experts=g.e)]
+        if g.clamped_counts is not None and not ((b := id_bound(g.ids)) is not None and b <= g.e):
+            return [Finding.of("clamped_counts", g.clamped_counts, node=g.clamped_counts.name, e=g.e,
+                               bound=b if b is not None else "?")]
         if shape(g.x)[0] * g.k != val(g.ids).numel():
             return [Finding.of("token_count_mismatch", None, tokens=shape(g.x)[0], k=g.k, ids=val(g.ids).numel())]
         for m in g.nodes:  # every row-valued node must be consumed inside the region

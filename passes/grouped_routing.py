@@ -146,6 +146,7 @@ def counts_histc(f, n, op, a0, r0, rk):
         if g is not None and arg(n, 2, "min", 0) == 0 and (hi == bins - 1 or hi == bins and bound is not None
                                                           and bound <= bins):
             f.set(n, "counts", g, bins)
+            _note_clamped_counts(f, g, a0, n)
         return DONE
 
 
@@ -155,13 +156,28 @@ def counts_bincount(f, n, op, a0, r0, rk):
         s = shape(n)
         if g is not None and s and isinstance(s[0], int) and s[0] == arg(n, 2, "minlength", 0):
             f.set(n, "counts", g, s[0])
+            _note_clamped_counts(f, g, a0, n)
         return DONE
 
 
 def onehot_ids(f, n, op, a0, r0, rk):
     if rk in ("sorted_ids", "flat"):
-        f.set(n, "onehot", f.sorted_group_of(r0, a0), arg(n, 1, "num_classes"))
+        g = f.sorted_group_of(r0, a0)
+        f.set(n, "onehot", g, arg(n, 1, "num_classes"))
+        if g is not None:
+            _note_clamped_counts(f, g, a0, n)
         return DONE
+
+
+def _note_clamped_counts(f, g, ids: fx.Node, counts: fx.Node) -> None:
+    """Counts taken from ids clamped to E - 1 (the clamp node itself, or an in-place clamp_ of them
+    before the count) count a router's ids >= E as expert E - 1's rows; the rewrite drops those ids.
+    Recorded for ``findings``, which refuses it unless the router's ids are known to be below E."""
+    while canon(ids) in CASTS and isinstance(ids.args[0], fx.Node):   # histc(s.float(), ...)
+        ids = ids.args[0]
+    for c, _bound in g.clamps:
+        if c is ids or (c.args and c.args[0] is ids and canon(c) == "clamp_" and f.order[c] < f.order[counts]):
+            g.clamped_counts = c
 
 
 def counts_of_onehot(f, n, op, a0, r0, rk):

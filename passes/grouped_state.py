@@ -64,6 +64,7 @@ class Group:
     findings: list = field(default_factory=list)
     linears: int = 0
     clamps: list = field(default_factory=list)   # (node, bound) of sorted_ids.clamp(max=bound)
+    clamped_counts: fx.Node | None = None        # the clamp the expert counts were taken after
 
     def note(self, code: str, node: fx.Node | None = None, /, **detail) -> bool:
         """Record why this group cannot be rewritten (the first finding is the reason); True."""

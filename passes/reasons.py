@@ -86,6 +86,11 @@ REASONS: dict[str, Reason] = {
     "expert_count_mismatch": Reason("expert weight `{node}` has {weights} experts, the router {router}",
                                     "use one weight row per expert of the router"),
     "bias_not_per_expert": Reason("per-expert bias `{node}` is not [E, out]", "store per-expert biases as [E, out]"),
+    "clamped_counts": Reason(
+        "the expert counts are taken from ids clamped to E - 1 = {e} - 1 (`{node}`) while the router picks ids "
+        "below {bound}: in eager the rows of ids >= E run through expert E - 1, where the rewrite drops them",
+        "count the unclamped ids (histc over the router's ids) and mask the rows of ids >= E, as transformers' "
+        "expert-parallel experts do, or give the router E outputs"),
     "bias_after_weights": Reason(
         "per-expert bias add `{node}` after the routing weights (y * w + b[ids]): the rewrite adds a bias before "
         "the weights", "add the bias before multiplying by the routing weights, or outside the MoE layer"),

@@ -39,6 +39,7 @@ class Stacked(nn.Module):
         self.b1 = nn.Parameter(torch.randn(E, 2 * I, generator=g) * 0.1)
         self.b2 = nn.Parameter(torch.randn(E, H, generator=g) * 0.3)   # the down projection's bias
         self.router2 = nn.Linear(H, E)     # a second router (another sort's permutation)
+        self.router_wide = nn.Linear(H, E + 1)   # picks ids up to E (one past the experts)
 
     def route(self, x):
         w, ids = F.softmax(self.router(x), dim=-1).topk(K, dim=-1)
@@ -53,6 +54,8 @@ class Stacked(nn.Module):
             x = x[: H // K]
         T = x.shape[0]
         w, ids = self.route(x)
+        if how.startswith("clamp_"):       # a router wider than the experts, its ids clamped to E - 1
+            w, ids = F.softmax(self.router_wide(x), dim=-1).topk(K, dim=-1)
         flat = ids.reshape(-1)
         perm = flat.argsort(stable=True)
         if how == "sort_key_bool":          # sorted by flat.to(bool): rows not grouped by expert
@@ -62,6 +65,10 @@ class Stacked(nn.Module):
         s = flat[perm]
         if how == "clamp_low":
             s = s.clamp(max=E - 2)
+        elif how == "clamp_before_counts":   # eager runs ids >= E through expert E - 1; were dropped
+            s = s.clamp(max=E - 1)
+        elif how == "clamp_inplace_before_counts":
+            s.clamp_(max=E - 1)
         if how == "sentinel_before_offsets":   # before the offsets (E unknown yet): zeroes expert E-1's
             masked = x[perm // K].masked_fill((s >= E - 1).unsqueeze(-1), 0)   # rows in eager; was dropped
         if how == "histc_titan":   # torchtitan's range: bins of width 1 over [0, E] (ids < E from the top-k)
@@ -315,6 +322,9 @@ REFUSED = [
     ("loop:other_router_mask", None),                      # 0.66
     ("loop:other_router_index_add", None),                 # 0.66
     ("loop:slot_of_other_sort", None),                     # 0.83
+    # a fifth review
+    ("sorted:clamp_before_counts", "clamped_counts"),      # 0.46
+    ("sorted:clamp_inplace_before_counts", "clamped_counts"),   # 0.62
 ]
 
 
