@@ -251,6 +251,8 @@ def elementwise(f, g, n, op, rows_in):
     """Element-wise steps, chunks and last-dim slices of the expert function (the table's default)."""
     a0, r0 = n.args[0], f.r(n.args[0])
     if op in ROWWISE_UNARY and r0 and r0.kind == "rows" and all(shared_ok(a) for a in n.all_input_nodes[1:]):
+        if op == "glu" and not is_last_dim(arg(n, 1, "dim", -1), a0):   # glu(dim=0) pairs other rows / experts
+            return None
         f.step(g, n)
         return DONE
     if op in ROWWISE_BINARY and all(shared_ok(a) for a in n.all_input_nodes if a not in rows_in):

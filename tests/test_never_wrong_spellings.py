@@ -161,6 +161,7 @@ class Stacked(nn.Module):
         if how == "clamp_zero":            # an element-wise step whose second argument is 0 (not a dim)
             h = h.clamp(0)
         g, u = h.chunk(2, dim=-1)
+        act = F.glu(h, dim=-1) if how == "glu_last" else F.silu(g) * u   # glu: the last dim's halves
         factor = {   # the [E, T, 1] routing factor: views of r.t() (rewritten), or entries moved (refused)
             "index_none": lambda: r.t()[:, :, None],
             "reshape_unit": lambda: r.t().reshape(E, t, 1),
@@ -170,7 +171,7 @@ class Stacked(nn.Module):
             "tokens_reversed": lambda: r.t()[:, torch.arange(t).flip(0), None],
             "permute_identity": lambda: r.permute(0, 1).unsqueeze(-1),        # no transpose at all
         }.get(how, lambda: r.t().unsqueeze(-1))()
-        y = torch.bmm(F.silu(g) * u, self.down) * factor
+        y = torch.bmm(act, self.down) * factor
         reduce = {   # over the experts: only a plain sum is the routed combine (the others were rewritten)
             "sum_dim_keyword": lambda: torch.sum(y, dim=0),
             "mean": lambda: y.mean(0), "amax": lambda: y.amax(0), "select": lambda: y.select(0, 1),
@@ -265,7 +266,7 @@ class Stacked(nn.Module):
 REWRITTEN = ["sorted:", "sorted:histc_titan", "sorted:bias", "sorted:down_bias", "sorted:index_add", "sorted:inv_fill",
              "batched:", "batched:bias", "batched:down_bias", "dense:", "dense:index_none", "dense:reshape_unit",
              "dense:permute_swap", "dense:transpose_negative", "dense:sum_dim_keyword", "dense:clamp_zero",
-             "sorted:scatter_index", "llama:", "loop:"]
+             "sorted:scatter_index", "llama:", "dense:glu_last", "loop:"]
 # (variant, reason code of the refusal; None: refused as an op the form does not have)
 REFUSED = [
     ("sorted:inv_descending", None),          # argsort(descending=True) is not the inverse permutation
