@@ -92,6 +92,10 @@ def _install() -> None:
             _interface[:] = [moe.ALL_EXPERTS_FUNCTIONS]
             _installed.append((local, "eager", _MISSING))
             local["eager"] = _declared_grouped
+    patched = {m for m, c, a, _ in _CLASS_SUBSTITUTES if _patched(m, c, a)}
+    # read here, outside any trace (Dynamo does not see a function's __qualname__ as Python does)
+    _stock_forward.clear()
+    _stock_forward.update({(m, c): not _patched(m, c, "forward") for m, c in _CALLED_MODULES})
     for module, cls_name, attr, make in _CLASS_SUBSTITUTES:
         mod = sys.modules.get(module)
         cls = getattr(mod, cls_name, None) if mod is not None else None
@@ -100,12 +104,40 @@ def _install() -> None:
         original = cls.__dict__[attr]
         if getattr(original, "_moe_compile_substitute", False):
             continue
+        if module in patched:   # a user's patch or a kernel swapped in (JetMoE's gating and experts go as a
+            continue            # pair: the gating's tensor counts need the experts' substitute): traced as written
         key = (cls, attr)
         if key not in _cache:
             _cache[key] = make(original)
             _cache[key]._moe_compile_substitute = True
         _installed.append((cls, attr, original))
         setattr(cls, attr, _cache[key])
+
+
+def _patched(module: str, cls_name: str, attr: str) -> bool:
+    """The class's ``attr`` is not transformers' own (and not our substitute)."""
+    cls = getattr(sys.modules.get(module), cls_name, None)
+    fn = cls.__dict__.get(attr) if cls is not None else None
+    return fn is not None and not getattr(fn, "_moe_compile_substitute", False) \
+        and not _stock(fn, module, f"{cls_name}.{attr}")
+
+
+def _stock(fn, module: str, qualname: str) -> bool:
+    """``fn`` is transformers' own function ``module.qualname`` (not a patch put on the class)."""
+    return getattr(fn, "__module__", None) == module and getattr(fn, "__qualname__", None) == qualname
+
+
+def _stock_call(m, module: str, cls_name: str) -> bool:
+    """Calling ``m`` runs transformers' own ``cls_name.forward`` and nothing else: the exact class (not a
+    subclass), no forward of its own on the instance, no module or global forward hooks. The
+    substitutes compute what the stock loop gets from such a call without making it."""
+    from torch.nn.modules import module as nn_module
+
+    cls = getattr(sys.modules.get(module), cls_name, None)
+    return cls is not None and type(m) is cls and "forward" not in vars(m) \
+        and _stock_forward.get((module, cls_name), False) \
+        and not (m._forward_hooks or m._forward_pre_hooks) \
+        and not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
 
 
 def _autocast(module) -> bool:
@@ -179,6 +211,8 @@ def dbrx_grouped(self, hidden_states, top_k_index, top_k_weights):
     rows = x[perm // k]
     shape = (e, self.ffn_hidden_size, self.hidden_size)
     mlp = self.mlp
+    if not _stock_call(mlp, "transformers.models.dbrx.modeling_dbrx", "DbrxExpertGLU"):
+        return NotImplemented   # the loop calls self.mlp: a hook, subclass or patch there would be skipped
     gate = _gmm(rows, mlp.w1.view(shape).transpose(1, 2), offs)
     up = _gmm(rows, mlp.v1.view(shape).transpose(1, 2), offs)
     out = _gmm(mlp.activation_fn(gate) * up, mlp.w2.view(shape), offs)
@@ -192,6 +226,10 @@ def longcat_grouped(self, hidden_states, top_k_index, top_k_weights):
     x times the sum of their routing weights."""
     if self.gate_up_proj is None:
         return NotImplemented
+    identity = getattr(self, "identity_expert", None)
+    if identity is not None and not (type(identity) is torch.nn.Identity and "forward" not in vars(identity)
+                                     and not (identity._forward_hooks or identity._forward_pre_hooks)):
+        return NotImplemented   # computed as x * weights here, never called: a hook or module there would be skipped
     e, k = self.num_routed_experts, top_k_index.shape[-1]
     sorted_ids, perm, counts = _route(top_k_index, e)
     offs = _offsets(counts)
@@ -228,6 +266,11 @@ def jetmoe_experts_grouped(self, inputs, expert_size):
         return NotImplemented
     return _gmm(inputs, self.weight.transpose(1, 2), _offsets(expert_size))
 
+
+# modules the stock loops call and the substitutes do not (their math is inlined): substituted only
+# while such a call would run transformers' own forward (``_stock_call``)
+_CALLED_MODULES = (("transformers.models.dbrx.modeling_dbrx", "DbrxExpertGLU"),)
+_stock_forward: dict[tuple[str, str], bool] = {}
 
 # (module, class, attribute, factory(original) -> substitute): classes with no declared grouped
 # implementation whose forward Dynamo cannot trace
