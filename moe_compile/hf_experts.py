@@ -127,17 +127,21 @@ def _stock(fn, module: str, qualname: str) -> bool:
     return getattr(fn, "__module__", None) == module and getattr(fn, "__qualname__", None) == qualname
 
 
-def _stock_call(m, module: str, cls_name: str) -> bool:
-    """Calling ``m`` runs transformers' own ``cls_name.forward`` and nothing else: the exact class (not a
-    subclass), no forward of its own on the instance, no module or global forward hooks. The
-    substitutes compute what the stock loop gets from such a call without making it."""
+def _plain_call(m, cls) -> bool:
+    """Calling ``m`` runs ``cls.forward`` and nothing else: the exact class (not a subclass), no forward
+    of its own on the instance, no module or global forward hooks. The substitutes compute what the
+    stock loop gets from such a call without making it."""
     from torch.nn.modules import module as nn_module
 
-    cls = getattr(sys.modules.get(module), cls_name, None)
     return cls is not None and type(m) is cls and "forward" not in vars(m) \
-        and _stock_forward.get((module, cls_name), False) \
         and not (m._forward_hooks or m._forward_pre_hooks) \
         and not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
+
+
+def _stock_call(m, module: str, cls_name: str) -> bool:
+    """``_plain_call`` of transformers' own, unpatched ``module.cls_name``."""
+    return _plain_call(m, getattr(sys.modules.get(module), cls_name, None)) \
+        and _stock_forward.get((module, cls_name), False)
 
 
 def _autocast(module) -> bool:
@@ -227,8 +231,7 @@ def longcat_grouped(self, hidden_states, top_k_index, top_k_weights):
     if self.gate_up_proj is None:
         return NotImplemented
     identity = getattr(self, "identity_expert", None)
-    if identity is not None and not (type(identity) is torch.nn.Identity and "forward" not in vars(identity)
-                                     and not (identity._forward_hooks or identity._forward_pre_hooks)):
+    if identity is not None and not _plain_call(identity, torch.nn.Identity):
         return NotImplemented   # computed as x * weights here, never called: a hook or module there would be skipped
     e, k = self.num_routed_experts, top_k_index.shape[-1]
     sorted_ids, perm, counts = _route(top_k_index, e)

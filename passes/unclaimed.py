@@ -119,15 +119,19 @@ def _dims(n: fx.Node) -> tuple:
     return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
 
 
+def _past_common(a: str, b: str) -> tuple[list[str], list[str]]:
+    """The segments of the dotted module paths ``a`` and ``b`` past their common prefix."""
+    x, y = [p for p in a.split(".") if p], [p for p in b.split(".") if p]
+    i = 0
+    while i < min(len(x), len(y)) and x[i] == y[i]:
+        i += 1
+    return x[i:], y[i:]
+
+
 def _local(router_mod: str, other_mod: str) -> bool:
     """``other`` belongs to the router's MoE block: their common module is the router's module or
     its parent, and they are not two elements of one ModuleList."""
-    r = [p for p in router_mod.split(".") if p]
-    o = [p for p in other_mod.split(".") if p]
-    i = 0
-    while i < min(len(r), len(o)) and r[i] == o[i]:
-        i += 1
-    rest_r, rest_o = r[i:], o[i:]
+    rest_r, rest_o = _past_common(router_mod, other_mod)
     if len(rest_r) > 1:
         return False
     return not any(rest and rest[0].isdigit() for rest in (rest_r, rest_o))
@@ -210,11 +214,7 @@ def _listed(rmod: str, n: fx.Node, params: set, own: set) -> bool:
     if (canon(n) or "") not in MATMULS or not any(
             len(_dims(p)) == 2 and p not in own for a in n.all_input_nodes if (p := param_of(a, params)) is not None):
         return False
-    r, m = [p for p in rmod.split(".") if p], [p for p in module_path(n).split(".") if p]
-    i = 0
-    while i < min(len(r), len(m)) and r[i] == m[i]:
-        i += 1
-    return any(p.isdigit() for p in m[i:])
+    return any(p.isdigit() for p in _past_common(rmod, module_path(n))[1])
 
 
 def _near_listed(rmod: str, n: fx.Node, params: set, own: set) -> bool:

@@ -214,14 +214,9 @@ def test_substitution_is_scoped():
 
 def _compiled_vs_eager(model):
     torch._dynamo.reset()
-    ref = _fwd_bwd(model, _ids())
     compiled = copy.deepcopy(model)
-    runner = torch.compile(compiled, backend="moe", options={"moe.inductor": False})
-    compiled.zero_grad(set_to_none=True)
-    out = runner(input_ids=_ids()).logits
-    (out.float() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
-    got = out.detach(), {n: p.grad for n, p in compiled.named_parameters()}
-    _assert_same(got, ref)
+    compiled.compile(backend="moe", options={"moe.inductor": False})   # in place: the same parameter names
+    _assert_same(_fwd_bwd(compiled, _ids()), _fwd_bwd(model, _ids()))
 
 
 @pytest.mark.parametrize("case", ["dbrx_mlp_hook", "longcat_identity_hook", "dbrx_class_patch",
