@@ -8,18 +8,21 @@ Contract (finds and checks, never mutates)::
     ids = ...                                            limit has three), float scores, last dim
     perm, inv, offs = moe_compile.route_permute(ids, E)  <- seed: the lowering emitted it
   -> TopkMatch(node=topk, scores, k, seed=route_permute) for each topk whose outputs are only read
-     by index (``[0]``, ``[1]``, ``.values``, ``.indices``) and, for ``sorted=False``, only by
-     readers that cannot see the order of its k entries (below);
-     ``lowering/router_topk.py`` makes it ``moe_compile.router_topk(scores, k)`` (sorted).
+     by index (``[0]``, ``[1]``, ``.values``, ``.indices``) and then only by readers that cannot
+     see the order of its k entries (below); ``lowering/router_topk.py`` makes it
+     ``moe_compile.router_topk(scores, k)`` (sorted).
 
 The walk stops at GEMMs, at the tokens a region gathers (``permute_rows``' input: the router is
 computed from them) and at moe_compile ops (an earlier layer), so a topk of the user's before the
 router is never reached.
 
-``sorted=False``: torch leaves the order of the k entries unspecified (it differs between
-devices), so the op's sorted order is one torch may return as well; the call qualifies where no
-reader can tell one order from another (k == 1 always: there is one order). Its values and indices
-are *slot tensors*: entry j of a row is slot j, and both outputs hold a row's slots in one order.
+The order of the k entries: ``sorted=False`` leaves it unspecified (it differs between devices);
+``sorted=True`` fixes it up to ties, and equal entries come out in torch's own order, which the op's
+does not reproduce (torch.topk's CUDA kernel returned tied experts 1, 0 where the op returns 0, 1,
+measured on an H200: a reader of position 0 then gets another expert id, and the gradient of
+``values[:, 0]`` reaches another score). So a call of either kind qualifies only where no reader
+can tell one order from another (k == 1 always: there is one order). Its values and indices are
+*slot tensors*: entry j of a row is slot j, and both outputs hold a row's slots in one order.
 Walking forward in graph order, each reader of a slot tensor must be one of::
 
     sum / mean / amax / ... over the last dim, max()        -> order-free: the walk ends there
@@ -37,7 +40,7 @@ and every pair input of such a region must be a slot tensor of the same call (id
 weights in another order would pair other experts and weights). Anything else keeps torch.topk:
 a position read (``ids[:, 0]``, ``values[..., 0]``), argmax, sort, cumsum, a transpose, a graph
 output, an unknown op, an in-place write of a slot tensor into another tensor, a slot tensor of
-another ``sorted=False`` call in the same elementwise op or region. What the swap can change is
+another topk call in the same elementwise op or region. What the swap can change is
 only floating-point summation order: of reductions over the last dim (the router's weight sum),
 of the combine's sum over a token's k rows.
 
@@ -62,7 +65,7 @@ from .normalize import arg, canon, is_inplace_method, route_permute_output, shap
 
 # ops that end the walk back from the expert ids: the router's own GEMM, and anything before it
 _STOP = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "einsum", "baddbmm"})
-_WALK_LIMIT = 200   # nodes visited per region (back) or per sorted=False call (forward): a router is a few dozen ops
+_WALK_LIMIT = 200   # nodes visited per region (back) or per topk call (forward): a router is a few dozen ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +111,7 @@ def _read_by_index(node: fx.Node) -> bool:
     return True
 
 
-# ------------------------------------------------------------- readers of a sorted=False call
+# ------------------------------------------------------------- readers of a topk call
 _ROWS, _FLAT = "rows", "flat"   # a slot tensor's layout: [..., k], or [N * k] (its rows one after another)
 _REDUCTIONS = frozenset({"sum", "nansum", "mean", "amax", "amin", "prod", "logsumexp", "all", "any"})
 _ELEMENTWISE = frozenset({  # slot j of the output is computed from slot j of the inputs only
@@ -263,7 +266,7 @@ def _enqueue_readers(n: fx.Node, pos: dict, waiting: dict, queue: list) -> None:
 
 
 def _readers_see_no_order(topk: fx.Node, k: int, pos: dict) -> bool:
-    """True if no reader of a sorted=False topk's outputs can tell the order of its k entries (the
+    """True if no reader of a topk's outputs can tell the order of its k entries (the
     rules of the module docstring). Readers are visited in graph order, so each sees its inputs
     classified: another slot tensor (followed), order-free (the walk ends), or a pair input of a
     region, whose pair inputs must then all be slot tensors of this call."""
@@ -302,8 +305,8 @@ def _match(n: fx.Node, seed: fx.Node, pos: dict) -> TopkMatch | None:
         return None
     if not _read_by_index(n):
         return None
-    if arg(n, 4, "sorted", True) is not True and not _readers_see_no_order(n, k, pos):
-        return None  # a reader may see torch's own order: kept as written
+    if not _readers_see_no_order(n, k, pos):
+        return None  # a reader may see torch's own order (of tied entries, when sorted): kept as written
     return TopkMatch(n, scores, k, seed)
 
 

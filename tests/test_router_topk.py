@@ -218,6 +218,16 @@ def _axis_keyword_sum(self, x):        # sum(axis=0): over the tokens (a keyword
     return w / w.sum(axis=0, keepdim=True)[..., :1], ids
 
 
+def _sorted_first_slot_weight(self, x):  # sorted: weights relative to the first (largest) entry
+    w, ids = torch.topk(torch.softmax(self.proj(x), -1), self.k, dim=-1)
+    return w / w[..., :1], ids
+
+
+def _sorted_first_slot_top1(self, x):    # sorted: the first entry's expert weighted twice
+    w, ids = torch.topk(torch.softmax(self.proj(x), -1), self.k, dim=-1)
+    return torch.where(ids == ids[:, :1], 2 * w, w), ids
+
+
 def _tied_first_experts(model):
     """Router rows 0 and 1 equal (same weight and bias): experts 0 and 1 tie in every token's scores."""
     with torch.no_grad():
@@ -230,7 +240,8 @@ _ROUTERS = {"max_normalised": _max_normalised, "axis_keyword_sum": _axis_keyword
             "unsorted_softmax": _unsorted_softmax, "first_slot_weight": _first_slot_weight,
             "first_slot_top1": _first_slot_top1, "ids_of_one_weights_of_another": _ids_of_one_weights_of_another,
             "two_calls_mixed": _two_calls_mixed, "cumulative_weights": _cumulative_weights,
-            "sum_over_tokens": _sum_over_tokens}
+            "sum_over_tokens": _sum_over_tokens, "sorted_first_slot_weight": _sorted_first_slot_weight,
+            "sorted_first_slot_top1": _sorted_first_slot_top1}
 
 
 def _with_router(forward):
@@ -296,6 +307,37 @@ def test_the_shuffled_op_catches_a_wrong_swap(router, tied, shuffled_op, monkeyp
     with pytest.raises(AssertionError, match="output|grad"):
         helpers.check_compiled(_tied_first_experts(model) if tied else model, [helpers.make_input((2, 5, 16))],
                                expect_rewritten=1)
+
+
+@pytest.fixture
+def ties_reversed_op(monkeypatch):
+    """moe_compile.router_topk on CPU returns the entries of torch.topk with each run of tied values in
+    the reverse order (on an H200, torch.topk's CUDA kernel returned tied experts 1, 0 where the
+    Triton op returns 0, 1). Values and the order of unequal entries unchanged."""
+    def reversed_ties(scores, k):
+        v, i = (t.flip(-1) for t in torch.topk(scores, k, dim=-1))
+        order = torch.sort(v, dim=-1, descending=True, stable=True).indices
+        return v.gather(-1, order), i.gather(-1, order)
+
+    monkeypatch.setitem(registry._IMPLS, ("router_topk", "cpu"), reversed_ties)
+    x = torch.tensor([[0.0, 3.0, 3.0, 1.0, 3.0]])
+    assert ops.router_topk(x, 4)[1].tolist() == torch.topk(x, 4)[1][:, [2, 1, 0, 3]].tolist()
+
+
+@pytest.mark.parametrize("router", ["sorted_first_slot_weight", "sorted_first_slot_top1"])
+def test_sorted_calls_whose_order_is_read_stay_torch_topk(router, ties_reversed_op, monkeypatch):
+    """A sorted topk fixes the order only up to ties, and tied entries come out in torch's own order:
+    a position read (``w[..., :1]``, ``ids[:, :1]``) keeps torch.topk, and the compiled model matches
+    eager with experts 0 and 1 tied on every token. Forced to swap, it does not (the order of the
+    tied pair reversed): the test can fail."""
+    new = _rewrite_with_router(_ROUTERS[router])
+    assert ops_in(new).count("router_topk") == 0 and len(_topk_nodes(new)) == 1
+    x = helpers.make_input((2, 5, 16))
+    helpers.check_compiled(_tied_first_experts(_with_router(_ROUTERS[router])), [x], expect_rewritten=1)
+    monkeypatch.setattr(router_topk_pass, "_readers_see_no_order", lambda *a: True)
+    assert ops_in(_rewrite_with_router(_ROUTERS[router])).count("router_topk") == 1
+    with pytest.raises(AssertionError, match="output|grad"):
+        helpers.check_compiled(_tied_first_experts(_with_router(_ROUTERS[router])), [x], expect_rewritten=1)
 
 
 class _UnsortedIdsOut(torch.nn.Module):
