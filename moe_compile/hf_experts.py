@@ -8,6 +8,8 @@ grouped form the finders rewrite::
 
     @use_experts_implementation experts, experts_implementation="eager"
         -> the model's own declared grouped implementation, ExpertsInterface["grouped_mm"]
+           (transformers' own classes, exactly, with all their code transformers': no class patch,
+           no registered "eager", no user "grouped_mm" or patched helper of it; else traced as written)
     DbrxExperts (no declared implementation)         -> _dbrx_grouped:   sort + grouped GEMMs + unsort
     LongcatFlashExperts (identity experts among E+Z) -> _longcat_grouped: the same for ids < E, plus
                                                         x * (sum of the weights of slots with ids >= E)
@@ -23,8 +25,10 @@ per architecture in tests/test_forms_hf_eager.py.
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
+import types
 
 import torch
 
@@ -32,8 +36,16 @@ _lock = threading.Lock()
 _depth = 0
 _installed: list[tuple[object, str, object]] = []   # (owner, attribute, previous value or _MISSING)
 _MISSING = object()
-_cache: dict[tuple[type, str], object] = {}            # one substitute per (class, attribute): stable identity
-_interface: list = []                                  # transformers' ALL_EXPERTS_FUNCTIONS, once installed
+_cache: dict[tuple[type, object], object] = {}         # one substitute per (class, attribute or forward):
+                                                       # a stable identity Dynamo guards on
+_grouped: list = []      # transformers' grouped_mm_experts_forward, checked at the last install
+_root: list = []         # transformers' package directory
+_dispatch: list = []     # [transformers.integrations.moe, the code of its decorated forward, and __init__]
+_modules: list = []      # [len(sys.modules), the decorated classes of the loaded transformers modeling modules]
+_own_codes: dict = {}    # code object -> its file is in transformers' package
+_same_file: dict = {}    # (code object, a module's file) -> the code is that file's
+_methods_checked: dict = {}   # class -> (the values of its and its transformers bases' __dict__, their ids, verdict)
+_calls_checked: dict = {}   # function -> (the (globals, name, value) it reached, _only_own_calls' verdict)
 
 
 class substituted:
@@ -86,12 +98,16 @@ def _release() -> None:
 # ----------------------------------------------------------------------------- installation
 def _install() -> None:
     moe = sys.modules.get("transformers.integrations.moe")
-    if moe is not None and hasattr(moe, "ALL_EXPERTS_FUNCTIONS"):
-        local = moe.ALL_EXPERTS_FUNCTIONS._local_mapping
-        if "eager" not in local and "grouped_mm" in moe.ALL_EXPERTS_FUNCTIONS:
-            _interface[:] = [moe.ALL_EXPERTS_FUNCTIONS]
-            _installed.append((local, "eager", _MISSING))
-            local["eager"] = _declared_grouped
+    grouped = _stock_grouped(moe) if moe is not None else None
+    if grouped is not None:
+        _grouped[:] = [grouped]
+        for cls, dispatch in _declared_classes(moe):
+            key = (cls, dispatch)
+            if key not in _cache:
+                _cache[key] = _declared_substitute(cls, dispatch)
+                _cache[key]._moe_compile_substitute = True
+            _installed.append((cls, "forward", dispatch))
+            setattr(cls, "forward", _cache[key])
     patched = {m for m, c, a, _ in _CLASS_SUBSTITUTES if _patched(m, c, a)}
     # read here, outside any trace (Dynamo does not see a function's __qualname__ as Python does)
     _stock_forward.clear()
@@ -108,10 +124,41 @@ def _install() -> None:
             continue            # pair: the gating's tensor counts need the experts' substitute): traced as written
         key = (cls, attr)
         if key not in _cache:
-            _cache[key] = make(original)
+            _cache[key] = make(cls, original)
             _cache[key]._moe_compile_substitute = True
         _installed.append((cls, attr, original))
         setattr(cls, attr, _cache[key])
+
+
+def _transformers_root() -> str:
+    if not _root:
+        _root.append(os.path.join(os.path.dirname(os.path.abspath(sys.modules["transformers"].__file__)), ""))
+    return _root[0]
+
+
+def _own_code(fn) -> bool:
+    """``fn`` is a Python function whose code is in transformers' package (a patch defined elsewhere,
+    or a ``functools.wraps`` wrapper of one, has its own code object)."""
+    if not isinstance(fn, types.FunctionType):
+        return False
+    code = fn.__code__
+    own = _own_codes.get(code)
+    if own is None:
+        own = _own_codes[code] = os.path.abspath(code.co_filename).startswith(_transformers_root())
+    return own
+
+
+def _stock(fn, module: str, qualname: str) -> bool:
+    """``fn`` is transformers' own function ``module.qualname`` (not a patch put on the class): read
+    from its code object, which ``functools.wraps`` does not copy."""
+    mod = sys.modules.get(module)
+    code, path = getattr(fn, "__code__", None), getattr(mod, "__file__", None)
+    if code is None or path is None or code.co_qualname != qualname:
+        return False
+    same = _same_file.get((code, path))
+    if same is None:
+        same = _same_file[(code, path)] = os.path.abspath(code.co_filename) == os.path.abspath(path)
+    return same
 
 
 def _patched(module: str, cls_name: str, attr: str) -> bool:
@@ -122,9 +169,44 @@ def _patched(module: str, cls_name: str, attr: str) -> bool:
         and not _stock(fn, module, f"{cls_name}.{attr}")
 
 
-def _stock(fn, module: str, qualname: str) -> bool:
-    """``fn`` is transformers' own function ``module.qualname`` (not a patch put on the class)."""
-    return getattr(fn, "__module__", None) == module and getattr(fn, "__qualname__", None) == qualname
+def _only_own_calls(fn) -> bool:
+    """``fn`` and every Python function of its module it names (transitively) are transformers' own
+    code: a patched helper of the grouped path (``_grouped_linear``, ``_grouped_mm``) is seen here.
+    The verdict is kept with the globals it read, and read again only when one of them changed."""
+    deps, ok = _calls_checked.get(fn, ((), None))
+    if ok is not None and all(g.get(n) is v for g, n, v in deps):
+        return ok
+    deps, stack, seen, ok = {}, [fn], set(), True
+    while stack and ok:
+        f = stack.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        if not _own_code(f):
+            ok = False
+            break
+        codes, g = [f.__code__], f.__globals__
+        while codes:
+            code = codes.pop()
+            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+            for n in code.co_names:   # globals and attribute names: the functions among them matter
+                v = g.get(n)
+                if isinstance(v, types.FunctionType):
+                    deps[(id(g), n)] = (g, n, v)
+                    stack.append(v)
+    _calls_checked[fn] = (tuple(deps.values()), ok)
+    return ok
+
+
+def _stock_grouped(moe):
+    """transformers' ``ExpertsInterface["grouped_mm"]`` when every part of it and of the dispatch is
+    transformers' own: no "eager" registered by a user (local or global: the decorated forward would
+    call it), no user function as "grouped_mm", no patched helper of it. Else None (nothing installed)."""
+    interface = getattr(moe, "ALL_EXPERTS_FUNCTIONS", None)
+    if interface is None or "eager" in interface or "grouped_mm" not in interface:
+        return None
+    fn = interface["grouped_mm"]
+    return fn if _only_own_calls(fn) else None
 
 
 def _plain_call(m, cls) -> bool:
@@ -153,12 +235,82 @@ def _autocast(module) -> bool:
     return p is not None and torch.is_autocast_enabled(p.device.type)
 
 
-def _declared_grouped(self, *args, **kwargs):
-    """ExpertsInterface["eager"] inside the scope: the experts' declared grouped implementation
-    while Dynamo traces (not under torch.autocast: ``_autocast``), their own eager forward otherwise."""
-    if torch.compiler.is_compiling() and not _autocast(self):
-        return _interface[0]["grouped_mm"](self, *args, **kwargs)
-    return type(self).forward.__wrapped__(self, *args, **kwargs)
+def _dispatch_code(moe):
+    """The code object of the forward ``use_experts_implementation`` puts on a class (one per
+    transformers module object: read off a decorated probe class)."""
+    if _dispatch[:1] != [moe]:
+        probe = moe.use_experts_implementation(type("_Probe", (torch.nn.Module,), {"forward": lambda self: None}))
+        _dispatch[:] = [moe, probe.__dict__["forward"].__code__, probe.__dict__["__init__"].__code__]
+    return _dispatch[1]
+
+
+def _decorated(cls) -> bool:
+    """``use_experts_implementation`` decorated ``cls`` (its forward or __init__ is the decorator's)."""
+    return any(getattr(cls.__dict__.get(a), "__code__", None) is c for a, c in zip(("forward", "__init__"), _dispatch[1:]))
+
+
+def _declared_classes(moe):
+    """(class, its dispatching forward) for transformers' own ``@use_experts_implementation`` classes
+    among the loaded modeling modules, dispatching over ``ALL_EXPERTS_FUNCTIONS`` to their own loop
+    as "eager", whose every method (theirs and their bases', below nn.Module) is transformers' code:
+    a class-level patch or a user's class is never substituted, a user's subclass is checked per call."""
+    code, interface = _dispatch_code(moe), moe.ALL_EXPERTS_FUNCTIONS
+    if _modules[:1] != [len(sys.modules)]:
+        found = []
+        for name, mod in list(sys.modules.items()):
+            if name.startswith("transformers.models.") and ".modeling_" in name and mod is not None:
+                found += [c for c in vars(mod).values() if isinstance(c, type) and c.__module__ == name
+                          and issubclass(c, torch.nn.Module) and _decorated(c)]
+        _modules[:] = [len(sys.modules), found]
+    out = []
+    for cls in _modules[1]:
+        fwd = cls.__dict__.get("forward")
+        if getattr(fwd, "__code__", None) is not code or not fwd.__closure__:
+            continue
+        cells = dict(zip(fwd.__code__.co_freevars, (c.cell_contents for c in fwd.__closure__)))
+        if cells.get("experts_interface") is interface and _stock(
+                cells.get("original_forward"), cls.__module__, f"{cls.__qualname__}.forward") and _methods_own(cls):
+            out.append((cls, fwd))
+    return out
+
+
+def _methods_own(cls) -> bool:
+    """Every function ``cls`` and its bases below nn.Module define (methods, static and class methods,
+    properties) is transformers' code."""
+    mine = [c for c in cls.__mro__ if c is not torch.nn.Module and c is not object
+            and c.__module__.startswith("transformers.")]
+    values = tuple(v for c in mine for v in vars(c).values())
+    ids = tuple(map(id, values))   # the values stay referenced below: an equal id is the same object
+    seen = _methods_checked.get(cls)
+    if seen is not None and seen[1] == ids:
+        return seen[2]
+    _methods_checked[cls] = (values, ids, _methods_all_own(mine))
+    return _methods_checked[cls][2]
+
+
+def _methods_all_own(classes) -> bool:
+    for c in classes:
+        for v in vars(c).values():
+            if isinstance(v, (staticmethod, classmethod)):
+                v = v.__func__
+            fns = (v.fget, v.fset, v.fdel) if isinstance(v, property) else (v,)
+            for f in fns:
+                if f is not None and callable(f) and not isinstance(f, type) and not _own_code(f):
+                    return False
+    return True
+
+
+def _declared_substitute(cls, dispatch):
+    """The forward of ``cls`` inside the scope: its declared grouped implementation while Dynamo
+    traces an instance of exactly ``cls`` whose config asks for "eager" (not under torch.autocast:
+    ``_autocast``); the class's own dispatching forward otherwise (eagerly, for a subclass, for
+    another implementation)."""
+    def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling() and type(self) is cls and not _autocast(self) \
+                and getattr(self.config, "_experts_implementation", None) in ("eager", None):
+            return _grouped[0](self, *args, **kwargs)
+        return dispatch(self, *args, **kwargs)
+    return forward
 
 
 # ----------------------------------------------------------------------------- grouped forms
@@ -192,11 +344,12 @@ def _unsort_sum(rows: torch.Tensor, perm: torch.Tensor, tokens: int, k: int) -> 
 
 
 def _when_compiling(grouped, always: bool = False):
-    """A factory of substitutes: ``grouped`` while Dynamo traces (or ``always``), the original forward
-    where ``grouped`` returns NotImplemented or outside a trace."""
-    def make(original):
+    """A factory of substitutes: ``grouped`` while Dynamo traces (or ``always``) an instance of exactly
+    the class (a user's subclass may override what the loop calls), the original forward where
+    ``grouped`` returns NotImplemented, for a subclass or outside a trace."""
+    def make(cls, original):
         def forward(self, *args, **kwargs):
-            if (always or torch.compiler.is_compiling()) and not _autocast(self):
+            if (always or torch.compiler.is_compiling()) and type(self) is cls and not _autocast(self):
                 out = grouped(self, *args, **kwargs)
                 if out is not NotImplemented:
                     return out
