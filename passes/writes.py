@@ -17,10 +17,14 @@ computes, changes what eager computes and not what the rewrite computes::
 ``foreign_write(region)`` returns the first such write (the graph is unchanged either way); the
 writes the finders recognised (the combine's accumulation, ``inv[perm] = arange``, a sentinel
 ``clamp_``/``masked_fill_``, an in-place bias add or activation on the rows: every in-place node that
-is part of ``region.nodes``) are the region's own. A write to an input of the region before its
-first node is seen by eager and the rewrite alike, and writes after its end by neither; a write to a
-tensor computed from the router's outputs (offsets, a routing matrix) counts from its definition,
-since the rewrite computes its own from ids and weights.
+is part of ``region.nodes``) are the region's own. The rule: the rewrite moves every read of an
+input to the region's end, so a write counts from the first node it replaces that reads that input
+(the region's first node, or earlier: ``zeros.scatter_(1, ids, w)`` copies w before the experts run)
+and writes after the end count for neither. A write to a tensor the rewrite computes itself counts
+from its definition: one computed from the router's outputs (offsets, a routing matrix), and one
+the region reads that no input is computed from (``r = zeros(T, E)`` filled by ``r.scatter_(1, ids,
+w)`` as a statement, the combine reading ``r``; the -inf fill of Llama 4's [T, E] weights, whose
+unselected entries the rewrite takes for 0). Only the scatter_ that builds the matrix is the region's.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ import operator
 
 import torch.fx as fx
 
-from .normalize import ancestors, canon, descendants, fn_name, val
+from .normalize import ancestors, arg, canon, descendants, fn_name, val
 from .region import AccumulateInPlace, Region
 
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
@@ -47,6 +51,11 @@ _VIEWS = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "t"
           "unfold", "squeeze_", "unsqueeze_", "align_as", "reshape_as", "ravel", "broadcast_to", "tensor_split",
           "moveaxis", "hsplit", "vsplit", "dsplit", "_get_data_attr", "view_as_real", "view_as_complex",
           "swapdims", "adjoint", "conj", "resolve_conj", "resolve_neg", "indices", "values"}
+
+# ops that read their tensor argument's shape, dtype and device, not its values
+_SHAPE_ONLY = {"new_zeros", "new_ones", "new_empty", "new_full", "zeros_like", "ones_like", "empty_like",
+               "full_like", "size", "dim", "numel"}
+_FILLS = {"full", "full_like", "new_full"}
 
 
 def written(node: fx.Node) -> fx.Node | None:
@@ -148,9 +157,12 @@ def foreign_write(region: Region) -> fx.Node | None:
     inputs |= {n for slot in region.experts.slots for n in slot if isinstance(n, fx.Node)}
     if isinstance(c, AccumulateInPlace):
         inputs |= {c.acc, *c.aliases} | ({c.base} if c.base is not None else set())
-    # computed from the router's outputs on the way into the region (not the router itself, which stays)
+    # computed from the router's outputs on the way into the region (not the router itself, which stays),
+    # and what those read that no input is computed from (``r = zeros(T, E); r.scatter_(1, ids, w)`` as a
+    # statement: the combine reads the zeros node, whose zeros the rewrite assumes)
     outputs = [router.ids, router.weights]
     derived = (descendants(outputs) & ancestors(region.nodes) - ancestors(outputs)) | set(region.nodes)
+    derived |= ancestors(derived) - ancestors(inputs)
     memo: dict = {}
     since: dict = {}   # storage -> order from which a write to it counts
     for n in inputs:
@@ -159,11 +171,43 @@ def foreign_write(region: Region) -> fx.Node | None:
     for n in derived - inputs:
         b = storage_base(n, memo)
         since[b] = min(since.get(b, order[n]), order[n])
+    # a [T, E] weight matrix (Llama 4: sigmoid(full(-inf).scatter_(1, ids, s))): the rewrite reads its
+    # selected entries and takes the rest for 0, from the fill it was built in: both count from their definition
+    pre = ancestors([router.weights]) if router.per_expert and router.weights is not None else set()
+    for n in pre - ancestors(inputs - {router.weights}):
+        if n is router.weights or canon(n) in _FILLS:
+            b = storage_base(n, memo)
+            since[b] = min(since.get(b, order[n]), order[n])
+    # eager reads an input where a node the rewrite replaces reads it (``zeros.scatter_(1, ids, w)`` copies w
+    # before the region starts); the rewrite reads it where the region ends: a write in between counts
+    first_read: dict = {}   # storage -> order of the first replaced node reading it (not a view of it)
+    for n in derived:
+        if canon(n) in _SHAPE_ONLY:
+            continue
+        for a in n.all_input_nodes:
+            b = storage_base(a, memo)
+            if b in since and storage_base(n, memo) is not b:
+                since[b] = min(since[b], order[n])
+                first_read[b] = min(first_read.get(b, order[n]), order[n])
     for n in nodes[:end]:
         target = written(n)
         if target is not None and n not in own:
             b = storage_base(target, memo)
-            if b in since and order[n] > since[b]:
+            if b in since and order[n] > since[b] and not _builds_matrix(n, b, router, first_read, order, pre):
                 return n
     return None
+
+
+def _builds_matrix(n: fx.Node, b: fx.Node, router, first_read: dict, order: dict, pre: set) -> bool:
+    """``n`` is the scatter_ that builds the routing matrix in its fresh fill ``b``, the matrix the rewrite
+    computes itself: ``zeros(T, E).scatter_(1, ids, w)`` with the router's ids and weights, before the
+    region reads it (``r = zeros(..); r.scatter_(..)`` as a statement, or chained); or, for a [T, E]
+    weight matrix, ``full(-inf).scatter_(1, ids, s)`` on its way (Llama 4)."""
+    if canon(n) != "scatter_" or written(n) is not b or arg(n, 1, "dim") != 1 or arg(n, 2, "index") is not router.ids \
+            or arg(n, 4, "reduce") is not None:
+        return False
+    if canon(b) in _FILLS:
+        return n in pre
+    return canon(b) in ("zeros", "zeros_like", "new_zeros") and arg(n, 3, "src") is router.weights \
+        and order[n] < first_read.get(b, len(order))
 

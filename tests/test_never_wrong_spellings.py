@@ -150,9 +150,29 @@ class Stacked(nn.Module):
             x = x[:E]
         t = x.shape[0]
         w, ids = self.route(x)
-        r = torch.zeros(t, E).scatter_(1, ids, w)
+        if how == "ids_written":           # (w detached: the scatter_ saves no ids for the backward)
+            w, ids = w.detach(), ids.clone()
+        elif how == "weights_written_first":   # before anything reads w: eager and the rewrite see it alike
+            w.mul_(2.0)
+        if how.startswith("stmt"):         # r = zeros(...); r.scatter_(...) as a statement: the combine reads
+            r = torch.zeros(t, E)          # the zeros node, not the scatter_ (a write to r is not downstream
+            if how == "stmt_zeros_written":    # of the router); a write before the scatter_ (r is not zeros)
+                r.add_(0.01)
+            r.scatter_(1, ids, w)
+        else:
+            r = torch.zeros(t, E).scatter_(1, ids, w)
         if how == "matrix_written":
             r.mul_(2.0)
+        elif how == "weights_written":     # after the scatter_ copied w: eager's r keeps the old weights
+            w.mul_(2.0)
+        elif how == "ids_written":         # after the scatter_ read them
+            ids.fill_(0)
+        elif how == "stmt_matrix_written":     # rescaled in place
+            r.div_(r.sum(-1, keepdim=True) + 1.0)
+        elif how == "stmt_matrix_add":
+            r.add_(0.01)
+        elif how == "stmt_column_written":
+            r[:, 0] = r[:, 0] * 0.5
         elif how == "column_written":
             r[:, 0] = 0.0
         elif how == "row_written_T":
@@ -188,7 +208,13 @@ class Stacked(nn.Module):
         t = x.shape[0]
         logits = self.router(x)
         top, ids = torch.topk(logits, K, dim=1)
-        scores = torch.sigmoid(torch.full_like(logits, float("-inf")).scatter_(1, ids, top))
+        fill = torch.full_like(logits, float("-inf"))
+        if how == "fill_written":          # before its scatter_: unselected pairs weigh sigmoid(0), not 0
+            fill.fill_(0.0)
+        pre = fill.scatter_(1, ids, top)
+        if how == "fill_written_after_scatter":
+            fill[:, 0] = 0.0
+        scores = torch.sigmoid(pre)
         view = {"permute_identity": lambda m: m.permute(0, 1).reshape(-1, 1),
                 "cast_after_transpose": lambda m: m.t().float().reshape(-1, 1)}.get(
             how, lambda m: m.transpose(0, 1).reshape(-1, 1))
@@ -266,7 +292,8 @@ class Stacked(nn.Module):
 REWRITTEN = ["sorted:", "sorted:histc_titan", "sorted:bias", "sorted:down_bias", "sorted:index_add", "sorted:inv_fill",
              "batched:", "batched:bias", "batched:down_bias", "dense:", "dense:index_none", "dense:reshape_unit",
              "dense:permute_swap", "dense:transpose_negative", "dense:sum_dim_keyword", "dense:clamp_zero",
-             "sorted:scatter_index", "llama:", "dense:glu_last", "loop:"]
+             "sorted:scatter_index", "llama:", "dense:glu_last", "loop:", "dense:stmt",
+             "dense:weights_written_first"]
 # (variant, reason code of the refusal; None: refused as an op the form does not have)
 REFUSED = [
     ("sorted:inv_descending", None),          # argsort(descending=True) is not the inverse permutation
@@ -289,6 +316,15 @@ REFUSED = [
     ("loop:input_relu_positional", "written_in_place"),
     ("loop:input_imul_dunder", "written_in_place"),
     ("dense:row_written_T", "written_in_place"),
+    # a seventh review: rewritten and wrong before (relative error of the output)
+    ("dense:weights_written", "written_in_place"),          # 1.0: the rewrite rebuilt r from the new w
+    ("dense:ids_written", "written_in_place"),              # 1.3
+    ("dense:stmt_matrix_written", "written_in_place"),      # 1.0: r = zeros(); r.scatter_(); r.div_()
+    ("dense:stmt_matrix_add", "written_in_place"),          # 0.02
+    ("dense:stmt_column_written", "written_in_place"),      # 0.37
+    ("dense:stmt_zeros_written", "written_in_place"),       # 0.02: r.add_() before its scatter_
+    ("llama:fill_written", "written_in_place"),             # 0.77: the -inf fill written
+    ("llama:fill_written_after_scatter", "written_in_place"),   # 0.35
     ("sorted:weights_written_data", "written_in_place"),
     ("sorted:key_computed", "sort_key"),     # was rewritten with ids * 2 as expert ids (error 0.98)
     ("loop:reads_accumulator", "partial_read"),
