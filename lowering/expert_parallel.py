@@ -62,7 +62,48 @@ def layout(region: Region) -> EPLayout | None:
                     raise InvalidSetup(str(exc)) from exc
                 bound = marker.args[3] if len(marker.args) > 3 else marker.kwargs.get("max_tokens", 0)
                 return EPLayout(group_name=marker.args[2], num_experts=marker.args[1], max_tokens=bound)
+    _refuse_other_indexing(region)
     return None
+
+
+def _marker_above(node, depth: int = 6):
+    """The ep_experts marker ``node`` is computed from through its first arguments (views, indexing), or None."""
+    while depth and isinstance(node, fx.Node) and node.op == "call_function":
+        if is_ep_marker(node):
+            return node
+        node, depth = (node.args[0] if node.args else None), depth - 1
+    return None
+
+
+def _refuse_other_indexing(region: Region) -> None:
+    """Raise (``InvalidSetup``) when an expert operand is read from a sharded weight (``ep_experts``
+    marker) other than as ``W[e]`` for expert e: the expert-parallel lowering runs expert e on the rank
+    holding row e of every sharded weight, so it takes only that indexing (``ep_marker``); any other
+    (``W[E-1-e]``, ``W.select(0, e)``, ``W[e:e+1].squeeze(0)``) would otherwise leave the marker in the graph."""
+    from moe_compile.passes.normalize import where_in_user_code
+
+    for st in region.experts.steps:
+        for slot in (st.linear[:2] if st.linear is not None else ()):
+            for e, n in enumerate(region.experts.slots[slot] if slot is not None else ()):
+                marker = _marker_above(n)
+                if marker is None:
+                    continue
+                ops = []
+                while n is not marker:
+                    name, rest = getattr(n.target, "__name__", str(n.target)), ", ".join(map(str, n.args[1:]))
+                    ops.append(f"[{rest}]" if name == "getitem" else f".{name}({rest})")
+                    n = n.args[0]
+                ops = ["W" + "".join(reversed(ops))]
+                raise InvalidSetup(
+                    f"expert_parallel: the MoE layer '{region.module or '<top>'}' at {region.where} reads expert "
+                    f"{e}'s weight from the sharded [E={marker.args[1]}, ...] expert weight "
+                    f"(parallelize_experts) at {where_in_user_code(region.experts.slots[slot][e]) or '?'} as "
+                    f"{' of '.join(ops)}, not as W[{e}]: expert parallelism runs expert e on the rank that holds "
+                    f"row e of the weight, so it takes expert e's weight only as W[e], indexed by the loop's "
+                    f"expert number (views of W before the index, W.transpose(1, 2)[e], are fine; W[E-1-e], "
+                    f"W.select(0, e), W[e:e+1].squeeze(0) are not). Fix: read it as W[e] (reorder the router's "
+                    f"outputs, or the stacked weight once, instead of the index), or leave this model unsharded "
+                    f"(the layer compiles without parallelize_experts)")
 
 
 def local_experts(ep: EPLayout) -> int:

@@ -179,6 +179,7 @@ def lower_region(gm: fx.GraphModule, region: Region, ep_chunks: int = 1) -> tupl
     """Rewrite ``region`` in ``gm`` (in place), then lint and recompile; returns notes on how.
     ``ep_chunks``: an expert-parallel region's tokens are split into this many chunks, whose
     collectives the post_grad ``ep_overlap`` pass overlaps with the other chunks' expert GEMMs."""
+    _check_pairs(region)
     g = gm.graph
     anchor = _anchor(g, region)
     b = GraphBuilder(g, anchor, GraphBuilder.fake_mode_of(region.x, "lower_region"), anchor)
@@ -202,6 +203,16 @@ def lower_region(gm: fx.GraphModule, region: Region, ep_chunks: int = 1) -> tupl
         _rewire_accumulator(g, c, out)
     finish(gm)
     return notes
+
+
+def _check_pairs(region: Region) -> None:
+    """The ops read the router's ids as [T, K] pairs of the region's T tokens (``ids.reshape(-1)``: pair p is
+    token p // K, slot p % K). Any other count would pair rows with other tokens: refused before any edit."""
+    t, n, k = val(region.x).shape[0], val(region.router.ids).numel(), region.router.top_k
+    if isinstance(t, int) and isinstance(n, int) and n != t * k:
+        raise ValueError(f"the router's ids {tuple(val(region.router.ids).shape)} are not top_k={k} ids for each "
+                         f"of the expert input's {t} tokens ({tuple(val(region.x).shape)}); route every token of "
+                         f"the input to top_k experts, with ids viewed as [tokens, top_k]")
 
 
 def _lower_whole(b: GraphBuilder, region: Region, ep):

@@ -17,8 +17,12 @@ Parameters share dim 0 = E: Hugging Face transformers 5 ``*Experts`` modules (``
 must live in another module, as in every HF model; one that does not fails the
 compile, named: passes/ep_markers.py). For each container, in place:
 
-* each sharded Parameter ``name`` keeps only rows [rank*E_local, (rank+1)*E_local), as a new
-  Parameter ``_ep_local_<name>``; ``name`` leaves ``_parameters``;
+* each sharded Parameter ``name`` keeps only rows [rank*E_local, (rank+1)*E_local): the same
+  Parameter object (its ``.data``, and a ``.grad`` if any, cut to those rows), registered as
+  ``_ep_local_<name>``; ``name`` leaves ``_parameters``. An optimizer built before therefore still
+  steps the experts, unless it already holds state for them (Adam's full-size ``exp_avg`` after a
+  step: its next step fails on the shapes): build optimizers after ``parallelize_experts``. A
+  Parameter also held by a module outside the expert containers (tied) raises: it would read the rows;
 * the module's class becomes a subclass whose *property* ``name`` returns
   ``torch.ops.moe_compile.ep_experts(self._ep_local_<name>, E, group_name)``: Dynamo traces it, so
   the graph holds the marker with the local shard as its input, and the backend's lowering turns
@@ -233,15 +237,33 @@ def _shard(path: str, module: nn.Module, num_experts: int, names: tuple[str, ...
     info = EPInfo(path, names, num_experts, ep, rank, group_name, max_tokens)
     r = info.expert_range
     for name in names:
-        full = module._parameters.pop(name)
-        local = nn.Parameter(full.detach()[r.start:r.stop].clone(), requires_grad=full.requires_grad)
-        local.__dict__.update(full.__dict__)       # keep flags such as HF's _is_hf_initialized
-        local._moe_ep_info = info
-        module.register_parameter(LOCAL_PREFIX + name, local)
+        # the user's Parameter object itself, cut to this rank's rows: an optimizer built before still
+        # holds it (a new Parameter would leave that optimizer with full ones no gradient ever reaches)
+        param = module._parameters.pop(name)
+        if ep_info(param) is None:   # a Parameter tied to an expert container already sharded keeps its rows
+            param.data = param.detach()[r.start:r.stop].clone()
+            if param.grad is not None:
+                param.grad = param.grad[r.start:r.stop].clone()
+            param._moe_ep_info = info
+        module.register_parameter(LOCAL_PREFIX + name, param)
     module.__class__ = _ep_class(type(module), names, num_experts, group_name, max_tokens or 0)
     module._moe_ep_info = info
     module.register_state_dict_post_hook(_state_dict_post_hook)
     module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
+
+
+def _check_not_tied(model: nn.Module, found) -> None:
+    """Raise if a Parameter to be sharded is also held by a module other than an expert container: sharding
+    cuts the Parameter object itself to this rank's rows, which that module would then read."""
+    sharded = {id(m._parameters[n]): f"{path or '<root>'}.{n}" for path, m, _, names in found for n in names}
+    containers = {id(m) for _, m, _, _ in found}
+    for path, m in model.named_modules():
+        for n, p in m._parameters.items():
+            if id(m) not in containers and p is not None and id(p) in sharded:
+                raise ValueError(f"parallelize_experts: the expert Parameter {sharded[id(p)]} is also "
+                                 f"{path or '<root>'}.{n}, outside an expert container; sharding keeps only this "
+                                 f"rank's rows in it, which that module would read. Untie it (give the other module "
+                                 f"its own copy) before parallelize_experts; nothing was sharded")
 
 
 def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, max_tokens: int | None = None) -> nn.Module:
@@ -276,6 +298,7 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, max_tokens: int |
         if num_experts % mesh.size():
             raise ValueError(f"parallelize_experts: '{path or type(module).__name__}' has {num_experts} experts, "
                              f"not divisible by the ep mesh size {mesh.size()}; nothing was sharded")
+    _check_not_tied(model, found)
     _MESHES[mesh.get_group().group_name] = mesh
     _ROOTS.setdefault(mesh.get_group().group_name, weakref.WeakSet()).add(model)
     for path, module, num_experts, names in found:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from .normalize import module_path, source_name, where_in_user_code
@@ -35,6 +36,7 @@ class LeftoverMarker:
     module: str         # qualified module path ('' for the top module)
     where: str          # file:line of the first reader in the user's code, or ''
     num_experts: int
+    ids_input: str = ""  # an integer graph input compared with expert numbers (ids routed in another graph)
 
 
 def leftover_markers(gm: fx.GraphModule) -> tuple[LeftoverMarker, ...]:
@@ -46,7 +48,8 @@ def leftover_markers(gm: fx.GraphModule) -> tuple[LeftoverMarker, ...]:
             if n.op != "call_function" or not is_ep_marker(n) or not _live(n):
                 continue
             module, parameter = _owner(n)
-            found.setdefault((module, parameter), LeftoverMarker(parameter, module, _reader(n), n.args[1]))
+            found.setdefault((module, parameter), LeftoverMarker(parameter, module, _reader(n), n.args[1],
+                                                                 _ids_input(sub.graph)))
     return tuple(found.values())
 
 
@@ -98,6 +101,26 @@ def _owner(marker: fx.Node) -> tuple[str, str]:
     return module_path(marker), name
 
 
+def _ids_input(graph: fx.Graph) -> str:
+    """The name of an integer tensor input of ``graph`` compared with a number (``ids == e``): expert ids
+    computed in another graph (a graph break between the router and the experts), or ''."""
+    from .normalize import canon, val
+
+    for p in graph.find_nodes(op="placeholder"):
+        v = val(p)
+        if getattr(v, "dtype", None) not in (torch.int64, torch.int32):
+            continue
+        todo, seen = [p], set()
+        while todo:   # through views and casts (ids.view(-1, K) == e)
+            n = todo.pop()
+            if canon(n) == "eq":
+                return source_name(p) or p.name
+            if n not in seen and (n is p or canon(n) in ("view", "reshape", "flatten", "to", "long", "int")):
+                seen.add(n)
+                todo += list(n.users)
+    return ""
+
+
 def _reader(marker: fx.Node) -> str:
     """file:line of the nearest reader of the marker in the user's code (not parallel.py's property)."""
     todo, seen = list(marker.users), set()
@@ -128,6 +151,13 @@ def error_message(leftovers: tuple[LeftoverMarker, ...], refused, cause: BaseExc
     if refused:
         text += " Not rewritten in this graph: " + "; ".join(
             f"'{r.module}' at {r.where}: {r.reason} (fix: {r.fix})" for r in refused) + "."
+    ids = next((m.ids_input for m in leftovers if m.ids_input), "")
+    if ids and not refused:
+        text += (f" This graph holds no router: its expert ids are an input of the graph (`{ids}`), computed in "
+                 "another one, which happens when a graph break splits the MoE layer between the router and the "
+                 "experts (logged above with its fix; moe_compile.explain(model, *inputs) lists it). The "
+                 "expert-parallel rewrite needs the router and the expert code in one graph: fix: remove the graph "
+                 "break (move the code Dynamo cannot trace out of the MoE layer).")
     if not any(m.where for m in leftovers):
         text += (" No code of yours reads them in this graph: Dynamo compiled the expert-parallel property on its "
                  "own, which happens when a graph break splits the MoE layer between the router and the experts "

@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .loop_combine import acc_read, acc_sum, combine, expert_rows
 from .loop_roles import (STOP, Contrib, Ids, Index, OneHot, PendingScatter, RowFn, Rows, RowW, ScatterIndex, Sel,
@@ -161,8 +162,8 @@ def ids_of_topk(a: Analysis, n, op, r0):
     a0 = n.args[0]
     if isinstance(a0, fx.Node) and canon(a0) in ("topk", "max") and n.args[1] == 1:
         s = shape(n)
-        if s is not None and len(s) >= 1:
-            return Ids(n, s[-1] if len(s) == 2 else 1, flat=len(s) == 1)
+        if s is not None and len(s) >= 1:   # [.., K] ids (routing on [B, S, H]): K is the last dim
+            return Ids(n, s[-1] if len(s) >= 2 else 1, flat=len(s) == 1)
 
 
 def ids_of_topk_attr(a, n, op, r0):
@@ -179,8 +180,12 @@ def ids_of_argmax(a, n, op, r0):
 
 
 def ids_reshape(a, n, op, r0):
+    """A view of the ids that keeps (token, slot) = (p // K, p % K) of its flat pair p: flat [N], or
+    [.., K]. Another last dim (ids [T, 2] viewed as [T/2, 4]) pairs other rows with tokens: no role."""
     s = shape(n)
-    return Ids(r0.root, r0.k, flat=len(s) == 1) if s else STOP
+    if not s:
+        return STOP
+    return Ids(r0.root, r0.k, flat=len(s) == 1) if len(s) == 1 or statically_known_true(s[-1] == r0.k) else None
 
 
 def same_role(a, n, op, r0):
@@ -190,19 +195,20 @@ def same_role(a, n, op, r0):
 
 def sel_of_eq(a, n, op, r0):
     """ids == e."""
-    if _const_int(n.args[1]) is not None:
+    if _const_int(n.args[1]) is not None and len(shape(n) or ()) <= 2:   # [B, S, K] ids: flattened first
         return Sel(r0, n.args[1], "n" if r0.flat or r0.k == 1 and len(shape(n)) == 1 else "tk")
 
 
 def sel_of_eq_reversed(a, n, op, r0):
     """e == ids."""
     ids = a.r(n.args[1])
-    if isinstance(ids, Ids) and _const_int(n.args[0]) is not None:
+    if isinstance(ids, Ids) and _const_int(n.args[0]) is not None and len(shape(n) or ()) <= 2:
         return Sel(ids, n.args[0], "n" if ids.flat else "tk")
 
 
 def onehot_of_ids(a, n, op, r0):
-    return OneHot(r0, "ne" if r0.flat else "tke")
+    if len(shape(n) or ()) <= 3:   # one_hot of [T, K] (or [N]) ids
+        return OneHot(r0, "ne" if r0.flat else "tke")
 
 
 def onehot_permute(a, n, op, r0):
