@@ -208,6 +208,12 @@ REASONS: dict[str, Reason] = {
         "it is compiled as written",
         "nothing to fix for correctness: the layer runs as stock torch.compile runs it; a router that picks its "
         "experts with torch.topk gets the grouped rewrite"),
+    "ids_outside": Reason(
+        "looks like an MoE layer ({router} over {e} experts at {router_at} feeds {evidence}) but the router that "
+        "picked the ids is not in this graph, so the layer matches no form the backend rewrites; it is compiled as "
+        "written",
+        "compute the router (its torch.topk) in the same function as the expert loop: inside the function given to "
+        "torch.utils.checkpoint, or checkpoint the whole MoE block"),
     "nested_region": Reason(
         "a top-{k} router over {e} experts runs inside `{subgraph}`, a torch.compiler.nested_compile_region "
         "subgraph called at {at}; the backend does not rewrite inside such subgraphs, so it is compiled as written",

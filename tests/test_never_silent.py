@@ -1145,3 +1145,179 @@ def test_module_list_experts_routed_another_way_are_listed(kind, words):
     assert words in rep.refused[0].reason and "nn.ModuleList experts' linears" in rep.refused[0].reason, str(rep)
     check_compiled(_ListExpertsRouting(kind), [make_input((16, 16))], expect_rewritten=0, expect_refused=1,
                    fresh_inputs=0)
+
+
+# ------------------------------------------------- expert sets gated per expert without a top-k router
+class _Unrouted(nn.Module):
+    """A rewritable top-2 layer (``good``) beside a layer whose experts are selected per expert without a
+    top-k router (found silent by a review: no record, and no "nothing rewritten" warning since ``good`` is
+    rewritten): threshold / top-p routing, hash routing (a table, a bit-and, an LSH, a hash of the hidden
+    state), a checkpointed expert loop given the ids, every expert weighted by the scores (einsum, a
+    ModuleList, Soft MoE slots), expert choice with stacked weights."""
+
+    def __init__(self, form, h=16, i=32, e=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.form, self.e = form, e
+        self.gate = nn.Linear(h, e, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(h, i), nn.GELU(), nn.Linear(i, h)) for _ in range(e))
+        self.w1, self.w2 = nn.Parameter(torch.randn(e, h, i) / 4), nn.Parameter(torch.randn(e, i, h) / 5)
+        self.phi = nn.Parameter(torch.randn(h, e) / 4)
+        self.register_buffer("table", torch.randint(0, e, (100,), generator=torch.Generator().manual_seed(5)))
+        self.register_buffer("proj", torch.randn(h, 2, generator=torch.Generator().manual_seed(6)))
+
+    def _loop(self, x, eid):
+        out = torch.zeros_like(x)
+        for e in range(self.e):
+            tok = (eid == e).nonzero().squeeze(-1)
+            out[tok] = self.experts[e](x[tok])
+        return out
+
+    def _dense(self, x, r):
+        h = F.gelu(torch.einsum("th,ehi->eti", x, self.w1))
+        return torch.einsum("eth,te->th", torch.einsum("eti,eih->eth", h, self.w2), r)
+
+    def _body(self, x, w, ids):
+        out = torch.zeros_like(x)
+        for e in range(self.e):
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, w[tok, slot, None] * self.experts[e](x[tok]))
+        return out
+
+    def forward(self, x, ids):
+        f, p = self.form, self.gate(x).softmax(-1)
+        if f in ("threshold", "top_p"):
+            if f == "top_p":
+                sp, si = p.sort(-1, descending=True)
+                keep = torch.zeros_like(p, dtype=torch.bool).scatter(-1, si, (sp.cumsum(-1) - sp) < 0.6)
+            out = torch.zeros_like(x)
+            for e in range(self.e):
+                tok = ((p[:, e] > 0.2) if f == "threshold" else keep[:, e]).nonzero().squeeze(-1)
+                out.index_add_(0, tok, p[tok, e, None] * self.experts[e](x[tok]))
+            return out
+        if f == "hash_table":
+            return self._loop(x, self.table[ids])
+        if f == "hash_bitand":
+            return self._loop(x, (ids * 2654435761) & (self.e - 1))
+        if f == "hash_lsh":
+            bits = (x @ self.proj > 0).long()
+            return self._loop(x, bits[:, 0] * 2 + bits[:, 1])
+        if f == "hash_hidden":
+            return self._loop(x, (x.detach().abs().sum(-1) * 1000).long() % self.e)
+        if f in ("checkpoint", "checkpoint_reentrant"):
+            w, top = p.topk(2, -1)
+            return torch.utils.checkpoint.checkpoint(self._body, x, w, top, use_reentrant=f != "checkpoint")
+        if f == "dense_soft":
+            return self._dense(x, p)
+        if f == "dense_threshold":
+            return self._dense(x, p * (p > 0.2))
+        if f == "dense_topk_mask":
+            return self._dense(x, p * (p >= p.topk(2, -1).values[:, -1:]))
+        if f == "list_soft":
+            return sum(p[:, e, None] * self.experts[e](x) for e in range(self.e))
+        if f == "slots":
+            logits = x @ self.phi
+            slots = logits.softmax(0).t() @ x
+            return logits.softmax(1) @ torch.stack([self.experts[e](slots[e]) for e in range(self.e)])
+        cap = x.shape[0] * 2 // self.e      # expert choice, stacked weights: top-k over the tokens
+        g, tok = p.t().topk(cap, dim=-1) if f == "expert_choice_t" else [a.t() for a in p.topk(cap, dim=0)]
+        y = torch.bmm(F.gelu(torch.bmm(x[tok], self.w1)), self.w2) * g[..., None]
+        return torch.zeros_like(x).index_add(0, tok.reshape(-1), y.reshape(-1, x.shape[-1]))
+
+
+class _GoodAndGap(nn.Module):
+    def __init__(self, gap):
+        super().__init__()
+        self.good, self.gap = make_model(spelling="index_add", e=4, k=2), gap
+
+    def forward(self, x, ids):
+        x = x + self.good(x)
+        return x + self.gap(x, ids)
+
+
+_UNROUTED = {"threshold": "moe_unmatched", "top_p": "moe_unmatched", "hash_table": "router_draws",
+             "hash_bitand": "router_draws", "hash_lsh": "router_draws", "hash_hidden": "router_draws",
+             "checkpoint": "ids_outside", "checkpoint_reentrant": "ids_outside", "dense_soft": "soft_moe",
+             "dense_threshold": "soft_moe", "dense_topk_mask": "routing_matrix_form", "list_soft": "soft_moe",
+             "slots": "soft_moe", "expert_choice": "moe_unmatched", "expert_choice_t": "moe_unmatched"}
+
+
+@pytest.mark.parametrize("form", list(_UNROUTED))
+def test_experts_selected_without_a_topk_router_are_listed(form, caplog):
+    """Was silent: the scan started from top-k / argmax / drawn ids only. Now also from the experts: a
+    per-expert selection (column e of the gate's [T, E] scores, or ids compared with each expert number)
+    gating the inputs or outputs of two or more experts (ModuleList elements, W[e], a bmm / einsum on W)
+    is listed; expert choice over stacked weights reads E from the score's expert dim."""
+    model = _GoodAndGap(_Unrouted(form))
+    args = (make_input((24, 16)), torch.randint(0, 100, (24,), generator=torch.Generator().manual_seed(2)))
+    torch._dynamo.reset()
+    rep = moe_compile.explain(model, *args)
+    assert [r.code for r in rep.refused] == [_UNROUTED[form]] and rep.refused[0].module == "gap", str(rep)
+    assert [r.module for r in rep.rewritten] == ["good"] and rep.refused[0].fix, str(rep)
+    if form.startswith("expert_choice"):
+        assert "each expert takes its top-12 tokens) over 4 experts" in rep.refused[0].reason, str(rep)
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        torch.compile(model, backend="moe", options=OPTS)(*args)
+    warned = _warnings(caplog, _UNROUTED[form])
+    assert len(warned) == 1 and "region gap" in warned[0], caplog.text
+
+
+def test_module_list_expert_choice_on_transposed_scores_counts_the_experts():
+    """The top-k over the last dim of the transposed [E, T] scores: 4 experts (was "over 16 experts")."""
+    class _T(_ListExpertsRouting):
+        def forward(self, x):
+            wv, tok = F.softmax(self.router(x), -1).t().topk(x.shape[0] // 2, dim=-1)
+            out = torch.zeros_like(x)
+            for e, expert in enumerate(self.experts):
+                out.index_add_(0, tok[e], wv[e, :, None] * expert(x[tok[e]]))
+            return out
+
+    torch._dynamo.reset()
+    rep = moe_compile.explain(_T("expert_choice"), make_input((16, 16)))
+    assert [r.code for r in rep.refused] == ["moe_unmatched"], str(rep)
+    assert "top-8 tokens) over 4 experts" in rep.refused[0].reason, str(rep)
+
+
+class _NotMoE(nn.Module):
+    """Look-alikes with no expert selection: per-head ModuleList projections on slices of the heads,
+    stacked per-head weights under softmax attention, a gated MLP, a grouped linear on chunks, a
+    classifier's top-k after a ModuleList of layers, modality heads picked by a constant."""
+
+    def __init__(self, form, h=16, n=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.form, self.n = form, n
+        self.q = nn.Linear(h, h)
+        self.heads = nn.ModuleList(nn.Linear(h // n, h // n) for _ in range(n))
+        self.wv = nn.Parameter(torch.randn(n, h, h // n) / 4)
+        self.gate, self.up, self.down = nn.Linear(h, 32), nn.Linear(h, 32), nn.Linear(32, h)
+        self.layers = nn.ModuleList(nn.Linear(h, h) for _ in range(2))
+        self.cls = nn.Linear(h, n)
+
+    def forward(self, x):
+        t, h = x.shape
+        if self.form == "list_heads":
+            q = self.q(x).view(t, self.n, -1)
+            return torch.cat([self.heads[i](q[:, i]) for i in range(self.n)], -1)
+        if self.form == "stacked_heads":
+            v = torch.einsum("th,nhd->ntd", x, self.wv)
+            att = torch.einsum("th,sh->ts", x, x).softmax(-1)
+            return torch.einsum("ts,nsd->tnd", att, v).reshape(t, -1)
+        if self.form == "gated_mlp":
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        if self.form == "grouped_chunks":
+            return torch.cat([self.heads[i](c) for i, c in enumerate(x.chunk(self.n, -1))], -1)
+        for layer in self.layers:
+            x = x + F.gelu(layer(x))
+        logits = self.cls(x)
+        if self.form == "layers_then_topk":
+            return logits.topk(2, -1).indices
+        return torch.stack([self.heads[i](x[:, :4]) for i in range(self.n)]) * logits.softmax(-1).t()[0, :, None]
+
+
+@pytest.mark.parametrize("form", ["list_heads", "stacked_heads", "gated_mlp", "grouped_chunks", "layers_then_topk",
+                                  "classifier_weighted_first"])
+def test_look_alikes_without_expert_selection_are_not_listed(form):
+    rep = moe_compile.explain(_NotMoE(form), make_input((6, 16)))
+    assert not rep.refused and not rep.graph_breaks, str(rep)
