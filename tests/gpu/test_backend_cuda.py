@@ -218,3 +218,27 @@ def test_cuda_graphs_with_checkpointed_compiled_layers_cuda(caplog):
     assert any(r.status == records.REWRITTEN for g in graphs for r in g), "no MoE region was rewritten"
     around = "__call__" in vars(GradientCheckpointingLayer)   # the checkpoint wraps the compiled call
     assert sum("pytorch/pytorch#154306" in r.getMessage() for r in caplog.records) == int(around)
+
+
+@pytest.mark.parametrize("router", ["sorted_first_slot_weight", "sorted_first_slot_top1"])
+def test_sorted_topk_read_by_position_with_ties_cuda(router, monkeypatch):
+    """Experts 0 and 1 tied on every token and a sorted topk whose first entry is read (``w[..., :1]``,
+    ``ids[:, :1]``): torch.topk's CUDA kernel orders tied entries its own way (1, 0 on an H200, where
+    the router_topk op's kernel gives 0, 1), so the call stays torch.topk and the compiled layer
+    matches eager. Forced to swap it, the layer no longer matches where the two orders differ."""
+    import test_router_topk as rt
+    from moe_compile.passes import router_topk as router_topk_pass
+
+    def build():
+        return rt._tied_first_experts(rt._with_router(rt._ROUTERS[router])).cuda()
+
+    x = make_input((2, 5, 16)).cuda()
+    check_compiled(build(), [x], expect_rewritten=1, inductor=True, fresh_inputs=1)
+    model = build()
+    with torch.no_grad():
+        scores = torch.softmax(model.router.proj(x.reshape(-1, 16)), -1)
+    if torch.equal(torch.topk(scores, 2)[1], ops.router_topk(scores, 2)[1]):
+        pytest.skip("torch.topk and the op order these ties alike on this GPU")
+    monkeypatch.setattr(router_topk_pass, "_readers_see_no_order", lambda *a: True)
+    with pytest.raises(AssertionError, match="output|grad"):
+        check_compiled(build(), [x], expect_rewritten=1, inductor=True, fresh_inputs=0)
