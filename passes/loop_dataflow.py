@@ -103,7 +103,9 @@ class Analysis:
             if node.op in ("call_function", "call_method"):
                 try:
                     role = self.visit(node, canon(node))
-                except Exception as exc:  # analysis must never crash the compile
+                except Exception as exc:  # an unexpected spelling: no role, noted (never a crash of the compile)
+                    if isinstance(exc, (NameError, ImportError)):   # a bug of these rules, never a spelling:
+                        raise                                       # the finder fails, loudly (matcher_error)
                     role = None
                     self._note_unhandled(node, f" (analysis error {type(exc).__name__}: {exc})")
                 if role is not None:
