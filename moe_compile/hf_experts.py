@@ -303,10 +303,12 @@ def _methods_all_own(classes) -> bool:
 def _declared_substitute(cls, dispatch):
     """The forward of ``cls`` inside the scope: its declared grouped implementation while Dynamo
     traces an instance of exactly ``cls`` whose config asks for "eager" (not under torch.autocast:
-    ``_autocast``); the class's own dispatching forward otherwise (eagerly, for a subclass, for
-    another implementation)."""
+    ``_autocast``) and that has no ``_apply_gate`` of its own (the grouped path calls
+    ``self._apply_gate``, the stock loops compute the gate inline); the class's own dispatching
+    forward otherwise (eagerly, for a subclass, for another implementation)."""
     def forward(self, *args, **kwargs):
         if torch.compiler.is_compiling() and type(self) is cls and not _autocast(self) \
+                and "_apply_gate" not in vars(self) \
                 and getattr(self.config, "_experts_implementation", None) in ("eager", None):
             return _grouped[0](self, *args, **kwargs)
         return dispatch(self, *args, **kwargs)

@@ -256,14 +256,15 @@ def _check_not_tied(model: nn.Module, found) -> None:
     """Raise if a Parameter to be sharded is also held by a module other than an expert container: sharding
     cuts the Parameter object itself to this rank's rows, which that module would then read."""
     sharded = {id(m._parameters[n]): f"{path or '<root>'}.{n}" for path, m, _, names in found for n in names}
-    containers = {id(m) for _, m, _, _ in found}
-    for path, m in model.named_modules():
+    shards = {id(m): set(names) for _, m, _, names in found}   # container -> the names it shards
+    for path, m in model.named_modules(remove_duplicate=False):
         for n, p in m._parameters.items():
-            if id(m) not in containers and p is not None and id(p) in sharded:
+            if p is not None and id(p) in sharded and n not in shards.get(id(m), ()):
                 raise ValueError(f"parallelize_experts: the expert Parameter {sharded[id(p)]} is also "
-                                 f"{path or '<root>'}.{n}, outside an expert container; sharding keeps only this "
-                                 f"rank's rows in it, which that module would read. Untie it (give the other module "
-                                 f"its own copy) before parallelize_experts; nothing was sharded")
+                                 f"{path or '<root>'}.{n}, which is not sharded with it (outside an expert container, "
+                                 f"or a second name in one); sharding keeps only this rank's rows in it, which that "
+                                 f"name would read. Untie it (give the other module its own copy) before "
+                                 f"parallelize_experts; nothing was sharded")
 
 
 def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, max_tokens: int | None = None) -> nn.Module:

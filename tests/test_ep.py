@@ -438,6 +438,26 @@ def test_parallelize_experts_bad_calls_name_the_problem(mesh1):
             parallelize_experts(TinyMoE(), mesh1, max_tokens=bad)
 
 
+@pytest.mark.parametrize("where", ["outside", "second_name"])
+def test_tied_expert_parameter_raises_before_sharding(mesh1, where):
+    """parallelize_experts cuts the user's Parameter objects to the rank's rows: one also held by a module
+    outside the expert containers, or under a second name in its container (that name was left full-size
+    in name, rank rows in value, and saved by DCP as replicated), raises naming both, with nothing sharded."""
+    from moe_compile.parallel import parallelize_experts
+
+    model = TinyMoE()
+    w = model.experts.down
+    if where == "outside":
+        model.other = nn.Module()
+        model.other.register_parameter("tied", w)
+    else:
+        model.experts.register_parameter("tied", w)
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"parallelize_experts: the expert Parameter .* is also .*tied.*Untie it"):
+        parallelize_experts(model, mesh1)
+    assert [tuple(p.shape) for p in model.parameters()] == shapes
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_more_tokens_than_max_tokens_raises_named_error(mesh1, dynamic):
     """A rank holding more tokens than parallelize_experts' max_tokens fails the compile with the bound

@@ -227,7 +227,7 @@ _USER_CODE = {"dbrx_mlp_hook": "dbrx", "longcat_identity_hook": "longcat_flash",
               "jetmoe_experts_class_patch": "jetmoe", "dbrx_wraps_patch": "dbrx", "registered_eager": "qwen3_moe",
               "user_grouped_mm": "qwen3_moe", "patched_grouped_linear": "qwen3_moe",
               "subclass_apply_gate": "qwen3_moe", "class_apply_gate": "qwen3_moe",
-              "decorated_subclass": "qwen3_moe"}
+              "decorated_subclass": "qwen3_moe", "instance_apply_gate": "qwen3_moe"}
 
 
 @pytest.mark.parametrize("case", sorted(_USER_CODE))
@@ -239,8 +239,8 @@ def test_substitutes_never_skip_user_code(case, monkeypatch):
     (it copies ``__qualname__``), taken for the original (1.33 / 7.8). For ``@use_experts_implementation``
     experts asked for "eager": an "eager" the user registered in ExpertsInterface (1.0), a user's
     "grouped_mm" (0.5), a patched ``_grouped_linear`` (0.90), an ``_apply_gate`` of the user's on a
-    subclass (0.19) or on the class, a decorated subclass with its own forward: the substitute
-    computed transformers' grouped math instead."""
+    subclass (0.19), on the class or on the instance (0.087), a decorated subclass with its own
+    forward: the substitute computed transformers' grouped math instead."""
     import functools
 
     import transformers.integrations.moe as tmoe
@@ -282,6 +282,8 @@ def test_substitutes_never_skip_user_code(case, monkeypatch):
     for m in model.modules():
         if case in ("subclass_apply_gate", "decorated_subclass") and type(m) is qwen3.Qwen3MoeExperts:
             m.__class__ = sub
+        if case == "instance_apply_gate" and type(m) is qwen3.Qwen3MoeExperts:
+            m._apply_gate = _gelu_gate.__get__(m)
     for m in model.modules():
         if case == "dbrx_mlp_hook" and type(m).__name__ == "DbrxExpertGLU":
             m.register_forward_hook(lambda mod, args, out: out * 0.5)
