@@ -90,9 +90,11 @@ def why_not_stacked() -> str | None:
     if fsdp_in_use():
         return "FSDP2 owns the storage of the parameters it gathers"
     dist = getattr(torch, "distributed", None)
-    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return ("a multi-process job: data-parallel wrappers (DDP, DeepSpeed) hook each Parameter's gradient "
-                "accumulation")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        # also at world size 1: DDP's reducer, DeepSpeed and Megatron hook each Parameter's AccumulateGrad
+        # node (C++ hooks Python cannot see), which a stacked input's gradient hand-over never runs
+        return ("a distributed job (a process group is initialized): data-parallel wrappers (DDP, DeepSpeed, "
+                "Megatron) hook each Parameter's gradient accumulation")
     return None
 
 

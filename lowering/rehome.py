@@ -80,12 +80,15 @@ def _params(node_list, index, example_inputs) -> list[torch.Tensor] | None:
 
 def _shared_storage(params) -> bool:
     """Some weight's storage is not its own alone: a view into a larger buffer (ZeroRedundancyOptimizer's
-    bucket views, a user's flat buffer) or a storage other tensors hold too (two experts tied through
-    ``.data``, a ``p.detach()`` alias the user updates in place). Moving ``.data`` would cut those ties:
+    bucket views, a user's flat buffer), a storage other tensors hold too (two experts tied through
+    ``.data``, a ``p.detach()`` alias the user updates in place) or one in shared memory (other
+    processes update it: ``model.share_memory()``). Moving ``.data`` would cut those ties:
     the other holders would stop being the weight (wrong values from the next update on)."""
     for p in params:
         storage = p.untyped_storage()
         if p.storage_offset() != 0 or storage.nbytes() != p.numel() * p.element_size():
+            return True
+        if storage.is_shared():   # shared memory (model.share_memory(): Hogwild workers update it in place)
             return True
         # the Parameter and the ``storage`` object above hold it: any more is another tensor on it
         if torch._C._storage_Use_Count(storage._cdata) > 2:

@@ -41,6 +41,7 @@ _DATA_PTR = torch.Tensor.data_ptr
 _GRAD = operator.attrgetter("grad")
 _TENSOR_HOOKS = operator.attrgetter("_backward_hooks")
 _ACC_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
+_VERSION = operator.attrgetter("_version")
 _NONES = itertools.repeat(None)   # an endless None operand for map(operator.is_not, ...): a C-level scan
 
 
@@ -51,30 +52,45 @@ def _compiled_autograd() -> bool:
 
 
 class _HandOver:
-    """Post-accumulate-grad hook of one call's stack leaf: its gradient, sliced, to the Parameters."""
+    """Post-accumulate-grad hook of one call's stack leaf: its gradient, sliced, to the Parameters.
+    ``versions``: the Parameters' version counters when the forward ran; the stack leaf shares the
+    first one's only, so an in-place write to another one between the forward and the backward (which
+    makes eager's backward raise) is caught here. Hooks a Parameter got after the forward (the feed
+    checks for hooks when it runs) run here as eager runs them: tensor hooks on its gradient, then
+    the accumulation, then post-accumulate-grad hooks."""
 
-    __slots__ = ("params", "rows")
+    __slots__ = ("params", "rows", "versions")
 
-    def __init__(self, params: tuple, rows: tuple[int, ...]):
-        self.params, self.rows = params, rows
+    def __init__(self, params: tuple, rows: tuple[int, ...], versions: tuple[int, ...]):
+        self.params, self.rows, self.versions = params, rows, versions
 
     def __call__(self, leaf: torch.Tensor) -> None:
         g, leaf.grad = leaf.grad, None
         if g is None:
             return
+        params = self.params
+        if tuple(map(_VERSION, params)) != self.versions:
+            changed = next(i for i, (p, v) in enumerate(zip(params, self.versions)) if p._version != v)
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: expert weight {changed} of a stacked input {tuple(g.shape)} was written in place "
+                "between the compiled forward and its backward (eager raises the same); write weights after "
+                "the backward (e.g. optimizer.step() after loss.backward())")
         parts = g.split(self.rows, dim=1) if len(self.rows) > 1 else (g,)
         views = [v for part in parts for v in part.unbind(0)]   # segment-major, as params
-        params = self.params
+        out_of_place = torch.is_grad_enabled()        # create_graph=True: as AccumulateGrad does
+        if any(map(_TENSOR_HOOKS, params)) or any(map(_ACC_HOOKS, params)):
+            _hand_over_hooked(params, views, out_of_place)
+            return
         grads = list(map(_GRAD, params))
-        if not any(map(operator.is_not, grads, _NONES)):   # the usual case: grads were set to None
+        if not out_of_place and not any(map(operator.is_not, grads, _NONES)):   # the usual case
             for p, v in zip(params, views):
                 p.grad = v
             return
-        out_of_place = torch.is_grad_enabled()        # create_graph=True: as AccumulateGrad does
         old, new = [], []
         for p, have, v in zip(params, grads, views):
             if have is None:
-                p.grad = v
+                p.grad = v.clone() if out_of_place else v   # under create_graph: not a view (zero_grad detaches it)
             elif out_of_place:
                 p.grad = have + v
             else:
@@ -82,6 +98,23 @@ class _HandOver:
                 new.append(v)
         if old:
             torch._foreach_add_(old, new)
+
+
+def _hand_over_hooked(params, views, out_of_place: bool) -> None:
+    """Each Parameter's slice as eager's AccumulateGrad gives it: tensor hooks (registration order, a
+    hook's result replaces the gradient), accumulation, then post-accumulate-grad hooks."""
+    for p, v in zip(params, views):
+        for hook in tuple((p._backward_hooks or {}).values()):
+            r = hook(v)
+            v = v if r is None else r
+        if p.grad is None:
+            p.grad = v.clone() if out_of_place else v
+        elif out_of_place:
+            p.grad = p.grad + v
+        else:
+            p.grad.add_(v)
+        for hook in tuple((p._post_accumulate_grad_hooks or {}).values()):
+            hook(p)
 
 
 class _Feed:
@@ -131,7 +164,7 @@ class _Feed:
             leaf = stack_view(params[0], self.shape)
             if params[0].requires_grad:
                 leaf.requires_grad_()
-                leaf.register_post_accumulate_grad_hook(_HandOver(params, self.rows))
+                leaf.register_post_accumulate_grad_hook(_HandOver(params, self.rows, tuple(map(_VERSION, params))))
             return leaf
         if hooked:
             self._warn("some have gradient hooks, which must run")
