@@ -26,7 +26,7 @@ from .records import REFUSED, RegionRecord
 def _experts(model: nn.Module):
     """(path, module to probe, what it looks like) for every module that looks like experts."""
     from .ep_info import ep_info
-    from .parallel import _module_list_experts, expert_parameters
+    from .ep_containers import _module_list_experts, expert_parameters
 
     for path, module in model.named_modules():
         if ep_info(module) is not None:

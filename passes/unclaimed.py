@@ -26,7 +26,7 @@ module finds the rest, from the graph and from Dynamo's own records:
                 multiplied by a tensor built from the ids (``r[:, e, None] * experts[e](x)``: every
                 expert on every token, weighted by a top-k routing matrix)
 
-    Experts selected without a top-k router (``_unrouted``): an expert set (nn.ModuleList elements'
+    Experts selected without a top-k router (``passes/unrouted.py``): an expert set (nn.ModuleList elements'
     matmuls, one key per digit of the module path; ``W[e]``; a ``bmm`` / ``einsum`` on stacked ``W``) whose
     inputs or outputs two or more experts' per-expert selections gate: ``ids == e`` (integer ids compared
     with several numbers: ``router_draws``, or ``ids_outside`` when the ids are a graph input: a checkpoint
@@ -53,7 +53,6 @@ module finds the rest, from the graph and from Dynamo's own records:
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import torch
@@ -61,26 +60,18 @@ import torch.fx as fx
 
 from .expert_ids import ID_VIEWS, OTHER_ROUTERS, router_kind, router_root, routers as _routers
 from .moe_source import Frame, declares_experts_implementation, enclosing_class, in_moe_code  # noqa: F401
-from .normalize import (arg, attribute_path, canon, common_module, module_path, source_name, val,
+from .normalize import (arg, canon, common_module, module_path, source_name, val,
                         where_in_user_code)
 from .token_paths import MATMULS, ep_experts_of, graph_params, param_of, router_params, token_values
+from .unclaimed_base import _GATHERS, Unclaimed, _dims, _near, _same_block
+from .unrouted import unrouted
 from .writes import basic_index, written
 
 # frozen quantised expert weights (int4 packed into int32, as GPTQ / AWQ store them); not int64 (index tables)
 _QUANTISED = {torch.int8, torch.uint8, torch.int16, torch.int32,
               *(getattr(torch, f"float8_{k}") for k in ("e4m3fn", "e5m2") if hasattr(torch, f"float8_{k}"))}
 _SELECTIONS = {"eq", "one_hot", "nonzero", "argwhere"}
-_GATHERS = {"getitem", "index_select", "embedding", "take", "gather", "F.embedding"}
 
-
-@dataclasses.dataclass(frozen=True)
-class Unclaimed:
-    module: str
-    where: str
-    num_experts: int
-    top_k: int
-    detail: dict            # fills reasons.REASONS[code]
-    code: str = "moe_unmatched"   # or "router_draws" (ids drawn without a top-k: OTHER_ROUTERS)
 
 
 def _reach(starts) -> set[fx.Node]:
@@ -123,11 +114,6 @@ def _weights(gm: fx.GraphModule, params: set) -> set[fx.Node]:
     return out
 
 
-def _dims(n: fx.Node) -> tuple:
-    v = val(n)
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
-
-
 def _past_common(a: str, b: str) -> tuple[list[str], list[str]]:
     """The segments of the dotted module paths ``a`` and ``b`` past their common prefix."""
     x, y = [p for p in a.split(".") if p], [p for p in b.split(".") if p]
@@ -155,20 +141,6 @@ def _stacked(n: fx.Node, weights: set, e: int) -> fx.Node | None:
         if p is not None and len(_dims(p)) >= 3 and (ep_experts_of(a) or _dims(p)[0]) == e:
             return p
     return None
-
-
-def _near(n: fx.Node, is_matmul, hops: int = 4) -> bool:
-    """``n`` is the output of a matmul for which ``is_matmul(node)`` holds, through at most ``hops``
-    single-input ops."""
-    while isinstance(n, fx.Node) and hops >= 0:
-        if is_matmul(n):
-            return True
-        ins = n.all_input_nodes
-        if (canon(n) or "") in MATMULS or not ins:
-            return False
-        n = ins[0]
-        hops -= 1
-    return False
 
 
 def _near_stacked(n: fx.Node, weights: set, e: int) -> bool:
@@ -283,7 +255,7 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
                   "disabled": f" (the finders {', '.join(disabled)} are disabled by moe.disable)" if disabled else ""}
         out.append(Unclaimed(module, at, e, k, detail,
                              "router_draws" if canon(router) in OTHER_ROUTERS else "moe_unmatched"))
-    return out + _unrouted(gm, params, weights, claimed_nodes, claimed_modules, out, disabled)
+    return out + unrouted(gm, params, weights, claimed_nodes, claimed_modules, out, disabled)
 
 
 def _expert_choice(router: fx.Node, params: set = frozenset()) -> tuple[int, str] | None:
@@ -315,265 +287,6 @@ def _transposed_scores(n, e: int, params: set, hops: int = 4) -> bool:
         n, hops = ins[0], hops - 1
     return False
 
-
-
-# ---------------------------------------------------------------- expert sets selected without a router
-# the gates of the experts' inputs and outputs: a product, a masked write, an indexed add
-_COMBINES = {"mul", "einsum", "bmm", "matmul", "where", "index_add", "index_add_", "index_put", "index_put_",
-             "setitem", "masked_fill", "masked_scatter", "div"}
-
-
-def _parent(path: str) -> str:
-    return path.rpartition(".")[0]
-
-
-def _under(path: str, block: str) -> bool:
-    """The module ``path`` is ``block`` or inside it."""
-    return not block or path == block or path.startswith(block + ".")
-
-
-def _experts(gm: fx.GraphModule, params: set, weights: set) -> dict:
-    """The expert sets of the graph: {key: (E, owner, {matmul node: expert index, or None for all E}, listed)}.
-    An nn.ModuleList element's matmul on its 2-D Parameter (``experts.3.fc1``: key ``experts``, index 3,
-    E = the elements the graph uses, at least 2; one key per digit of the path: ``experts.3.0`` of
-    Sequential experts is in ``experts`` and in ``experts.3``), or a matmul on stacked weights [E, ...] (``W[e]``: index
-    e; ``bmm`` / ``einsum`` on ``W``: all of them). ``owner``: the module the gating must come from."""
-    out: dict = {}
-    for n in gm.graph.nodes:
-        if (canon(n) or "") not in MATMULS:
-            continue
-        for a in n.all_input_nodes:
-            p = param_of(a, weights)
-            if p is None:
-                continue
-            d = _dims(p)
-            if len(d) >= 3 and isinstance(d[0], int) and d[0] >= 2:
-                entry = out.setdefault(attribute_path(p) or p.name, (d[0], module_path(n), {}, False))
-                entry[2][n] = _slice_index(a, p, d[0])
-                break
-            segs = module_path(n).split(".")
-            digits = [i for i, g in enumerate(segs) if g.isdigit()]
-            if len(d) == 2 and p in params and digits:
-                for i in digits:   # experts.3.fc1, experts.3.0 (Sequential experts), layers.0.moe.experts.3.fc1
-                    key = ".".join(segs[:i])
-                    entry = out.setdefault(key, [0, _parent(key), {}, True])
-                    entry[2][n] = int(segs[i])
-                break
-    for key, entry in list(out.items()):
-        if isinstance(entry, list):   # ModuleList: E = the distinct elements used
-            out[key] = (len(set(entry[2].values())), entry[1], entry[2], True)
-    return {k: out[k] for k in sorted(out, key=len) if out[k][0] >= 2}   # outer ModuleLists first
-
-
-def _slice_index(a: fx.Node, p: fx.Node, e: int) -> int | None:
-    """The expert a weight operand ``a`` takes from the stacked ``p`` (``W[e]``, ``W.select(0, e)``), None for all."""
-    n = a
-    while isinstance(n, fx.Node) and n is not p:
-        i = _int_at(n, e, dim0=True)
-        if i is not None:
-            return i
-        n = n.args[0] if n.args else None
-    return None
-
-
-def _int_at(n: fx.Node, e: int, dim0: bool = False) -> int | None:
-    """The expert number a basic index ``n`` takes at a dim of size ``e`` (``t[:, e]``, ``t[e]``,
-    ``t.select(d, e)``; with ``dim0`` only the first dim), else None."""
-    op = canon(n)
-    t = n.args[0] if n.args else None
-    d = _dims(t) if isinstance(t, fx.Node) and isinstance(val(t), torch.Tensor) else ()
-    if not d or op not in ("getitem", "select") or len(n.args) < 2:
-        return None
-    if op == "select":
-        dim, i = arg(n, 1, "dim", None), arg(n, 2, "index", None)
-        ok = isinstance(dim, int) and (dim % len(d) == 0 or not dim0) and d[dim] == e
-        return i if ok and isinstance(i, int) and not isinstance(i, bool) and 0 <= i < e else None
-    idx = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
-    if any(isinstance(a, fx.Node) for a in idx):
-        return None
-    if Ellipsis in idx:
-        cut = idx.index(Ellipsis)
-        pairs = _positions(idx[:cut], 0, 1) + _positions(idx[cut + 1:][::-1], len(d) - 1, -1)
-    else:
-        pairs = _positions(idx, 0, 1)
-    for pos, a in pairs:
-        if dim0 and pos != 0:
-            continue
-        if isinstance(a, int) and not isinstance(a, bool) and 0 <= pos < len(d) and d[pos] == e and 0 <= a < e:
-            return a
-    return None
-
-
-def _positions(idx, start: int, step: int) -> list:
-    """(dim, index entry) of a basic index's entries from ``start`` (``None`` takes no dim)."""
-    out, pos = [], start
-    for a in idx:
-        if a is None:
-            continue
-        out.append((pos, a))
-        pos += step
-    return out
-
-
-def _compared(n: fx.Node) -> tuple[fx.Node, int] | None:
-    """(ids, e) of ``ids == e`` where the integer ``ids`` are compared with two or more numbers."""
-    if canon(n) != "eq" or len(n.args) < 2:
-        return None
-    a, b = n.args[:2]
-    ids, e = (a, b) if isinstance(b, int) else (b, a)
-    if not isinstance(ids, fx.Node) or not isinstance(e, int) or isinstance(e, bool):
-        return None
-    v = val(ids)
-    if not isinstance(v, torch.Tensor) or v.is_floating_point() or v.dtype == torch.bool:
-        return None
-    numbers = {x for u in ids.users if canon(u) == "eq" for x in u.args[:2]
-               if isinstance(x, int) and not isinstance(x, bool)}
-    return (ids, e) if len(numbers) >= 2 else None
-
-
-def _scores(gm: fx.GraphModule, e: int, owner: str, key: str, params: set, weights: set) -> set:
-    """What the owner's gates compute: a matmul of the tokens with a 2-D Parameter of the owner (not of
-    the experts) that writes [.., E], and what is computed from it short of another Parameter's matmul."""
-    def param_matmul(n):
-        return (canon(n) or "") in MATMULS and any(param_of(a, weights) is not None for a in n.all_input_nodes)
-
-    gates = [n for n in gm.graph.nodes if param_matmul(n) and _dims(n)[-1:] == (e,)
-             and _under(module_path(n), owner) and not (key and _under(module_path(n), key))
-             and any(len(_dims(p)) == 2 and e in _dims(p) for a in n.all_input_nodes
-                     if (p := param_of(a, params)) is not None)
-             and any(param_of(a, weights) is None for a in n.all_input_nodes)]
-    seen, stack = set(), list(gates)
-    while stack:
-        n = stack.pop()
-        if n in seen or n.op == "output" or n not in gates and param_matmul(n):
-            continue
-        seen.add(n)
-        stack.extend(n.users)
-    return seen
-
-
-def _selectors(starts, i, e: int, scores: set, weights: set, depth: int) -> list:
-    """(kind, node, rows) of the per-expert selections of expert ``i`` among what ``starts`` are computed
-    from (at most ``depth`` ops back, short of Parameters' matmuls; an indexed read follows its index
-    only, ``rows``: the selection picks rows): ``ids == i`` ("compare", ids compared with several
-    numbers) or column ``i`` of the gates' [.., E] scores ("slice", ``probs[:, i]``)."""
-    out, seen, stack = [], set(), [(s, 0, False) for s in starts]
-    while stack:
-        n, d, rows = stack.pop()
-        if not isinstance(n, fx.Node) or n in seen or d > depth:
-            continue
-        seen.add(n)
-        c = _compared(n)
-        if c is not None and c[1] == i:
-            out.append(("compare", n, rows))
-            continue
-        if n in scores and _int_at(n, e) == i:
-            out.append(("slice", n, rows))
-            continue
-        op = canon(n) or ""
-        if n.op == "placeholder" or op in MATMULS and any(param_of(a, weights) is not None for a in n.all_input_nodes):
-            continue
-        index = [a for a in (n.args[1] if len(n.args) > 1 and isinstance(n.args[1], (tuple, list)) else n.args[1:])
-                 if isinstance(a, fx.Node)] if op in _GATHERS and isinstance(val(n.args[0]), torch.Tensor) else []
-        if index:
-            stack += [(a, d + 1, True) for a in index]
-        else:
-            picks = op in ("nonzero", "argwhere") or op == "where" and len(n.args) == 1
-            stack += [(a, d + 1, rows or picks) for a in n.all_input_nodes]
-    return out
-
-
-def _consumers(m: fx.Node, hops: int = 4) -> list[fx.Node]:
-    """The ops that combine ``m``'s output with something else, through at most ``hops`` single-input ops."""
-    out, stack, seen = [], [(m, 0)], set()
-    while stack:
-        n, h = stack.pop()
-        for u in n.users:
-            if u in seen or (canon(u) or "") in MATMULS - {"einsum", "bmm", "matmul"}:
-                continue
-            seen.add(u)
-            if len(u.all_input_nodes) > 1 and (canon(u) or "") in _COMBINES:
-                out.append(u)
-            elif len(u.all_input_nodes) == 1 and h < hops:
-                stack.append((u, h + 1))
-    return out
-
-
-def _unrouted(gm, params, weights, claimed_nodes, claimed_modules, listed, disabled) -> list[Unclaimed]:
-    """Expert sets that a per-expert selection gates with no top-k router (module doc, "selections")."""
-    out: list[Unclaimed] = []
-    for key, (e, owner, members, listed_) in _experts(gm, params, weights).items():
-        if any(m in claimed_nodes for m in members):
-            continue
-        found = []     # (expert index, kind, selection node, rows)
-        for own in dict.fromkeys([owner, _parent(owner)] if owner else [owner]):
-            scores = _scores(gm, e, own, key if listed_ else "", params, weights)
-            for m, i in members.items():
-                if i is None:   # bmm / einsum on all the experts: their outputs weighted by the scores
-                    found += [(None, "slice", u, False) for u in _consumers(m) if any(
-                        a in scores and e in _dims(a) and not _near(a, lambda x: x in members)
-                        for a in u.all_input_nodes)]
-                    continue
-                ins = [a for a in m.all_input_nodes if param_of(a, weights) is None]
-                sel = _selectors(ins, i, e, scores, weights, 7)
-                for u in _consumers(m):
-                    sel += _selectors([a for a in u.all_input_nodes if not _near(a, lambda x: x is m)],
-                                      i, e, scores, weights, 4)
-                found += [(i, kind, n, rows) for kind, n, rows in sel
-                          if _under(module_path(n), own) and not (listed_ and _under(module_path(n), key))]
-            if found:
-                break
-        if len({i for i, *_ in found}) < 2 and not any(i is None for i, *_ in found):
-            continue
-        nodes = [n for _, _, n, _ in found]
-        module = common_module(nodes + list(members))
-        if any(_same_block(module, m) for m in claimed_modules) or any(_same_block(module, u.module) for u in listed + out):
-            continue
-        out.append(_unrouted_record(key, e, members, found, module, disabled))
-    return out
-
-
-def _unrouted_record(key, e, members, found, module, disabled) -> Unclaimed:
-    i0, kind, sel, _ = found[0]
-    rows = any(r for *_, r in found)
-    first = next(iter(members))
-    at = where_in_user_code(sel) or where_in_user_code(first) or "?"
-    label = f"`{key}.<e>`" if all(isinstance(i, int) for i in members.values()) else f"`{key}`"
-    evidence = (f"the {e} experts {label} (`{first.name}`) "
-                + ("on the rows each expert's selection picks" if rows else "weighted per expert"))
-    detail = {"k": "?", "e": e, "router_at": where_in_user_code(sel) or "?", "evidence": evidence, "node": sel.name,
-              "disabled": f" (the finders {', '.join(disabled)} are disabled by moe.disable)" if disabled else ""}
-    if kind == "compare":
-        ids = _compared(sel)[0]
-        if ids.op == "placeholder":
-            detail["router"] = (f"expert ids `{ids.name}` that are an input of this graph (computed outside it: "
-                                "e.g. a torch.utils.checkpoint body given the router's ids)")
-            return Unclaimed(module, at, e, 0, detail, "ids_outside")
-        detail["router"] = f"a hash or table router (`{ids.name}` compared with each expert number)"
-        return Unclaimed(module, at, e, 0, detail, "router_draws")
-    if rows:
-        detail["router"] = f"a router without a top-k (`{sel.name}`: each expert's share of the router's scores)"
-        return Unclaimed(module, at, e, 0, detail)
-    topk = any(canon(a) == "topk" for a in _ancestors(sel, 12))
-    return Unclaimed(module, at, e, 0, detail, "routing_matrix_form" if topk else "soft_moe")
-
-
-def _ancestors(n: fx.Node, limit: int) -> set:
-    seen, stack = set(), [n]
-    while stack and len(seen) < limit * 8:
-        x = stack.pop()
-        if x in seen:
-            continue
-        seen.add(x)
-        stack.extend(x.all_input_nodes)
-    return seen
-
-def _same_block(a: str, b: str) -> bool:
-    """One dotted module path is the other or contains it."""
-    if a == b:
-        return True
-    short, long_ = sorted((a, b), key=len)
-    return short == "" or long_.startswith(short + ".")
 
 
 def escaping_routers(gm: fx.GraphModule) -> list[fx.Node]:
