@@ -42,6 +42,7 @@ quiet); from the second call every block's stack is a view of its own buffer.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Iterable
 
 import torch
@@ -52,20 +53,56 @@ __all__ = ["compile_blocks", "find_blocks"]
 log = logging.getLogger(__name__)
 
 
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+# model -> names of the blocks compile_blocks compiled in it (explain() says what ran eagerly)
+_COMPILED: "weakref.WeakKeyDictionary[nn.Module, tuple[str, ...]]" = weakref.WeakKeyDictionary()
+
+
+def _items(container: nn.Module) -> list[nn.Module]:
+    return list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
+
+
 def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of ``model``: the items of the ``nn.ModuleList`` whose items are all of
-    one class and hold the most parameters together (e.g. ``model.model.layers`` of a Hugging Face
-    causal LM, not the experts inside each layer); among equals the outermost."""
-    best, best_size = None, -1
+    """The repeated blocks of ``model``: the items of the ``nn.ModuleList``, ``nn.ModuleDict``
+    (torchtitan) or ``nn.Sequential`` of modules (not of containers) that holds the most parameters,
+    among equals the outermost (e.g. ``model.model.layers`` of a Hugging Face causal LM, not the
+    experts inside each layer); its items may be of several classes (dense and MoE layers).
+    Where that container lies inside a module whose class repeats (decoder layers kept as plain
+    attributes, an encoder and a decoder stack of one class), the blocks are the instances of that
+    class (not one layer's experts); warns where other ``ModuleList``s / ``ModuleDict``s lie outside
+    the blocks (they run eagerly).""" 
+    best, best_name, best_size = None, "", -1
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1:
+        if isinstance(module, _CONTAINERS) and len(module) and not any(isinstance(m, _CONTAINERS) for m in _items(module)):
             size = sum(p.numel() for p in module.parameters())
             if size > best_size:
-                best, best_size = list(module), size
+                best, best_name, best_size = module, name, size
     if best is None:
-        raise ValueError(f"compile_blocks: {type(model).__name__} has no nn.ModuleList of blocks of one class; "
+        raise ValueError(f"compile_blocks: {type(model).__name__} has no nn.ModuleList (ModuleDict, Sequential) of blocks; "
                          "pass blocks=[...] (the modules to compile one by one)")
-    return best
+    mods = dict(model.named_modules())
+    parts = best_name.split(".")
+    for i in range(1, len(parts)):
+        owner = mods[".".join(parts[:i])]
+        twins = [(n, m) for n, m in mods.items() if type(m) is type(owner)]
+        if len(twins) > 1:   # the container sits in a module whose class repeats (layers kept as plain
+            blocks, taken = [], set()   # attributes, an encoder and a decoder stack): those are the blocks
+            for n, m in twins:
+                if not any(n.startswith(t + ".") for t in taken):
+                    blocks.append(m)
+                    taken.add(n)
+            log.info("compile_blocks: '%s' lies inside %s, whose class repeats: compiling each %s (%d)",
+                     best_name, ".".join(parts[:i]), type(owner).__name__, len(blocks))
+            return blocks
+    blocks = _items(best)
+    inside = {id(m) for b in blocks for m in b.modules()} | {id(best)}
+    outside = [n for n, m in mods.items() if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m) > 1
+               and id(m) not in inside and not any(c is best for c in m.modules())]   # nor around best
+    if outside:
+        log.warning("compile_blocks: compiling the items of '%s'; %s lie outside them and run eagerly (any MoE "
+                    "layer there is not rewritten): pass every block, compile_blocks(model, blocks=[...])",
+                    best_name or "<model>", ", ".join(outside[:4]))
+    return blocks
 
 
 def compile_blocks(model: nn.Module, backend="moe", *, blocks: Iterable[nn.Module] | str | None = None,
@@ -73,8 +110,10 @@ def compile_blocks(model: nn.Module, backend="moe", *, blocks: Iterable[nn.Modul
     """Compile each block of ``model`` separately with ``block.compile(backend=backend, **compile_kwargs)``
     (``torch.compile``'s arguments: ``options``, ``mode``, ``fullgraph``, ``dynamic``), in place.
 
-    ``blocks``: the modules to compile; a dotted path inside ``model`` ("model.layers"); default
-    ``find_blocks(model)``. ``loss``: also compile ``model.loss_function`` where the model has a
+    ``blocks``: the modules to compile; a dotted path inside ``model`` ("model.layers", a ModuleList,
+    ModuleDict or Sequential); default ``find_blocks(model)``: pass them where the decoder layers are
+    not the items of one container. MoE layers outside every block run eagerly: ``explain(model, x)``
+    traces a whole-model compile, and for a model compiled here notes so and names such layers. ``loss``: also compile ``model.loss_function`` where the model has a
     settable one (Hugging Face models with a head), with the same backend and arguments but
     ``dynamic`` (``compile_loss``). Returns the compiled blocks. Call ``model(...)`` as before: it
     stays an eager module that calls compiled blocks. With FSDP2 (and expert parallelism), call it
@@ -88,10 +127,12 @@ def compile_blocks(model: nn.Module, backend="moe", *, blocks: Iterable[nn.Modul
         raise TypeError(f"compile_blocks: expected an nn.Module (e.g. a Hugging Face model), got "
                         f"{type(model).__name__}; for a function use torch.compile(fn, backend=\"moe\")")
     if isinstance(blocks, str):
-        blocks = list(model.get_submodule(blocks))
+        blocks = _items(model.get_submodule(blocks))
     blocks = find_blocks(model) if blocks is None else list(blocks)
     if not blocks:
         raise ValueError("compile_blocks: no blocks to compile")
+    names = {id(m): n for n, m in model.named_modules()}
+    _COMPILED[model] = tuple(names[id(b)] for b in blocks if id(b) in names)
     for block in blocks:
         block.compile(backend=backend, **compile_kwargs)
     if loss:
@@ -103,6 +144,25 @@ def compile_blocks(model: nn.Module, backend="moe", *, blocks: Iterable[nn.Modul
     if groups:
         _MirrorOnce(model, groups)
     return blocks
+
+
+def explain_notes(model, regions) -> tuple[str, ...]:
+    """For ``explain()``: it traces ``model`` as one whole-model compile. Where ``compile_blocks``
+    compiled the model, say so, and name the regions outside every compiled block: those run eagerly
+    (not rewritten) however explain's trace reports them."""
+    names = _COMPILED.get(model) if isinstance(model, nn.Module) else None
+    if names is None:
+        return ()
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    out = [f"this model was compiled with compile_blocks ({len(names)} block(s): {shown}); explain traced a "
+           "whole-model compile: regions inside those blocks are rewritten as listed, the code between them "
+           "runs eagerly"]
+    eager = sorted({r.module or "<top>" for r in regions if r.status == "rewritten"
+                    and not any(r.module == n or r.module.startswith(f"{n}.") for n in names)})
+    if eager:
+        out.append(f"{', '.join(eager)}: outside every block compile_blocks compiled, so it runs eagerly there "
+                   "(NOT rewritten); pass the blocks holding it: compile_blocks(model, blocks=[...])")
+    return tuple(out)
 
 
 def compile_loss(model: nn.Module, backend="moe", **compile_kwargs) -> bool:
@@ -155,8 +215,10 @@ class _CompiledLoss:
 
 class _MirrorOnce:
     """A forward pre-hook on the (eager) root: on the model's second call, give every block the
-    parameter layout the backend gave the first block of its class while compiling it; then it
-    removes itself. Runs outside every compiled frame (Dynamo never sees it)."""
+    parameter layout the backend gave a block of its class while compiling it (the first one it
+    re-homed: not a dense one), outside inference mode even under it (new storage made in it would
+    make the Parameters inference tensors, which cannot train); then it removes itself. Runs outside
+    every compiled frame (Dynamo never sees it)."""
 
     def __init__(self, model: nn.Module, groups: list[list[nn.Module]]):
         self.groups, self.calls = groups, 0
@@ -167,7 +229,17 @@ class _MirrorOnce:
         if self.calls < 2:  # the first call compiles (and re-homes) the first block of each class
             return None
         self.handle.remove()
-        moved = sum(mirror_layout(group[0], other) for group in self.groups for other in group[1:])
+        moved = 0
+        # outside inference mode: new storage made in it would make the Parameters inference tensors
+        with torch.inference_mode(False), torch.no_grad():
+            for group in self.groups:
+                # the blocks the backend re-homed (compiled with MoE in them), not a dense first one
+                srcs = [b for b in group if _shared_storage_groups(b)]
+                for other in group:
+                    for src in srcs:
+                        if other is not src and (n := mirror_layout(src, other)):
+                            moved += n
+                            break
         if moved:
             log.debug("compile_blocks: gave %d parameters the first block's one-buffer layout", moved)
         return None

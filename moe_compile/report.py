@@ -51,6 +51,7 @@ class Report:
     # expert-parallel layer that cannot be rewritten, or sharded experts Dynamo ran eagerly): explain
     # stops there and reports it
     errors: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()   # about the whole model (blocks.explain_notes: compile_blocks)
 
     @property
     def rewritten(self) -> list[RegionRecord]:
@@ -65,6 +66,7 @@ class Report:
                f"{self.graphs} graph(s), {len(self.graph_breaks)} graph break(s) in MoE code"]
         out.extend(f"compile error: torch.compile(backend=\"moe\") raises this on the model (explain stopped "
                    f"there; code after it was not traced):\n    {e}" for e in self.errors)
+        out.extend(f"  note: {n}" for n in self.notes)
         if self.regions:
             out.append(format_records(self.regions))
         notes: dict[str, list[str]] = {}   # each note once, with the regions it is about
@@ -122,7 +124,10 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
     regions = tuple(_explain_notes(r) for r in regions)
     breaks = tuple(dict.fromkeys(GraphBreak(r.where, r.reason, r.fix, r.source, r.code)
                                  for r in records if r.is_break))
-    return Report(regions, breaks, graphs[0], errors=(str(failure),) if failure is not None else ())
+    from .blocks import explain_notes
+
+    return Report(regions, breaks, graphs[0], errors=(str(failure),) if failure is not None else (),
+                  notes=explain_notes(fn, regions))
 
 
 def _place(names: dict, records, attributes, inputs) -> tuple[RegionRecord, ...]:

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters as dynamo_counters
 
 import moe_compile
+from moe_compile import records
+from moe_compile.blocks import find_blocks
 from moe_compile.kernels.runtime_ops import count_calls
 from helpers import FP32_REL, HF_FP32_REL, assert_close_rel, tiny_qwen3_moe
 
@@ -41,15 +43,17 @@ class Expert(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, h=16, i=12, e=4, k=2):
+    def __init__(self, h=16, i=12, e=4, k=2, dense=False):
         super().__init__()
-        self.k = k
+        self.k, self.dense = k, dense
         self.norm = nn.RMSNorm(h)
         self.gate = nn.Linear(h, e, bias=False)
         self.experts = nn.ModuleList(Expert(h, i) for _ in range(e))
 
     def forward(self, h):
         x = self.norm(h)
+        if self.dense:   # a dense layer of the same class (DeepSeek's first layers)
+            return h + self.experts[0](x)
         w, ids = F.softmax(self.gate(x), dim=-1).topk(self.k, dim=-1)
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
@@ -59,11 +63,11 @@ class Block(nn.Module):
 
 
 class LoopLM(nn.Module):
-    def __init__(self, layers=3, h=16):
+    def __init__(self, layers=3, h=16, dense=()):
         super().__init__()
         torch.manual_seed(0)
         self.inp = nn.Linear(h, h)
-        self.layers = nn.ModuleList(Block(h) for _ in range(layers))
+        self.layers = nn.ModuleList(Block(h, dense=i in dense) for i in range(layers))
         self.out = nn.Linear(h, h)
 
     def forward(self, x):
@@ -188,3 +192,125 @@ def test_compiled_loss_pickles_as_the_eager_loss_and_ignores_dynamic(caplog):
 def test_find_blocks_needs_a_module_list():
     with pytest.raises(ValueError, match="compile_blocks: Linear has no nn.ModuleList"):
         moe_compile.compile_blocks(nn.Linear(2, 2))
+
+
+# ----------------------------------------------------------------------------- layouts, modes
+def _train_like_eager(eager, model, steps=2, **kw):
+    """``steps`` SGD steps of both: outputs and every gradient as eager's."""
+    opts = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (eager, model)]
+    for step in range(steps):
+        x = torch.randn(10, 16, generator=torch.Generator().manual_seed(step))
+        outs = [m(x) for m in (eager, model)]
+        for o in outs:
+            o.square().mean().backward()
+        assert_close_rel(outs[1].detach(), outs[0].detach(), TRAIN_REL, f"step {step}: output", **kw)
+        for (n, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+            assert (p.grad is None) == (q.grad is None), n
+            if q.grad is not None:
+                assert_close_rel(p.grad, q.grad, TRAIN_REL, f"step {step}: gradient of {n}", **kw)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+
+def test_second_call_under_inference_mode_then_training():
+    """The model's second call (where compile_blocks lays out the other blocks' experts) is an eval
+    under torch.inference_mode(): the new buffers must not be inference tensors (the next training
+    step raised "Setting requires_grad=True on inference tensor outside InferenceMode")."""
+    torch._dynamo.reset()   # Block.forward's cache entries of other tests' compiles
+    eager = LoopLM()
+    model = copy.deepcopy(eager)
+    moe_compile.compile_blocks(model, options=OPTS)
+    _train_like_eager(eager, model, steps=1)
+    x = torch.randn(10, 16)
+    with torch.inference_mode():
+        assert_close_rel(model(x), eager(x), FP32_REL, "output under inference_mode")
+    assert not any(p.is_inference() for p in model.parameters())
+    assert all(_shares_one_storage(b) for b in model.layers)
+    _train_like_eager(eager, model, steps=2)
+
+
+class Dense(nn.Module):
+    def __init__(self, h=16):
+        super().__init__()
+        self.lin = nn.Linear(h, h)
+
+    def forward(self, h):
+        return h + torch.tanh(self.lin(h))
+
+
+class LayoutLM(nn.Module):
+    """Decoder layers in an nn.ModuleDict (torchtitan), an nn.Sequential, or a ModuleList of two
+    classes (dense and MoE); each Block's experts are a ModuleList inside it."""
+
+    def __init__(self, layout, h=16):
+        super().__init__()
+        torch.manual_seed(0)
+        if layout == "dict":
+            self.layers = nn.ModuleDict({str(i): Block(h) for i in range(3)})
+        elif layout == "seq":
+            self.layers = nn.Sequential(*[Block(h) for _ in range(3)])
+        else:
+            self.layers = nn.ModuleList([Dense(h), Block(h), Dense(h), Block(h)])
+
+    def forward(self, x):
+        for layer in (self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers):
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("layout", ["dict", "seq", "mixed"])
+def test_find_blocks_takes_the_decoder_layers_of_every_layout(layout):
+    """Not one layer's experts (every MoE layer then ran eagerly): the layers, every MoE one rewritten,
+    outputs and gradients as eager's; explain() says the model was compiled block by block."""
+    torch._dynamo.reset()   # Block.forward's cache entries of other tests' compiles
+    eager = LayoutLM(layout)
+    model = copy.deepcopy(eager)
+    layers = list(model.layers.values()) if layout == "dict" else list(model.layers)
+    assert moe_compile.compile_blocks(model, options=OPTS) == layers
+    _train_like_eager(eager, model)
+    moe_layers = sum(isinstance(b, Block) for b in layers)
+    assert _route_permute_calls(lambda: model(torch.randn(10, 16))) == moe_layers
+    report = moe_compile.explain(model, torch.randn(10, 16))
+    assert len(report.rewritten) == moe_layers and "compiled with compile_blocks" in str(report)
+    assert "outside every block" not in str(report)
+    other = copy.deepcopy(eager)   # blocks given as a dotted path: a ModuleDict gives its values
+    assert moe_compile.compile_blocks(other, blocks="layers", options=OPTS) == \
+        (list(other.layers.values()) if layout == "dict" else list(other.layers))
+
+
+def test_find_blocks_takes_repeated_owners_not_one_layers_experts_and_explain_names_eager_layers():
+    """Decoder layers as plain attributes: the largest container is one layer's experts (compiling its
+    items left every MoE layer eager); it lies in a module whose class repeats, so the blocks are the
+    instances of that class. Blocks passed that miss a MoE layer: explain() names it as running eagerly."""
+    torch._dynamo.reset()   # Block.forward's cache entries of other tests' compiles
+    class Attrs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Block(), Block()
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    model = Attrs()
+    assert find_blocks(model) == [model.a, model.b]
+    with records.recording() as graphs:
+        moe_compile.compile_blocks(model, options=OPTS)
+        model(torch.randn(10, 16))
+    assert sum(r.status == records.REWRITTEN for g in graphs for r in g) == 2, graphs
+    model = Attrs()
+    moe_compile.compile_blocks(model, blocks=[model.a], options=OPTS)
+    assert "b: outside every block compile_blocks compiled" in str(moe_compile.explain(model, torch.randn(10, 16)))
+
+
+def test_dense_first_block_of_a_class_mirrors_from_a_rehomed_one(caplog):
+    """The first block of the class is dense (its graph re-homes nothing): the MoE blocks still get
+    the re-homed block's layout, so no block stacks a copy every step (a warning said so)."""
+    torch._dynamo.reset()   # Block.forward's cache entries of other tests' compiles
+    eager = LoopLM(4, dense=(0,))
+    model = copy.deepcopy(eager)
+    moe_compile.compile_blocks(model, options=OPTS)
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    _train_like_eager(eager, model, steps=3)
+    assert all(_shares_one_storage(b) for b in model.layers[1:])
+    assert "stacking a copy" not in caplog.text and ".data was replaced" not in caplog.text, caplog.text
