@@ -64,7 +64,8 @@ def _items(container: nn.Module) -> list[nn.Module]:
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of ``model``: the items of the ``nn.ModuleList``, ``nn.ModuleDict``
-    (torchtitan) or ``nn.Sequential`` of modules (not of containers) that holds the most parameters,
+    (torchtitan) or ``nn.Sequential`` of modules (Sequential blocks too; not of ModuleLists or
+    ModuleDicts: nanoGPT's ``transformer`` dict) that holds the most parameters,
     among equals the outermost (e.g. ``model.model.layers`` of a Hugging Face causal LM, not the
     experts inside each layer); its items may be of several classes (dense and MoE layers).
     Where that container lies inside a module whose class repeats (decoder layers kept as plain
@@ -73,7 +74,8 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     the blocks (they run eagerly).""" 
     best, best_name, best_size = None, "", -1
     for name, module in model.named_modules():
-        if isinstance(module, _CONTAINERS) and len(module) and not any(isinstance(m, _CONTAINERS) for m in _items(module)):
+        if isinstance(module, _CONTAINERS) and len(module) and not any(
+                isinstance(m, (nn.ModuleList, nn.ModuleDict)) for m in _items(module)):   # Sequential items: blocks
             size = sum(p.numel() for p in module.parameters())
             if size > best_size:
                 best, best_name, best_size = module, name, size
@@ -84,6 +86,8 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     parts = best_name.split(".")
     for i in range(1, len(parts)):
         owner = mods[".".join(parts[:i])]
+        if isinstance(owner, _CONTAINERS):
+            continue
         twins = [(n, m) for n, m in mods.items() if type(m) is type(owner)]
         if len(twins) > 1:   # the container sits in a module whose class repeats (layers kept as plain
             blocks, taken = [], set()   # attributes, an encoder and a decoder stack): those are the blocks
