@@ -88,8 +88,9 @@ def _shared_storage(params) -> bool:
         storage = p.untyped_storage()
         if p.storage_offset() != 0 or storage.nbytes() != p.numel() * p.element_size():
             return True
-        if storage.is_shared():   # shared memory (model.share_memory(): Hogwild workers update it in place)
-            return True
+        if storage.device.type == "cpu" and storage.is_shared():   # shared memory (model.share_memory():
+            return True                                            # Hogwild workers update it in place;
+                                                                   # is_shared() is always True on CUDA)
         # the Parameter and the ``storage`` object above hold it: any more is another tensor on it
         if torch._C._storage_Use_Count(storage._cdata) > 2:
             return True
