@@ -40,6 +40,7 @@ from . import grouped_routing as route
 from . import grouped_rows as rows
 from .grouped_combine import pair_op
 from .grouped_state import CASTS, DONE, FLATTEN, GMM_OPS, ROW_KINDS, GRole, Group
+from .id_range import ids_nonnegative
 from .normalize import canon, common_module, dtype_of, id_bound, module_path, shape, val, where_in_user_code
 from .region import Candidate, ExpertMLP, Finding, Region, ReplaceOutput, Router, Step
 
@@ -263,6 +264,8 @@ class Finder:
         if g.clamped_counts is not None and not ((b := id_bound(g.ids)) is not None and b <= g.e):
             return [Finding.of("clamped_counts", g.clamped_counts, node=g.clamped_counts.name, e=g.e,
                                bound=b if b is not None else "?")]
+        if g.family != "dense" and not ids_nonnegative(g.ids):   # (dense: eager's scatter raises on them)
+            return [Finding.of("ids_may_be_negative", g.ids, node=g.ids.name)]
         if shape(g.x)[0] * g.k != val(g.ids).numel():
             return [Finding.of("token_count_mismatch", None, tokens=shape(g.x)[0], k=g.k, ids=val(g.ids).numel())]
         for m in g.nodes:  # every row-valued node must be consumed inside the region

@@ -118,6 +118,12 @@ REASONS: dict[str, Reason] = {
     "sort_key": Reason("the rows are sorted by `{node}`, {how}, not by the router's ids flattened token-major",
                        "sort `ids.reshape(-1)` (row r is token r // top_k, slot r % top_k) and gather rows with "
                        "perm // top_k"),
+    "ids_may_be_negative": Reason(
+        "the expert ids (`{node}`) are not provably >= 0 (not a topk / argmax index on the way, or a write or "
+        "op that can put another value in, e.g. -1 for dropped slots): eager sorts a negative id first and "
+        "shifts every expert's rows (W[-1] is the last expert), where the rewrite drops it",
+        "mark dropped slots with an id >= num_experts (they sort last and fall in no expert, in eager as in "
+        "the rewrite), or route with the top-k indices as they are"),
     "sentinel_mismatch": Reason("sentinel mask ids >= {sentinel} but the experts number {experts}",
                                 "mask ids >= num_experts"),
     "two_regions_mixed": Reason("`{node}` mixes the rows of two MoE regions", "keep each MoE layer's rows apart"),

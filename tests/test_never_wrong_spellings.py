@@ -56,6 +56,8 @@ class Stacked(nn.Module):
         w, ids = self.route(x)
         if how.startswith("clamp_"):       # a router wider than the experts, its ids clamped to E - 1
             w, ids = F.softmax(self.router_wide(x), dim=-1).topk(K, dim=-1)
+        if how == "negative_sentinel":     # dropped slots marked -1: eager sorts them first (groups shift)
+            ids = torch.where(w > 0.3, ids, -1)
         flat = ids.reshape(-1)
         perm = flat.argsort(stable=True)
         if how == "sort_key_bool":          # sorted by flat.to(bool): rows not grouped by expert
@@ -129,6 +131,8 @@ class Stacked(nn.Module):
     # -------------------------------------------------------------- per-pair gathered weights + bmm
     def batched(self, x, how):
         w, ids = self.route(x)
+        if how == "negative_sentinel":     # dropped slots marked -1: W[-1] is the last expert in eager
+            ids = torch.where(w > 0.3, ids, -1)
         flat = ids.reshape(-1)
         h = torch.bmm(x.repeat_interleave(K, dim=0).unsqueeze(1), self.gate_up[flat]).squeeze(1)
         if how == "bias_alpha":
@@ -326,7 +330,10 @@ REFUSED = [
     ("llama:fill_written", "written_in_place"),             # 0.77: the -inf fill written
     ("llama:fill_written_after_scatter", "written_in_place"),   # 0.35
     ("sorted:weights_written_data", "written_in_place"),
-    ("sorted:key_computed", "sort_key"),     # was rewritten with ids * 2 as expert ids (error 0.98)
+    ("sorted:key_computed", "sort_key"),
+    # an eleventh review: ids that can be negative (relative error of the output before)
+    ("sorted:negative_sentinel", "ids_may_be_negative"),     # 0.29 here (0.74 in the review)
+    ("batched:negative_sentinel", "ids_may_be_negative"),    # 0.12 here (0.50 in the review)     # was rewritten with ids * 2 as expert ids (error 0.98)
     ("loop:reads_accumulator", "partial_read"),
     ("loop:reads_accumulator_view", "partial_read"),   # was rewritten, output error 0.04-0.06
     ("loop:overwrite_own_rows", "overwrite_topk"),   # was refused, as moe_unmatched (no reason of its own)
