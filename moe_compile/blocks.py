@@ -99,6 +99,8 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
                      best_name, ".".join(parts[:i]), type(owner).__name__, len(blocks))
             return blocks
     blocks = _items(best)
+    if isinstance(best, nn.Sequential):   # nn.Sequential(embedding, *layers, head): the layers, not torch.nn's own
+        blocks = [m for m in blocks if not type(m).__module__.startswith("torch.nn.")] or blocks
     inside = {id(m) for b in blocks for m in b.modules()} | {id(best)}
     outside = [n for n, m in mods.items() if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m) > 1
                and id(m) not in inside and not any(c is best for c in m.modules())]   # nor around best

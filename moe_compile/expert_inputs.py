@@ -73,7 +73,8 @@ class _HandOver:
             changed = next(i for i, (p, v) in enumerate(zip(params, self.versions)) if p._version != v)
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: expert weight {changed} of a stacked input {tuple(g.shape)} was written in place "
+                f"operation: weight {changed} (counted over the segments of this stack, expert by expert) of the "
+                f"stacked expert weights {tuple(g.shape)} was written in place "
                 "between the compiled forward and its backward (eager raises the same); write weights after "
                 "the backward (e.g. optimizer.step() after loss.backward())")
         parts = g.split(self.rows, dim=1) if len(self.rows) > 1 else (g,)

@@ -25,12 +25,15 @@ per architecture in tests/test_forms_hf_eager.py.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
 import types
 
 import torch
+
+log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _depth = 0
@@ -77,7 +80,12 @@ def _acquire() -> None:
     with _lock:
         _depth += 1
         if _depth == 1 and "transformers" in sys.modules:
-            _install()
+            try:
+                _install()
+            except Exception as exc:   # never into the user's call: nothing substituted, the loops traced as written
+                _restore()
+                log.warning("moe_compile: substituting transformers' expert loops failed (%s: %s); they are "
+                            "traced as written", type(exc).__name__, exc)
 
 
 def _release() -> None:
@@ -85,14 +93,18 @@ def _release() -> None:
     with _lock:
         _depth -= 1
         if _depth == 0:
-            for owner, attr, old in reversed(_installed):
-                if old is _MISSING:
-                    owner.pop(attr, None) if isinstance(owner, dict) else delattr(owner, attr)
-                elif isinstance(owner, dict):
-                    owner[attr] = old
-                else:
-                    setattr(owner, attr, old)
-            _installed.clear()
+            _restore()
+
+
+def _restore() -> None:
+    for owner, attr, old in reversed(_installed):
+        if old is _MISSING:
+            owner.pop(attr, None) if isinstance(owner, dict) else delattr(owner, attr)
+        elif isinstance(owner, dict):
+            owner[attr] = old
+        else:
+            setattr(owner, attr, old)
+    _installed.clear()
 
 
 # ----------------------------------------------------------------------------- installation
@@ -189,13 +201,24 @@ def _only_own_calls(fn) -> bool:
         while codes:
             code = codes.pop()
             codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-            for n in code.co_names:   # globals and attribute names: the functions among them matter
+            for n in code.co_names:   # globals and attribute names: the callables among them matter
                 v = g.get(n)
-                if isinstance(v, types.FunctionType):
-                    deps[(id(g), n)] = (g, n, v)
-                    stack.append(v)
+                if v is None or isinstance(v, (types.ModuleType, type)) or not callable(v):
+                    continue
+                deps[(id(g), n)] = (g, n, v)
+                wrapped = getattr(v, "__wrapped__", None) if type(v).__module__ == "functools" else None
+                if isinstance(v, types.FunctionType) or isinstance(wrapped, types.FunctionType):
+                    stack.append(v if isinstance(v, types.FunctionType) else wrapped)   # lru_cache: its function
+                elif not _torch_callable(v):
+                    ok = False   # a partial, a callable object, ...: a user's, put in transformers' place
     _calls_checked[fn] = (tuple(deps.values()), ok)
     return ok
+
+
+def _torch_callable(v) -> bool:
+    """A builtin or one of torch's own callables (ops, C functions)."""
+    mod = getattr(v, "__module__", None) or type(v).__module__ or ""
+    return isinstance(v, (types.BuiltinFunctionType, types.BuiltinMethodType)) or mod.split(".")[0] == "torch"
 
 
 def _stock_grouped(moe):

@@ -113,7 +113,7 @@ def _ids_input(graph: fx.Graph) -> str:
         todo, seen = [p], set()
         while todo:   # through views and casts (ids.view(-1, K) == e)
             n = todo.pop()
-            if canon(n) == "eq":
+            if canon(n) == "eq" and any(isinstance(a, int) and not isinstance(a, bool) for a in n.args[:2]):
                 return source_name(p) or p.name
             if n not in seen and (n is p or canon(n) in ("view", "reshape", "flatten", "to", "long", "int")):
                 seen.add(n)

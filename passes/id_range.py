@@ -22,12 +22,14 @@ import torch
 import torch.fx as fx
 
 from .normalize import _index_source, arg, canon, id_bound, val
-from .writes import written
+from .writes import storage_base, written
 
-_KEEP = {"view", "reshape", "flatten", "contiguous", "clone", "detach", "unsqueeze", "squeeze", "expand",
-         "t", "transpose", "permute", "getitem", "select", "narrow", "repeat", "repeat_interleave"}
+_KEEP = {"view", "reshape", "flatten", "unflatten", "contiguous", "clone", "detach", "unsqueeze", "squeeze",
+         "expand", "view_as", "reshape_as", "expand_as", "t", "transpose", "permute", "getitem", "select", "narrow",
+         "repeat", "repeat_interleave", "split", "chunk", "unbind", "tensor_split"}
 _CASTS = {"to", "long", "int", "short", "char", "byte", "type", "float", "double"}
-_ALL_OPERANDS = {"where", "add", "iadd", "maximum", "masked_fill"}
+_TUPLES = {"topk", "max", "min", "sort", "kthvalue", "mode", "aminmax", "median"}
+_INTS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 _DEPTH = 24
 
 
@@ -39,57 +41,95 @@ def _holds(dtype, bound: int | None) -> bool:
     """Every id below ``bound`` keeps its value in ``dtype``."""
     if dtype in (torch.int64, torch.int32):
         return True
-    if bound is None:
+    if bound is None or not (dtype in _INTS or dtype.is_floating_point):
         return False
     if dtype.is_floating_point:
         return bound <= 2 ** 24 if dtype in (torch.float32, torch.float64) else bound <= 256
     return bound - 1 <= torch.iinfo(dtype).max
 
 
-def _writes_keep(node: fx.Node) -> bool:
-    """Every in-place write into ``node`` keeps its values >= 0."""
-    for u in node.users:
-        if written(u) is not node:
-            continue
-        op = (canon(u) or "").rstrip("_")
-        if op in ("clamp", "clamp_min", "clamp_max"):   # clamp_(max=E - 1): transformers' EP sentinel clamp
-            lo = arg(u, 1, "min", None) if op != "clamp_max" else None
-            hi = arg(u, 2, "max", None) if op == "clamp" else arg(u, 1, "max", None) if op == "clamp_max" else None
-            if (lo is None or _number_ok(lo)) and (hi is None or _number_ok(hi)):
+def _name(n: fx.Node) -> str:
+    """The op as written (``canon`` maps fmod and remainder alike)."""
+    return n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+
+
+def _clamp_ok(n: fx.Node, op: str) -> bool:
+    """clamp / clamp_min / clamp_max whose bounds keep values >= 0 (a max alone keeps them)."""
+    lo = arg(n, 1, "min", None) if op != "clamp_max" else None
+    hi = arg(n, 2, "max", None) if op == "clamp" else arg(n, 1, "max", None) if op == "clamp_max" else None
+    return (lo is None or _number_ok(lo)) and (hi is None or _number_ok(hi))
+
+
+class _Writes:
+    """Every in-place write of the graph, by the storage it writes (through views of it)."""
+
+    def __init__(self, graph: fx.Graph):
+        # the outputs of topk / max / sort are separate tensors (storage_base takes them for views of their
+        # producer): a write to the values is not one to the indices
+        self.memo: dict = {n: n for n in graph.nodes if canon(n) == "getitem" and isinstance(n.args[0], fx.Node)
+                           and canon(n.args[0]) in _TUPLES}
+        self.by_base: dict = {}
+        for u in graph.nodes:
+            t = written(u)
+            if t is not None:
+                self.by_base.setdefault(storage_base(t, self.memo), []).append(u)
+
+    def keep(self, node: fx.Node) -> bool:
+        """Every in-place write into ``node``'s storage (through any view) keeps values >= 0."""
+        for u in self.by_base.get(storage_base(node, self.memo), ()):
+            op = (canon(u) or "").rstrip("_")
+            if op in ("clamp", "clamp_min", "clamp_max") and _clamp_ok(u, op):
+                continue   # clamp_(max=E - 1): transformers' expert-parallel sentinel clamp
+            if op == "masked_fill" and _number_ok(arg(u, 2, "value", None)):
                 continue
-        if op == "masked_fill" and _number_ok(arg(u, 2, "value", None)):
-            continue
-        if op == "setitem" and _number_ok(u.args[2] if len(u.args) > 2 else None):
-            continue
-        return False
-    return True
+            if op == "setitem" and _number_ok(u.args[2] if len(u.args) > 2 else None):
+                continue
+            return False
+        return True
 
 
-def ids_nonnegative(ids, depth: int = _DEPTH) -> bool:
+def ids_nonnegative(ids) -> bool:
     """True if every value of the integer tensor ``ids`` is provably >= 0 (the module docstring)."""
     if _number_ok(ids):
         return True
-    if not isinstance(ids, fx.Node) or depth <= 0 or not _writes_keep(ids):
-        return False
-    if _index_source(ids, ()) is not None:
+    return isinstance(ids, fx.Node) and _nonnegative(ids, _Writes(ids.graph), _DEPTH)
+
+
+def _nonnegative(n, writes: _Writes, depth: int) -> bool:
+    if _number_ok(n):
         return True
-    op = canon(ids) or ""
-    src = ids.args[0] if ids.args else None
+    if not isinstance(n, fx.Node) or depth <= 0 or not writes.keep(n):
+        return False
+    if _index_source(n, ()) is not None:
+        return True
+    op, src = canon(n) or "", n.args[0] if n.args else None
+    def sub(x):
+        return _nonnegative(x, writes, depth - 1)
     if op in _KEEP and isinstance(src, fx.Node):
-        return ids_nonnegative(src, depth - 1)
+        return sub(src)
     if op in _CASTS and isinstance(src, fx.Node):
-        v = val(ids)
-        return isinstance(v, torch.Tensor) and _holds(v.dtype, id_bound(src)) and ids_nonnegative(src, depth - 1)
-    if op in ("clamp", "clamp_min") and _number_ok(arg(ids, 1, "min", None)):
-        return True
-    if op in ("remainder", "fmod", "mod") or ids.op == "call_function" and ids.target is operator.mod:
-        d = ids.args[1] if len(ids.args) > 1 else None
-        return isinstance(d, int) and d > 0 and (op != "fmod" or ids_nonnegative(src, depth - 1))
+        v = val(n)
+        return isinstance(v, torch.Tensor) and _holds(v.dtype, id_bound(src)) and sub(src)
     if op in ("stack", "cat", "concat", "concatenate", "hstack", "vstack") and isinstance(src, (list, tuple)):
-        return bool(src) and all(ids_nonnegative(a, depth - 1) for a in src)
-    if op in ("add", "iadd") and not _number_ok(ids.kwargs.get("alpha", 1)):
-        return False
-    if op in _ALL_OPERANDS or ids.op == "call_function" and ids.target in (operator.add, operator.iadd):
-        operands = [a for a in ids.args[(1 if op == "where" else 0):] if not (op == "masked_fill" and a is ids.args[1])]
-        return bool(operands) and all(ids_nonnegative(a, depth - 1) for a in operands)
+        return bool(src) and all(sub(a) for a in src)
+    if op in ("clamp", "clamp_min", "clamp_max"):
+        lo = arg(n, 1, "min", None) if op != "clamp_max" else None
+        return _clamp_ok(n, op) and (_number_ok(lo) or sub(src))
+    name = _name(n)
+    if name in ("remainder", "mod", "__mod__") or n.target is operator.mod:   # Python's sign: the divisor's
+        d = n.args[1] if len(n.args) > 1 else None
+        return isinstance(d, int) and d > 0
+    if name == "fmod":   # C's sign: the dividend's
+        d = n.args[1] if len(n.args) > 1 else None
+        return isinstance(d, int) and d > 0 and sub(src)
+    if op == "where":
+        if n.op == "call_method":   # ids.where(cond, other)
+            return sub(src) and sub(arg(n, 2, "other", None))
+        return sub(arg(n, 1, "input", None)) and sub(arg(n, 2, "other", None))
+    if op == "masked_fill":
+        return sub(src) and _number_ok(arg(n, 2, "value", None))
+    if op in ("add", "iadd", "maximum") or n.target in (operator.add, operator.iadd):
+        if not _number_ok(n.kwargs.get("alpha", 1)):
+            return False
+        return sub(src) and sub(arg(n, 1, "other", None))
     return False

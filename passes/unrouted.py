@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .normalize import arg, attribute_path, canon, common_module, module_path, val, where_in_user_code
 from .token_paths import MATMULS, param_of
@@ -97,7 +98,7 @@ def _int_at(n: fx.Node, e: int, dim0: bool = False) -> int | None:
         return None
     if op == "select":
         dim, i = arg(n, 1, "dim", None), arg(n, 2, "index", None)
-        ok = isinstance(dim, int) and (dim % len(d) == 0 or not dim0) and d[dim] == e
+        ok = isinstance(dim, int) and (dim % len(d) == 0 or not dim0) and statically_known_true(d[dim] == e)
         return i if ok and isinstance(i, int) and not isinstance(i, bool) and 0 <= i < e else None
     idx = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
     if any(isinstance(a, fx.Node) for a in idx):
@@ -110,7 +111,8 @@ def _int_at(n: fx.Node, e: int, dim0: bool = False) -> int | None:
     for pos, a in pairs:
         if dim0 and pos != 0:
             continue
-        if isinstance(a, int) and not isinstance(a, bool) and 0 <= pos < len(d) and d[pos] == e and 0 <= a < e:
+        if isinstance(a, int) and not isinstance(a, bool) and 0 <= pos < len(d) and statically_known_true(d[pos] == e) \
+                and 0 <= a < e:
             return a
     return None
 

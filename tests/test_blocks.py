@@ -296,6 +296,8 @@ def test_find_blocks_takes_repeated_owners_not_one_layers_experts_and_explain_na
     assert find_blocks(model) == [model.a, model.b]
     seq = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), Block()) for _ in range(3))   # Sequential blocks
     assert find_blocks(nn.ModuleDict({"emb": nn.Embedding(4, 16), "h": seq})) == list(seq)
+    top = nn.Sequential(nn.Linear(16, 16), *(Block() for _ in range(3)), nn.Linear(16, 16))   # emb, layers, head
+    assert find_blocks(top) == list(top)[1:4]
     with records.recording() as graphs:
         moe_compile.compile_blocks(model, options=OPTS)
         model(torch.randn(10, 16))

@@ -58,6 +58,15 @@ class Stacked(nn.Module):
             w, ids = F.softmax(self.router_wide(x), dim=-1).topk(K, dim=-1)
         if how == "negative_sentinel":     # dropped slots marked -1: eager sorts them first (groups shift)
             ids = torch.where(w > 0.3, ids, -1)
+        elif how == "fmod_shift":          # fmod keeps the dividend's sign: fmod(-1, E) = -1
+            ids = torch.fmod(ids - 1, E)
+        elif how == "remainder_shift":     # remainder keeps the divisor's: every id in [0, E)
+            ids = torch.remainder(ids + 1, E)
+        elif how == "view_written":        # -1 written through a view of (a copy of) the ids
+            ids = ids.clone()
+            ids.view(-1)[(w < 0.3).view(-1)] = -1
+        elif how == "masked_fill_keyword":  # the fill value passed by keyword
+            ids = ids.masked_fill(w < 0.3, value=-1)
         flat = ids.reshape(-1)
         perm = flat.argsort(stable=True)
         if how == "sort_key_bool":          # sorted by flat.to(bool): rows not grouped by expert
@@ -297,7 +306,7 @@ REWRITTEN = ["sorted:", "sorted:histc_titan", "sorted:bias", "sorted:down_bias",
              "batched:", "batched:bias", "batched:down_bias", "dense:", "dense:index_none", "dense:reshape_unit",
              "dense:permute_swap", "dense:transpose_negative", "dense:sum_dim_keyword", "dense:clamp_zero",
              "sorted:scatter_index", "llama:", "dense:glu_last", "loop:", "dense:stmt",
-             "dense:weights_written_first"]
+             "dense:weights_written_first", "sorted:remainder_shift"]
 # (variant, reason code of the refusal; None: refused as an op the form does not have)
 REFUSED = [
     ("sorted:inv_descending", None),          # argsort(descending=True) is not the inverse permutation
@@ -330,10 +339,13 @@ REFUSED = [
     ("llama:fill_written", "written_in_place"),             # 0.77: the -inf fill written
     ("llama:fill_written_after_scatter", "written_in_place"),   # 0.35
     ("sorted:weights_written_data", "written_in_place"),
-    ("sorted:key_computed", "sort_key"),
+    ("sorted:key_computed", "sort_key"),     # was rewritten with ids * 2 as expert ids (error 0.98)
     # an eleventh review: ids that can be negative (relative error of the output before)
     ("sorted:negative_sentinel", "ids_may_be_negative"),     # 0.29 here (0.74 in the review)
-    ("batched:negative_sentinel", "ids_may_be_negative"),    # 0.12 here (0.50 in the review)     # was rewritten with ids * 2 as expert ids (error 0.98)
+    ("batched:negative_sentinel", "ids_may_be_negative"),    # 0.12 here (0.50 in the review)
+    ("sorted:fmod_shift", "ids_may_be_negative"),           # found by the read-through of the fix: 1.10
+    ("sorted:view_written", "ids_may_be_negative"),         # 0.74
+    ("sorted:masked_fill_keyword", "ids_may_be_negative"),  # 0.74
     ("loop:reads_accumulator", "partial_read"),
     ("loop:reads_accumulator_view", "partial_read"),   # was rewritten, output error 0.04-0.06
     ("loop:overwrite_own_rows", "overwrite_topk"),   # was refused, as moe_unmatched (no reason of its own)
