@@ -44,16 +44,33 @@ def _entry(rank: int, body, world_size: int, init_file: str, args: tuple) -> Non
 def run_distributed(body, world_size: int = 2, *args, timeout_s: float = 240) -> None:
     """A rank killed by a signal (no Python exception: a SIGSEGV, and a SIGABRT from glibc's "malloc():
     unaligned tcache chunk detected", seen twice in about a dozen full CPU runs, each in a different
-    gloo test that then passed on rerun) gets the whole run repeated once, with a line on stderr; a
-    second signal, any exception raised by a rank, and a timeout fail the test."""
+    gloo test that then passed on rerun), or a rank whose peer went away while gloo set up the group
+    (seen twice in a full CPU run's rerun of test_dist_utils), gets the whole run repeated once, with a
+    line on stderr; a second such failure, any other exception raised by a rank, and a timeout fail the
+    test."""
     try:
         _run_once(body, world_size, args, timeout_s)
-    except mp.ProcessExitedException as exc:
-        if exc.signal_name is None:
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:
+        why = _died_of_a_signal(exc)
+        if why is None:
             raise
-        print(f"run_distributed: {body.__name__}: a rank died of {exc.signal_name} (no exception); running it again",
-              file=sys.stderr, flush=True)
+        print(f"run_distributed: {body.__name__}: {why}; running it again", file=sys.stderr, flush=True)
         _run_once(body, world_size, args, timeout_s)
+
+
+# what gloo raises in a rank whose peer died while the group was being set up (the peer's own signal
+# may be reported second: spawn raises the first failure it sees)
+_PEER_GONE = ("Gloo connectFullMesh failed", "Connection closed by peer")
+
+
+def _died_of_a_signal(exc) -> str | None:
+    """Why ``exc`` is a rank (or its peer) dying of a signal, not of the body: else None."""
+    if isinstance(exc, mp.ProcessExitedException):
+        return f"a rank died of {exc.signal_name} (no exception)" if exc.signal_name is not None else None
+    text = str(exc)
+    if "init_process_group" in text and any(p in text for p in _PEER_GONE):
+        return "a peer went away while the process group was set up (gloo: connection closed by peer)"
+    return None
 
 
 def _run_once(body, world_size: int, args: tuple, timeout_s: float) -> None:
