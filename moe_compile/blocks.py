@@ -71,9 +71,10 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     Where that container lies inside a module whose class repeats (decoder layers kept as plain
     attributes, an encoder and a decoder stack of one class), the blocks are the instances of that
     class (not one layer's experts); warns where other ``ModuleList``s / ``ModuleDict``s lie outside
-    the blocks (they run eagerly).""" 
+    the blocks (they run eagerly)."""
     best, best_name, best_size = None, "", -1
-    for name, module in model.named_modules():
+    mods = dict(model.named_modules())
+    for name, module in mods.items():
         if isinstance(module, _CONTAINERS) and len(module) and not any(
                 isinstance(m, (nn.ModuleList, nn.ModuleDict)) for m in _items(module)):   # Sequential items: blocks
             size = sum(p.numel() for p in module.parameters())
@@ -82,7 +83,6 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     if best is None:
         raise ValueError(f"compile_blocks: {type(model).__name__} has no nn.ModuleList (ModuleDict, Sequential) of blocks; "
                          "pass blocks=[...] (the modules to compile one by one)")
-    mods = dict(model.named_modules())
     parts = best_name.split(".")
     for i in range(1, len(parts)):
         owner = mods[".".join(parts[:i])]

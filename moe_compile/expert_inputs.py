@@ -90,15 +90,25 @@ class _HandOver:
             return
         old, new = [], []
         for p, have, v in zip(params, grads, views):
-            if have is None:
-                p.grad = v.clone() if out_of_place else v   # under create_graph: not a view (zero_grad detaches it)
-            elif out_of_place:
-                p.grad = have + v
-            else:
+            if have is not None and not out_of_place:   # summed in place, in one foreach call below
                 old.append(have)
                 new.append(v)
+            else:
+                _accumulate(p, have, v, out_of_place)
         if old:
             torch._foreach_add_(old, new)
+
+
+def _accumulate(p, have, v, out_of_place: bool) -> None:
+    """``p.grad`` as AccumulateGrad leaves it, ``have`` its gradient so far: ``v`` where there was none (a
+    clone under create_graph: not a view, which zero_grad could not detach), else the sum (out of place
+    under create_graph)."""
+    if have is None:
+        p.grad = v.clone() if out_of_place else v
+    elif out_of_place:
+        p.grad = have + v
+    else:
+        have.add_(v)
 
 
 def _hand_over_hooked(params, views, out_of_place: bool) -> None:
@@ -108,12 +118,7 @@ def _hand_over_hooked(params, views, out_of_place: bool) -> None:
         for hook in tuple((p._backward_hooks or {}).values()):
             r = hook(v)
             v = v if r is None else r
-        if p.grad is None:
-            p.grad = v.clone() if out_of_place else v
-        elif out_of_place:
-            p.grad = p.grad + v
-        else:
-            p.grad.add_(v)
+        _accumulate(p, p.grad, v, out_of_place)
         for hook in tuple((p._post_accumulate_grad_hooks or {}).values()):
             hook(p)
 

@@ -114,12 +114,7 @@ def _install() -> None:
     if grouped is not None:
         _grouped[:] = [grouped]
         for cls, dispatch in _declared_classes(moe):
-            key = (cls, dispatch)
-            if key not in _cache:
-                _cache[key] = _declared_substitute(cls, dispatch)
-                _cache[key]._moe_compile_substitute = True
-            _installed.append((cls, "forward", dispatch))
-            setattr(cls, "forward", _cache[key])
+            _put(cls, "forward", dispatch, (cls, dispatch), lambda: _declared_substitute(cls, dispatch))
     patched = {m for m, c, a, _ in _CLASS_SUBSTITUTES if _patched(m, c, a)}
     # read here, outside any trace (Dynamo does not see a function's __qualname__ as Python does)
     _stock_forward.clear()
@@ -134,12 +129,17 @@ def _install() -> None:
             continue
         if module in patched:   # a user's patch or a kernel swapped in (JetMoE's gating and experts go as a
             continue            # pair: the gating's tensor counts need the experts' substitute): traced as written
-        key = (cls, attr)
-        if key not in _cache:
-            _cache[key] = make(cls, original)
-            _cache[key]._moe_compile_substitute = True
-        _installed.append((cls, attr, original))
-        setattr(cls, attr, _cache[key])
+        _put(cls, attr, original, (cls, attr), lambda: make(cls, original))
+
+
+def _put(cls, attr: str, original, key, build) -> None:
+    """Set ``cls.attr`` to the substitute cached under ``key`` (built once: a stable identity Dynamo
+    guards on) and record ``original`` for ``_restore``."""
+    if key not in _cache:
+        _cache[key] = build()
+        _cache[key]._moe_compile_substitute = True
+    _installed.append((cls, attr, original))
+    setattr(cls, attr, _cache[key])
 
 
 def _transformers_root() -> str:
@@ -453,7 +453,7 @@ def jetmoe_experts_grouped(self, inputs, expert_size):
 _CALLED_MODULES = (("transformers.models.dbrx.modeling_dbrx", "DbrxExpertGLU"),)
 _stock_forward: dict[tuple[str, str], bool] = {}
 
-# (module, class, attribute, factory(original) -> substitute): classes with no declared grouped
+# (module, class, attribute, factory(class, original) -> substitute): classes with no declared grouped
 # implementation whose forward Dynamo cannot trace
 _CLASS_SUBSTITUTES = (
     ("transformers.models.dbrx.modeling_dbrx", "DbrxExperts", "forward", _when_compiling(dbrx_grouped)),
