@@ -41,5 +41,8 @@ def test_a_peer_gone_during_setup_counts_as_a_signal_death():
     gone = mp.ProcessRaisedException("in init_process_group\nRuntimeError: Gloo connectFullMesh failed with "
                                      "[pair.cc:553] Connection closed by peer [127.0.0.1]:58063.", 1, 1)
     assert _died_of_a_signal(gone) is not None
+    in_setup_barrier = mp.ProcessRaisedException("in _every_rank_set_up\n    dist.barrier()\nRuntimeError: [pair.cc:534]"
+                                                 " Read error [127.0.0.1]:5: Connection reset by peer", 1, 1)
+    assert _died_of_a_signal(in_setup_barrier) is not None
     assert _died_of_a_signal(mp.ProcessRaisedException("AssertionError: not a reason", 1, 1)) is None
     assert _died_of_a_signal(mp.ProcessRaisedException("in all_reduce: Connection closed by peer", 1, 1)) is None
