@@ -9,6 +9,9 @@ Contract::
     gated, for >= 2 experts, on their inputs or outputs, by a per-expert selection of that expert e:
         ids == e            integer ids compared with several numbers (hash / table ids: router_draws;
                             ids that are an input of the graph, e.g. a checkpoint body's: ids_outside)
+        W[ids]              each token's expert weights gathered from a stacked W by integer ids computed
+                            from the graph's inputs (``tid2eid[input_ids]``, ``input_ids % E`` kept as ids):
+                            router_draws, or ids_outside for ids that are an input of the graph
         scores[:, e]        column e of the block's gate scores (a matmul of the tokens with a 2-D
                             Parameter of the block writing [.., E], and what follows it short of another
                             Parameter's matmul): moe_unmatched when it picks rows (threshold, top-p),
@@ -196,6 +199,31 @@ def _selectors(starts, i, e: int, scores: set, weights: set, depth: int) -> list
     return out
 
 
+def _gathered_by(m: fx.Node, weights: set, e: int) -> fx.Node | None:
+    """The integer ids ``m`` (a matmul) gathers its stacked weight [E, ...] by along dim 0 (``W[ids]``,
+    ``W.index_select(0, ids)``, through views and casts), when they are computed from an input of the graph
+    (not from constants alone: ``W[arange(E)]`` is every expert), else None."""
+    for a in m.all_input_nodes:
+        p = param_of(a, weights)
+        n = a
+        while p is not None and isinstance(n, fx.Node) and n is not p:
+            op = canon(n) or ""
+            idx = None
+            if op == "getitem" and len(n.args) > 1:
+                first = n.args[1][0] if isinstance(n.args[1], (tuple, list)) and n.args[1] else n.args[1]
+                idx = first if isinstance(first, fx.Node) else None
+            elif op == "index_select" and arg(n, 1, "dim", None) in (0, -len(_dims(n.args[0]) or (0,))):
+                idx = arg(n, 2, "index", None)
+            if isinstance(idx, fx.Node):
+                v = val(idx)
+                if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dtype != torch.bool \
+                        and _dims(n.args[0])[:1] == (e,) and any(x.op == "placeholder" for x in _ancestors(idx, 64)):
+                    return idx
+                return None
+            n = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    return None
+
+
 def _consumers(m: fx.Node, hops: int = 4) -> list[fx.Node]:
     """The ops that combine ``m``'s output with something else, through at most ``hops`` single-input ops."""
     out, stack, seen = [], [(m, 0)], set()
@@ -222,6 +250,10 @@ def unrouted(gm, params, weights, claimed_nodes, claimed_modules, listed, disabl
         for own in dict.fromkeys([owner, _parent(owner)] if owner else [owner]):
             scores = _scores(gm, e, own, key if listed_ else "", params, weights)
             for m, i in members.items():
+                ids = _gathered_by(m, weights, e)
+                if ids is not None:   # W[ids]: each token's experts gathered by ids of no top-k router
+                    found.append((None, "gather", ids, True))
+                    continue
                 if i is None:   # bmm / einsum on all the experts: their outputs weighted by the scores
                     found += [(None, "slice", u, False) for u in _consumers(m) if any(
                         a in scores and e in _dims(a) and not _near(a, lambda x: x in members)
@@ -253,16 +285,18 @@ def _unrouted_record(key, e, members, found, module, disabled) -> Unclaimed:
     at = where_in_user_code(sel) or where_in_user_code(first) or "?"
     label = f"`{key}.<e>`" if all(isinstance(i, int) for i in members.values()) else f"`{key}`"
     evidence = (f"the {e} experts {label} (`{first.name}`) "
-                + ("on the rows each expert's selection picks" if rows else "weighted per expert"))
+                + ("with each token's expert weights gathered by its ids" if kind == "gather"
+                   else "on the rows each expert's selection picks" if rows else "weighted per expert"))
     detail = {"k": "?", "e": e, "router_at": where_in_user_code(sel) or "?", "evidence": evidence, "node": sel.name,
               "disabled": f" (the finders {', '.join(disabled)} are disabled by moe.disable)" if disabled else ""}
-    if kind == "compare":
-        ids = _compared(sel)[0]
+    if kind in ("compare", "gather"):
+        ids = _compared(sel)[0] if kind == "compare" else sel
         if ids.op == "placeholder":
             detail["router"] = (f"expert ids `{ids.name}` that are an input of this graph (computed outside it: "
                                 "e.g. a torch.utils.checkpoint body given the router's ids)")
             return Unclaimed(module, at, e, 0, detail, "ids_outside")
-        detail["router"] = f"a hash or table router (`{ids.name}` compared with each expert number)"
+        detail["router"] = (f"a hash or table router (`{ids.name}` compared with each expert number)" if kind == "compare"
+                            else f"a hash or table router (`{ids.name}` gathers each token's expert weights)")
         return Unclaimed(module, at, e, 0, detail, "router_draws")
     if rows:
         detail["router"] = f"a router without a top-k (`{sel.name}`: each expert's share of the router's scores)"

@@ -1152,7 +1152,7 @@ class _Unrouted(nn.Module):
     """A rewritable top-2 layer (``good``) beside a layer whose experts are selected per expert without a
     top-k router (found silent by a review: no record, and no "nothing rewritten" warning since ``good`` is
     rewritten): threshold / top-p routing, hash routing (a table, a bit-and, an LSH, a hash of the hidden
-    state), a checkpointed expert loop given the ids, every expert weighted by the scores (einsum, a
+    state; a loop over the experts, or each token's weights gathered by its ids), a checkpointed expert loop given the ids, every expert weighted by the scores (einsum, a
     ModuleList, Soft MoE slots), expert choice with stacked weights."""
 
     def __init__(self, form, h=16, i=32, e=4):
@@ -1204,6 +1204,14 @@ class _Unrouted(nn.Module):
             return self._loop(x, bits[:, 0] * 2 + bits[:, 1])
         if f == "hash_hidden":
             return self._loop(x, (x.detach().abs().sum(-1) * 1000).long() % self.e)
+        if f == "hash_gather":       # each token's expert weights gathered by its table ids (DeepSeek-V4's hash layers)
+            eid = self.table[ids]
+            h = F.gelu(torch.bmm(x.unsqueeze(1), self.w1[eid]))
+            return torch.bmm(h, self.w2[eid]).squeeze(1)
+        if f == "hash_gather_index_select":
+            eid = (x.detach().abs().sum(-1) * 1000).long() & (self.e - 1)
+            h = F.gelu(torch.einsum("th,thi->ti", x, self.w1.index_select(0, eid)))
+            return torch.einsum("ti,tih->th", h, self.w2.index_select(0, eid))
         if f in ("checkpoint", "checkpoint_reentrant"):
             w, top = p.topk(2, -1)
             return torch.utils.checkpoint.checkpoint(self._body, x, w, top, use_reentrant=f != "checkpoint")
@@ -1237,6 +1245,7 @@ class _GoodAndGap(nn.Module):
 
 _UNROUTED = {"threshold": "moe_unmatched", "top_p": "moe_unmatched", "hash_table": "router_draws",
              "hash_bitand": "router_draws", "hash_lsh": "router_draws", "hash_hidden": "router_draws",
+             "hash_gather": "router_draws", "hash_gather_index_select": "router_draws",
              "checkpoint": "ids_outside", "checkpoint_reentrant": "ids_outside", "dense_soft": "soft_moe",
              "dense_threshold": "soft_moe", "dense_topk_mask": "routing_matrix_form", "list_soft": "soft_moe",
              "slots": "soft_moe", "expert_choice": "moe_unmatched", "expert_choice_t": "moe_unmatched"}
@@ -1304,6 +1313,8 @@ class _NotMoE(nn.Module):
             v = torch.einsum("th,nhd->ntd", x, self.wv)
             att = torch.einsum("th,sh->ts", x, x).softmax(-1)
             return torch.einsum("ts,nsd->tnd", att, v).reshape(t, -1)
+        if self.form == "every_head_gathered":    # W[arange(n)]: every head, not ids computed from the input
+            return torch.einsum("th,nhd->tnd", x, self.wv[torch.arange(self.n)]).reshape(t, -1)
         if self.form == "gated_mlp":
             return self.down(F.silu(self.gate(x)) * self.up(x))
         if self.form == "grouped_chunks":
@@ -1316,7 +1327,7 @@ class _NotMoE(nn.Module):
         return torch.stack([self.heads[i](x[:, :4]) for i in range(self.n)]) * logits.softmax(-1).t()[0, :, None]
 
 
-@pytest.mark.parametrize("form", ["list_heads", "stacked_heads", "gated_mlp", "grouped_chunks", "layers_then_topk",
+@pytest.mark.parametrize("form", ["list_heads", "stacked_heads", "every_head_gathered", "gated_mlp", "grouped_chunks", "layers_then_topk",
                                   "classifier_weighted_first"])
 def test_look_alikes_without_expert_selection_are_not_listed(form):
     rep = moe_compile.explain(_NotMoE(form), make_input((6, 16)))
