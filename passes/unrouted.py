@@ -19,8 +19,10 @@ Contract::
   -> one Unclaimed record per expert set, unless a candidate region or the router scan of
      unclaimed.py already covers its block.
 
-The selection's number must be the expert's index; negative controls (per-head projections,
-attention, a gated MLP, a classifier's top-k) are in tests/test_never_silent.py.
+Compared ids may number the experts otherwise (``eid == (e + 1) % E``, ``enumerate(experts, start=1)``), but
+two experts must be gated by different numbers; a score column must be the expert's index. Negative
+controls (per-head projections, attention, a gated MLP, a classifier's top-k, rows picked by two numbers
+fed to every head) are in tests/test_never_silent.py.
 """
 from __future__ import annotations
 
@@ -171,16 +173,15 @@ def _scores(gm: fx.GraphModule, e: int, owner: str, key: str, params: set, weigh
 def _selectors(starts, i, e: int, scores: set, weights: set, depth: int) -> list:
     """(kind, node, rows) of the per-expert selections of expert ``i`` among what ``starts`` are computed
     from (at most ``depth`` ops back, short of Parameters' matmuls; an indexed read follows its index
-    only, ``rows``: the selection picks rows): ``ids == i`` ("compare", ids compared with several
-    numbers) or column ``i`` of the gates' [.., E] scores ("slice", ``probs[:, i]``)."""
+    only, ``rows``: the selection picks rows): ``ids == j`` ("compare", ids compared with several
+    numbers; j may differ from i) or column ``i`` of the gates' [.., E] scores ("slice", ``probs[:, i]``)."""
     out, seen, stack = [], set(), [(s, 0, False) for s in starts]
     while stack:
         n, d, rows = stack.pop()
         if not isinstance(n, fx.Node) or n in seen or d > depth:
             continue
         seen.add(n)
-        c = _compared(n)
-        if c is not None and c[1] == i:
+        if _compared(n) is not None:   # any number: the experts may be numbered otherwise (checked in unrouted)
             out.append(("compare", n, rows))
             continue
         if n in scores and _int_at(n, e) == i:
@@ -268,6 +269,14 @@ def unrouted(gm, params, weights, claimed_nodes, claimed_modules, listed, disabl
                           if _under(module_path(n), own) and not (listed_ and _under(module_path(n), key))]
             if found:
                 break
+        # per expert: its experts must be gated by different numbers (rows picked once, by one or two numbers,
+        # and fed to every expert are not a selection per expert)
+        numbers: dict = {}
+        for i, kind, n, _ in found:
+            if kind == "compare":
+                numbers.setdefault(i, set()).add(_compared(n)[1])
+        if len({frozenset(v) for v in numbers.values()}) < 2:
+            found = [f for f in found if f[1] != "compare"]
         if len({i for i, *_ in found}) < 2 and not any(i is None for i, *_ in found):
             continue
         nodes = [n for _, _, n, _ in found]

@@ -1204,6 +1204,18 @@ class _Unrouted(nn.Module):
             return self._loop(x, bits[:, 0] * 2 + bits[:, 1])
         if f == "hash_hidden":
             return self._loop(x, (x.detach().abs().sum(-1) * 1000).long() % self.e)
+        if f == "hash_offset":       # expert e takes the tokens of number e + 1
+            eid, out = self.table[ids], torch.zeros_like(x)
+            for e in range(self.e):
+                m = eid == (e + 1) % self.e
+                out[m] = self.experts[e](x[m])
+            return out
+        if f == "hash_enumerate_from_1":
+            eid, out = self.table[ids] + 1, torch.zeros_like(x)
+            for i, expert in enumerate(self.experts, start=1):
+                m = eid == i
+                out[m] = expert(x[m])
+            return out
         if f == "hash_gather":       # each token's expert weights gathered by its table ids (DeepSeek-V4's hash layers)
             eid = self.table[ids]
             h = F.gelu(torch.bmm(x.unsqueeze(1), self.w1[eid]))
@@ -1245,7 +1257,7 @@ class _GoodAndGap(nn.Module):
 
 _UNROUTED = {"threshold": "moe_unmatched", "top_p": "moe_unmatched", "hash_table": "router_draws",
              "hash_bitand": "router_draws", "hash_lsh": "router_draws", "hash_hidden": "router_draws",
-             "hash_gather": "router_draws", "hash_gather_index_select": "router_draws",
+             "hash_offset": "router_draws", "hash_enumerate_from_1": "router_draws", "hash_gather": "router_draws", "hash_gather_index_select": "router_draws",
              "checkpoint": "ids_outside", "checkpoint_reentrant": "ids_outside", "dense_soft": "soft_moe",
              "dense_threshold": "soft_moe", "dense_topk_mask": "routing_matrix_form", "list_soft": "soft_moe",
              "slots": "soft_moe", "expert_choice": "moe_unmatched", "expert_choice_t": "moe_unmatched"}
@@ -1315,6 +1327,10 @@ class _NotMoE(nn.Module):
             return torch.einsum("ts,nsd->tnd", att, v).reshape(t, -1)
         if self.form == "every_head_gathered":    # W[arange(n)]: every head, not ids computed from the input
             return torch.einsum("th,nhd->tnd", x, self.wv[torch.arange(self.n)]).reshape(t, -1)
+        if self.form == "two_groups_every_head":    # rows picked by two numbers, each group through every head
+            tid = (x.detach().abs().sum(-1) * 10).long() % 3
+            a, b = x[tid == 1], x[tid == 2]
+            return torch.cat([self.heads[i](a[:, :4]).sum(0) + self.heads[i](b[:, :4]).sum(0) for i in range(self.n)])
         if self.form == "gated_mlp":
             return self.down(F.silu(self.gate(x)) * self.up(x))
         if self.form == "grouped_chunks":
@@ -1327,7 +1343,7 @@ class _NotMoE(nn.Module):
         return torch.stack([self.heads[i](x[:, :4]) for i in range(self.n)]) * logits.softmax(-1).t()[0, :, None]
 
 
-@pytest.mark.parametrize("form", ["list_heads", "stacked_heads", "every_head_gathered", "gated_mlp", "grouped_chunks", "layers_then_topk",
+@pytest.mark.parametrize("form", ["list_heads", "stacked_heads", "every_head_gathered", "two_groups_every_head", "gated_mlp", "grouped_chunks", "layers_then_topk",
                                   "classifier_weighted_first"])
 def test_look_alikes_without_expert_selection_are_not_listed(form):
     rep = moe_compile.explain(_NotMoE(form), make_input((6, 16)))
