@@ -32,7 +32,8 @@ module finds the rest, from the graph and from Dynamo's own records:
     with several numbers: ``router_draws``, or ``ids_outside`` when the ids are a graph input: a checkpoint
     body) or column e of the block's gate scores (a matmul with a 2-D Parameter of the block writing
     [.., E], and what follows it short of another Parameter's matmul: ``moe_unmatched`` when it picks rows,
-    else ``soft_moe`` / ``routing_matrix_form``); ids compared with two or more numbers, in any numbering; a score column must be the expert's index.
+    else ``soft_moe`` / ``routing_matrix_form``); compared ids may number the experts otherwise, a score
+    column must be the expert's index; or each token's weights ``W[ids]`` gathered by such ids.
 
     A router is *claimed* when a candidate region uses it (its ids come from the same top-k, or it
     feeds one that does), when its evidence lies inside a candidate region, or when a candidate

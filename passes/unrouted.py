@@ -203,7 +203,8 @@ def _selectors(starts, i, e: int, scores: set, weights: set, depth: int) -> list
 def _gathered_by(m: fx.Node, weights: set, e: int) -> fx.Node | None:
     """The integer ids ``m`` (a matmul) gathers its stacked weight [E, ...] by along dim 0 (``W[ids]``,
     ``W.index_select(0, ids)``, through views and casts), when they are computed from an input of the graph
-    (not from constants alone: ``W[arange(E)]`` is every expert), else None."""
+    (not from constants, Parameters and buffers alone: ``W[arange(E)]``, ``W[self.perm]`` are every expert),
+    else None."""
     for a in m.all_input_nodes:
         p = param_of(a, weights)
         n = a
@@ -218,7 +219,8 @@ def _gathered_by(m: fx.Node, weights: set, e: int) -> fx.Node | None:
             if isinstance(idx, fx.Node):
                 v = val(idx)
                 if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dtype != torch.bool \
-                        and _dims(n.args[0])[:1] == (e,) and any(x.op == "placeholder" for x in _ancestors(idx, 64)):
+                        and _dims(n.args[0])[:1] == (e,) and any(x.op == "placeholder" and not attribute_path(x)
+                                                                 for x in _ancestors(idx, 64)):
                     return idx
                 return None
             n = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None

@@ -1315,6 +1315,7 @@ class _NotMoE(nn.Module):
         self.gate, self.up, self.down = nn.Linear(h, 32), nn.Linear(h, 32), nn.Linear(32, h)
         self.layers = nn.ModuleList(nn.Linear(h, h) for _ in range(2))
         self.cls = nn.Linear(h, n)
+        self.register_buffer("perm", torch.arange(n).flip(0))
 
     def forward(self, x):
         t, h = x.shape
@@ -1327,6 +1328,8 @@ class _NotMoE(nn.Module):
             return torch.einsum("ts,nsd->tnd", att, v).reshape(t, -1)
         if self.form == "every_head_gathered":    # W[arange(n)]: every head, not ids computed from the input
             return torch.einsum("th,nhd->tnd", x, self.wv[torch.arange(self.n)]).reshape(t, -1)
+        if self.form == "every_head_by_a_buffer":    # W[perm] of a buffer: every head, permuted
+            return torch.einsum("th,nhd->tnd", x, self.wv[self.perm]).reshape(t, -1)
         if self.form == "two_groups_every_head":    # rows picked by two numbers, each group through every head
             tid = (x.detach().abs().sum(-1) * 10).long() % 3
             a, b = x[tid == 1], x[tid == 2]
@@ -1343,7 +1346,7 @@ class _NotMoE(nn.Module):
         return torch.stack([self.heads[i](x[:, :4]) for i in range(self.n)]) * logits.softmax(-1).t()[0, :, None]
 
 
-@pytest.mark.parametrize("form", ["list_heads", "stacked_heads", "every_head_gathered", "two_groups_every_head", "gated_mlp", "grouped_chunks", "layers_then_topk",
+@pytest.mark.parametrize("form", ["list_heads", "stacked_heads", "every_head_gathered", "every_head_by_a_buffer", "two_groups_every_head", "gated_mlp", "grouped_chunks", "layers_then_topk",
                                   "classifier_weighted_first"])
 def test_look_alikes_without_expert_selection_are_not_listed(form):
     rep = moe_compile.explain(_NotMoE(form), make_input((6, 16)))
