@@ -415,7 +415,11 @@ def _moe_backend(gm, example_inputs, mode, options):
     config, inductor_options = MoEConfig.from_options(mode, options)
     session = records_mod.current_session()
     session.graphs += 1
-    new_gm, records = pipeline.run_dynamo_stage(gm, example_inputs, config)
+    # the user's Inductor fallback_random option (applied when the graph compiles) also decides which rewrites
+    # keep eager's random draws (pipeline._check)
+    rng = {k: v for k, v in inductor_options.items() if k == "fallback_random"}
+    with torch._inductor.config.patch(rng):
+        new_gm, records = pipeline.run_dynamo_stage(gm, example_inputs, config)
     pipeline.check_ep_markers(new_gm, records)
     plan, inputs, stacked = None, example_inputs, []
     try:

@@ -7,7 +7,8 @@ runs as written. No graph, so no record: the layer would be missing from explain
 
 While explain runs the model, ``probes(model)`` puts a forward pre-hook on every module that looks
 like experts (a container of 3-D Parameters stacked per expert, [E, ...], an expert-parallel one, or
-each expert of an nn.ModuleList named ``*expert*``). Traced by Dynamo, the hook does nothing
+each expert of an nn.ModuleList named ``*expert*``, or held by a module whose class routes with a top-k
+and loops over experts, whatever the list is called). Traced by Dynamo, the hook does nothing
 (``torch.compiler.is_compiling()`` is constant there): only an eager call records the module. The
 hooks are removed when explain returns. ``records(...)`` turns what ran eagerly into refused records
 (code ``ran_eagerly``), except where a graph break in MoE code already says why.
@@ -38,9 +39,22 @@ def _experts(model: nn.Module):
             found = None
         if found is not None:
             yield path, module, f"3-D Parameters stacked per expert, E={found[0]}"
-        elif _module_list_experts(path, module):
+        elif _module_list_experts(path, module) or _routed_list(model, path, module):
             for expert in module:
                 yield path, expert, f"an nn.ModuleList of {len(module)} experts"
+
+
+def _routed_list(model: nn.Module, path: str, module: nn.Module) -> bool:
+    """An nn.ModuleList of two or more modules of one class with Parameters, held by a module whose class
+    routes and loops over experts (``passes/moe_source.routes_per_expert``), whatever the list is called
+    (``self.mlps``, ``self.ffns``)."""
+    from .passes.moe_source import routes_per_expert
+
+    if not isinstance(module, nn.ModuleList) or len(module) < 2 or len({type(m) for m in module}) != 1 \
+            or not all(any(True for _ in m.parameters()) for m in module):
+        return False
+    owner = model.get_submodule(path.rpartition(".")[0]) if "." in path else model
+    return routes_per_expert(type(owner))
 
 
 @contextlib.contextmanager

@@ -88,10 +88,21 @@ def _finder(name: str, module: str, fn: str):
 
 
 def _check(s: DynamoState) -> None:
-    from moe_compile.passes.legality import Accepted, check
+    from moe_compile.passes.legality import Accepted, check, refusal
 
+    # where this compile draws random numbers as eager does, expert functions whose draws the rewrite would
+    # reorder are refused (Region.random_draws); under Inductor's own random numbers no draw is eager's anyway.
+    # explain() runs without Inductor but reports what the default compile (Inductor) does
+    import torch
+
+    from moe_compile.records import current_session
+
+    aot_only = not s.config.inductor and not current_session().explaining
+    eager_draws = aot_only or bool(torch._inductor.config.fallback_random)
     for c in s.candidates:
         verdict = check(c)
+        if isinstance(verdict, Accepted) and eager_draws and verdict.region.random_draws is not None:
+            verdict = refusal(c, verdict.region.random_draws)
         (s.accepted if isinstance(verdict, Accepted) else s.refused).append(
             verdict.region if isinstance(verdict, Accepted) else verdict)
 

@@ -67,6 +67,8 @@ class Session:
         # module paths from the model's root (a graph compiled for a nested frame, e.g. a decoder
         # layer's forward after a graph break, names modules from that frame and serves every layer)
         self.place = None
+        # explain()'s: its graphs run without Inductor for speed but are reported as the default compile's
+        self.explaining = False
 
     def warn_once(self, key, message: str) -> None:
         with self.lock:

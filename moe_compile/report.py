@@ -96,6 +96,7 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
                         "call moe_compile.explain(model, *inputs) with the inputs of one forward call")
     fn = _unwrap(model_or_fn)
     session = Session(quiet=True)
+    session.explaining = True
     if isinstance(fn, torch.nn.Module):
         names: dict = {}   # id -> every name of the tensor (tied parameters have several)
         for name, t in [*fn.named_parameters(remove_duplicate=False), *fn.named_buffers(remove_duplicate=False)]:

@@ -7,8 +7,11 @@ scope), where only file names, line numbers and function names are known:
     class or function names such as ``*Experts``, ``*SparseMoeBlock``, ``*Router``, ``*MoE``,
     ``TopKGate``; a source line naming experts or routers (not a bare ``topk``); or, whatever the names, a function that calls ``topk(`` and
     then groups tokens by expert before the failing line. At a function's first line (a frame given
-    up as a whole: nothing says which line failed) its whole body counts, with a per-expert loop
-    after the router (a ``for`` variable that both selects tokens and picks an expert).
+    up as a whole: nothing says which line failed) its whole body counts: a per-expert loop (a ``for``
+    variable that both selects tokens and picks an expert), after the router if the body has one.
+``routes_per_expert(cls)``
+    a class whose source routes and loops over experts (explain's eager probe: ModuleList experts
+    whatever their attribute is called).
 ``enclosing_class`` / ``declares_experts_implementation``
     the top-level class around a line, and whether transformers' ``@use_experts_implementation``
     decorates it.
@@ -84,11 +87,12 @@ def _routes_then_selects(filename: str, lineno: int, limit: int = 120) -> bool:
     """The function holding ``filename:lineno`` calls a router op (top-k, argmax, sampling) and then
     groups by expert (``ids == e``, ``where``, ``one_hot``, ``nonzero``, a sort, counts) before that line.
     At the first line of a function (its ``def`` or decorator: a frame Dynamo gave up on as a whole,
-    where nothing says which line failed), the whole body counts, with ``_per_expert_loop``."""
+    where nothing says which line failed), the whole body counts: a ``_per_expert_loop`` in it (after the
+    router when the body has one; routing in a helper or a gate module leaves only the loop)."""
     body = _function_body(filename, lineno)
-    if body is not None:
+    if body is not None:   # the router may be a helper or a gate module (``w, ids = self.gate(x)``): the loop says it
         routed = _ROUTES_WHOLE.search(body)
-        return bool(routed) and _per_expert_loop(body[routed.end():])
+        return _per_expert_loop(body[routed.end():] if routed else body)
     lines = []
     for i in range(lineno, max(lineno - limit, 0), -1):
         line = linecache.getline(filename, i)
@@ -137,6 +141,24 @@ def _function_body(filename: str, lineno: int) -> str | None:
                 node.lineno, *(d.lineno for d in node.decorator_list)):
             return "".join(lines[node.body[0].lineno - 1:node.end_lineno])
     return None
+
+
+def routes_per_expert(cls: type) -> bool:
+    """Some class of ``cls``'s MRO (below torch's own) has source that routes (top-k, argmax) and loops
+    over experts (``_per_expert_loop``): its nn.ModuleLists may be experts whatever their names."""
+    import inspect
+
+    for c in cls.__mro__:
+        if c.__module__.startswith(("torch.", "builtins")):
+            continue
+        try:
+            src = inspect.getsource(c)
+        except (OSError, TypeError):
+            continue
+        routed = _ROUTES_WHOLE.search(src)
+        if routed and _per_expert_loop(src[routed.end():]):
+            return True
+    return False
 
 
 def in_moe_code(frames) -> bool:

@@ -112,6 +112,9 @@ class Region:
     experts: ExpertMLP
     combine: Combine
     nodes: tuple[fx.Node, ...]
+    # random draws in the expert function (dropout in training) that one grouped call cannot draw as eager
+    # does: refused where the compile reproduces eager's draws (moe.inductor=False, Inductor's fallback_random)
+    random_draws: "Finding | None" = None
 
 
 @dataclass(frozen=True)
