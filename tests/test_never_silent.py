@@ -1351,3 +1351,82 @@ class _NotMoE(nn.Module):
 def test_look_alikes_without_expert_selection_are_not_listed(form):
     rep = moe_compile.explain(_NotMoE(form), make_input((6, 16)))
     assert not rep.refused and not rep.graph_breaks, str(rep)
+
+
+# ------------------------------------------- MoE code found by what it does, whatever it is called
+class _GateModule(nn.Module):
+    def __init__(self, h=16, e=4, k=2):
+        super().__init__()
+        self.k, self.weight = k, nn.Parameter(torch.randn(e, h) / 4)
+
+    def forward(self, x):
+        return torch.topk(F.linear(x, self.weight).softmax(-1), self.k)
+
+
+class SparseFFN(nn.Module):
+    """Routing in a gate module or a helper, then Hugging Face Mixtral's loop with its empty-expert skip:
+    Dynamo gives up on the whole forward (a graph break in a loop)."""
+
+    def __init__(self, via, h=16, e=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.via, self.e = via, e
+        self.gate = _GateModule(h, e)
+        self.experts = nn.ModuleList(SwiGLU(h, 32) for _ in range(e))
+
+    def route(self, x):
+        return torch.topk(F.linear(x, self.gate.weight).softmax(-1), 2)
+
+    def forward(self, x):
+        w, ids = self.route(x) if self.via == "helper" else self.gate(x)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(ids, self.e).permute(2, 1, 0)
+        for e in range(self.e):
+            slot, tok = torch.where(mask[e])
+            if tok.shape[0] == 0:
+                continue
+            out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, slot, None])
+        return out
+
+
+@pytest.mark.parametrize("via", ["helper", "gate_module"])
+def test_skipped_frame_whose_router_is_elsewhere_is_listed(via):
+    """Was silent (0 rewritten, 0 refused, 0 graph breaks): the skipped forward has no top-k of its own
+    and no MoE name; its per-expert loop says it is MoE code."""
+    torch._dynamo.reset()
+    rep = moe_compile.explain(SparseFFN(via), make_input((24, 16)))
+    assert len(rep.graph_breaks) == 1 and "Dynamo gave up on the frame `SparseFFN.forward`" in rep.graph_breaks[0].reason, \
+        str(rep)
+
+
+class _Mlps(nn.Module):
+    def __init__(self, h=8, e=4):
+        super().__init__()
+        self.router = nn.Linear(h, e, bias=False)
+        self.mlps = nn.ModuleList(nn.Sequential(nn.Linear(h, 16), nn.GELU(), nn.Linear(16, h)) for _ in range(e))
+
+    def moe(self, x):
+        w, ids = torch.topk(self.router(x).softmax(-1), 2)
+        out = torch.zeros_like(x)
+        for e in range(len(self.mlps)):
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, self.mlps[e](x[tok]) * w[tok, slot, None])
+        return out
+
+
+class _DisabledMlps(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.ln, self.ffn = nn.LayerNorm(8), _Mlps()
+
+    def forward(self, x):
+        return x + torch.compiler.disable(self.ffn.moe)(self.ln(x))
+
+
+def test_experts_run_eagerly_in_a_list_not_named_experts_are_listed():
+    """Was silent: the eager probe looked at ModuleLists named *expert* only; a list whose owner routes and
+    loops over it is probed whatever it is called."""
+    torch._dynamo.reset()
+    rep = moe_compile.explain(_DisabledMlps(), torch.randn(12, 8))
+    assert [(r.module, r.code) for r in rep.refused] == [("ffn.mlps", "ran_eagerly")], str(rep)
