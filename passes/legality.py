@@ -8,6 +8,8 @@ code from ``reasons.REASONS``, the filled message and the fix. The rules::
                         linear have one shape; there is at least one linear
     input_2d            the expert input is [tokens, hidden]
     not_float64         no float64 expert input or weight (the fused ops accumulate in float32)
+    one_dtype_products  a product on operands of different float dtypes runs under torch.autocast (else
+                        eager raises, and so must the compiled code)
     accumulator         an in-place accumulator is not a graph input
     expert_parallel     expert weights sharded by ``parallelize_experts`` (``ep_experts`` markers) are
                         all of the region's expert weights, over one group, for the router's E
@@ -127,6 +129,46 @@ def not_float64(region: Region) -> Finding | None:
         if isinstance(v, torch.Tensor) and v.dtype == torch.float64:
             return Finding.of("float64", n, what=f"`{n.name}` is float64")
     return None
+
+
+def _autocast_spans(graph: fx.Graph) -> list[tuple[int, int]]:
+    """(enter, exit) positions of the torch.autocast contexts entered inside the graph."""
+    order = _order(graph)
+    spans = []
+    for n in graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "__name__", "") == "_exit_autocast" and n.args \
+                and isinstance(n.args[0], fx.Node):
+            spans.append((order[n.args[0]], order[n]))
+    return spans
+
+
+def one_dtype_products(region: Region) -> Finding | None:
+    """A product (linear, mm, bmm, matmul, einsum, grouped_mm) of the region whose float operands have
+    different dtypes computes only under torch.autocast: without it eager raises ("mat1 and mat2 must have
+    the same dtype"), and the fake values Dynamo records do not, so the lowering would cast them and return
+    a result. Under autocast (entered around the compiled call, or inside the graph around the product)
+    the lowering casts as autocast does."""
+    spans = None
+    for n in region.nodes:
+        if (canon(n) or "") not in _PRODUCTS:
+            continue
+        dtypes = {v.dtype for a in n.all_input_nodes if isinstance(v := val(a), torch.Tensor) and v.is_floating_point()}
+        if len(dtypes) < 2:
+            continue
+        out = val(n)
+        device = out.device.type if isinstance(out, torch.Tensor) else "cpu"
+        if torch.is_autocast_enabled(device):
+            return None
+        spans = _autocast_spans(n.graph) if spans is None else spans
+        at = _order(n.graph)[n]
+        if not any(lo < at < hi for lo, hi in spans):
+            names = "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+            return Finding.of("mixed_dtypes", n, node=n.name, dtypes=names)
+    return None
+
+
+_PRODUCTS = {"linear", "mm", "bmm", "matmul", "einsum", "addmm", "baddbmm", "_grouped_mm", "grouped_mm",
+             "transformers::grouped_mm_fallback"}
 
 
 def accumulator(region: Region) -> Finding | None:
@@ -252,5 +294,5 @@ def no_foreign_writes(region: Region) -> Finding | None:
     return Finding.of("written_in_place", n, node=n.name, target=written(n).name)
 
 
-RULES = (expert_operands, input_2d, not_float64, accumulator, expert_parallel, weights_path, input_weights,
+RULES = (expert_operands, input_2d, not_float64, one_dtype_products, accumulator, expert_parallel, weights_path, input_weights,
          no_foreign_writes)

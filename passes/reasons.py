@@ -83,6 +83,12 @@ REASONS: dict[str, Reason] = {
     "weight_shapes_differ": Reason("expert weights have different shapes {shapes}",
                                    "give every expert the same layer sizes"),
     "no_linear": Reason("the expert function has no linear layer", "nothing to group: not an MoE expert MLP"),
+    "mixed_dtypes": Reason(
+        "`{node}` at {at} multiplies {dtypes} operands outside torch.autocast; eager raises there (\"mat1 and mat2 "
+        "must have the same dtype\"), and the rewrite would cast them and return a result, so the layer is "
+        "compiled as written and raises as eager does",
+        "give the expert input and the expert weights one dtype (model.to(dtype), or cast the input), or run the "
+        "layer under torch.autocast"),
     "float64": Reason(
         "the experts compute in float64 ({what}); the fused ops accumulate in float32 (~1e-7 relative), below "
         "float64's precision", "nothing to fix: compiled as written, in float64 (the fused path runs float32, "

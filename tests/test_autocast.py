@@ -161,3 +161,53 @@ def test_hf_grouped_experts_under_autocast_stay_fp32_with_a_note(impl, autocast)
     assert_close_rel(got, want, BF16_REL, "loss")
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         assert_close_rel(p.grad, q.grad, BF16_GRAD_REL, f"grad of {name}")
+
+
+class _FP32RouterBF16Input(torch.nn.Module):
+    """A router in fp32 for stability on a bf16 input, experts left in fp32: outside autocast eager
+    raises at the first expert linear (bf16 rows, fp32 weight)."""
+
+    def __init__(self, where, h=16, e=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.where, self.e = where, e
+        self.gate = torch.nn.Linear(h, e, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(h, 32), torch.nn.SiLU(),
+                                                               torch.nn.Linear(32, h)) for _ in range(e))
+
+    def _moe(self, x):
+        w, ids = self.gate(x.float()).softmax(-1).topk(2, -1)
+        out = torch.zeros_like(x)
+        for e in range(self.e):
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, (w[tok, slot, None] * self.experts[e](x[tok])).to(x.dtype))
+        return out
+
+    def forward(self, x):
+        if self.where == "inside":   # autocast entered inside the compiled code: the graph holds it
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self._moe(x)
+        return self._moe(x)
+
+
+@pytest.mark.parametrize("where", ["none", "around", "inside"])
+def test_mixed_dtype_experts_raise_as_eager_outside_autocast(where):
+    """Was rewritten outside autocast: the lowering cast the bf16 rows and fp32 weights to one dtype and
+    returned a result where eager raises. Now refused (mixed_dtypes) and compiled as written, which
+    raises eager's error; under autocast, around the call or inside it, still rewritten."""
+    model = _FP32RouterBF16Input(where)
+    x = make_input((12, 16), torch.bfloat16, requires_grad=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(copy.deepcopy(model), backend="moe", options={"moe.inductor": False})
+    before = dict(records.counters)
+    if where == "none":
+        with pytest.raises(RuntimeError, match="same dtype"):
+            model(x)
+        with pytest.raises(RuntimeError, match="same dtype"):
+            compiled(x)
+        assert records.counters[records.REFUSED] - before.get(records.REFUSED, 0) == 1
+        return
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=where == "around"):
+        want, got = model(x), compiled(x)
+    assert_close_rel(got.float(), want.float(), BF16_REL, "output")
+    assert records.counters[records.REWRITTEN] - before.get(records.REWRITTEN, 0) == 1
