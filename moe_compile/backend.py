@@ -42,7 +42,7 @@ from .config import MoEConfig
 log = logging.getLogger(__name__)
 
 
-def capture_ctx(options: dict | None = None, mode: str | None = None, session=None):
+def capture_ctx(options: dict | None = None, mode: str | None = None, session=None) -> "_CaptureCtx":
     """The ``backend_ctx_ctor`` for one torch.compile call: a zero-argument factory of the scope
     used while tracing and running frames compiled with ``moe`` (the Dynamo config patch, the
     compile's ``records.Session``, the check for frames Dynamo gave up on).
@@ -53,23 +53,33 @@ def capture_ctx(options: dict | None = None, mode: str | None = None, session=No
     into a silent eager run. Options are not re-parsed on later calls."""
     from . import records
 
-    session = session if session is not None else records.Session()
+    return _CaptureCtx(options, mode, session if session is not None else records.Session())
 
-    @functools.cache
-    def flags() -> dict | None:
-        config, _ = MoEConfig.from_options(mode, options)
-        # moe.strict: errors of our passes must raise, so do not let Dynamo swallow them
-        return dict(capture_dynamic_output_shape_ops=True, suppress_errors=not config.strict) \
-            if config.capture_dynamic else None
 
-    def ctor():
+class _CaptureCtx:
+    """``capture_ctx``'s factory: a class, not a closure, so that a compiled module pickles (torch.save of
+    an OptimizedModule pickles its Dynamo context, this included); a copy starts a session of its own."""
+
+    def __init__(self, options, mode, session):
+        self.options, self.mode, self.session = options, mode, session
+        self._flags: tuple | None = None
+
+    def __reduce__(self):
+        return capture_ctx, (self.options, self.mode)
+
+    def flags(self) -> dict | None:
+        if self._flags is None:
+            config, _ = MoEConfig.from_options(self.mode, self.options)
+            # moe.strict: errors of our passes must raise, so do not let Dynamo swallow them
+            self._flags = (dict(capture_dynamic_output_shape_ops=True, suppress_errors=not config.strict)
+                           if config.capture_dynamic else None,)
+        return self._flags[0]
+
+    def __call__(self):
         from .hf_experts import substituted  # HF expert loops Dynamo cannot trace, in this scope only
 
-        f = flags()
-        return _Scope(session, substituted(None if f is None else _ConfigPatch(f)), f is not None)
-
-    ctor.session = session
-    return ctor
+        f = self.flags()
+        return _Scope(self.session, substituted(None if f is None else _ConfigPatch(f)), f is not None)
 
 
 class _ConfigPatch:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -412,3 +414,28 @@ def test_rewritten_graph_keeps_dynamo_annotations(monkeypatch):
     assert src(after) == src(before) and None not in src(before)
     if seen is not None:  # every parameter is a static input of the compiled graph
         assert len(seen["static"]) == len(list(m.parameters()))
+
+
+def test_compiled_module_pickles_and_the_copy_is_rewritten():
+    """torch.save / pickle of an OptimizedModule pickles its Dynamo context, the backend's capture scope
+    factory included: it was a closure ("Can't pickle local object 'capture_ctx.<locals>.ctor'"). The
+    copy compiles with backend="moe" again (its own session) and matches eager."""
+    import io
+
+    from helpers import FP32_REL, assert_close_rel, make_input, make_model
+    from moe_compile import records
+
+    model = make_model(spelling="index_add", e=4, k=2)
+    x = make_input((12, 16), requires_grad=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(copy.deepcopy(model), backend="moe", options={"moe.inductor": False})
+    compiled(x)
+    buf = io.BytesIO()
+    torch.save(compiled, buf)
+    buf.seek(0)
+    again = torch.load(buf, weights_only=False)
+    torch._dynamo.reset()
+    before = records.counters[records.REWRITTEN]
+    got = again(x)
+    assert records.counters[records.REWRITTEN] - before == 1
+    assert_close_rel(got, model(x), FP32_REL, "output of the unpickled compiled model")
