@@ -175,12 +175,19 @@ def _report_skipped_frames(session, since_us: int) -> tuple[str, ...]:
 
     found: dict = {}
     others: dict = {}
-    for m in get_compilation_metrics():
+    metrics = list(get_compilation_metrics())
+    # a frame's code, by the frame part of its compile ids ("3/1" -> "3"): the entry of a recompile limit
+    # hit names no code, an earlier compile of the same frame does
+    codes = {str(m.compile_id).partition("/")[0]: (m.co_filename, m.co_firstlineno, m.co_name)
+             for m in metrics if getattr(m, "co_filename", None) and getattr(m, "compile_id", None)}
+    for m in metrics:
         if not getattr(m, "fail_type", None) or (getattr(m, "start_time_us", None) or since_us) < since_us \
                 or m.fail_type == "BackendCompilerFailed":  # our own error: raised (moe.strict) or warned
             continue
         file, line = getattr(m, "fail_user_frame_filename", None), getattr(m, "fail_user_frame_lineno", None)
-        skipped = Frame(m.co_filename or "?", m.co_firstlineno or 0, m.co_name or "?")
+        co = (m.co_filename, m.co_firstlineno, m.co_name) if m.co_filename else \
+            codes.get(str(getattr(m, "compile_id", "") or "").partition("/")[0], (None, None, None))
+        skipped = Frame(co[0] or "?", co[1] or 0, co[2] or "?")
         frames = [skipped] + ([Frame(file, line, "")] if file and line else [])
         if not in_moe_code(frames):
             reason = (m.fail_reason or m.fail_type).strip().splitlines()[0]
@@ -192,6 +199,8 @@ def _report_skipped_frames(session, since_us: int) -> tuple[str, ...]:
         code, detail = classify_break(frames, f"{m.fail_type}: {m.fail_reason or ''}")
         detail.update(what="skipped frame", effect=f"; Dynamo gave up on the frame `{_qualname(skipped)}` "
                                                    f"({skipped.at}), which runs eagerly, MoE code included")
+        if code == "recompile_limit":
+            detail.update(effect=f" (`{_qualname(skipped)}`, {skipped.at})")
         found[(frames[-1].filename, frames[-1].lineno)] = (
             (skipped.filename, skipped.lineno, skipped.name),
             records.RegionRecord("", "skipped frame", records.REFUSED, reasons.message(code, detail), (),

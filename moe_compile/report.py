@@ -235,7 +235,8 @@ def _explain_notes(r: RegionRecord) -> RegionRecord:
 
 def _earlier_skips(fn, tried: set) -> list[RegionRecord]:
     """Frames of this model that an earlier moe compile saw Dynamo give up on and that explain's own
-    trace did not try (Dynamo never traces a skipped frame again)."""
+    trace did not try (Dynamo never traces a skipped frame again), and frames that hit Dynamo's recompile
+    limit (explain's trace has its own budget; the model's compiled frame runs eagerly on new guards)."""
     from . import backend
 
     if not backend._skipped:
@@ -249,7 +250,8 @@ def _earlier_skips(fn, tried: set) -> list[RegionRecord]:
         except (OSError, TypeError):
             continue
     return [r for (file, line), (frame, r) in backend._skipped.items()
-            if frame not in tried and any(file == f and lo <= line < hi for f, lo, hi in spans)]
+            if (frame not in tried or r.code == "recompile_limit") and any(file == f and lo <= line < hi
+                                                                            for f, lo, hi in spans)]
 
 
 def _isolated() -> dict:

@@ -281,6 +281,14 @@ REASONS: dict[str, Reason] = {
         "leave options[\"moe.capture_dynamic\"] at True (the default): backend=\"moe\" then captures "
         "where/nonzero/boolean masks (unless it was turned off after a capture_compile_error: then this frame "
         "runs as stock torch.compile runs it)"),
+    "recompile_limit": Reason(
+        "{what} at {at}: Dynamo hit torch._dynamo.config.{limit} ({value}) for this frame{effect}; every call whose "
+        "guards no compiled graph passes (a new input shape, dtype or attribute value) runs eagerly from now on, "
+        "MoE layer included (not rewritten)",
+        "let the varying size be symbolic instead of recompiling per value: torch.compile(..., dynamic=True) or "
+        "torch._dynamo.mark_dynamic(x, dim) on the inputs (TORCH_LOGS=\"recompiles\" names the guard that failed); "
+        "compile each block with moe_compile.compile_blocks(model) (one graph serves every block of a class); "
+        "or raise torch._dynamo.config.{limit}"),
     "break_other": Reason(
         "{what} at {at}: `{source}`: {reason}{effect}",
         "move the code Dynamo cannot trace out of the MoE layer, or write it with tensor ops; TORCH_LOGS="

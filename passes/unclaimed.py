@@ -353,7 +353,12 @@ def classify_break(frames, reason: str) -> tuple[str, dict]:
     low = f"{src} {reason}".lower()
     cls, _ = enclosing_class(f.filename, f.lineno)
     detail = {"at": f.at, "source": src or "?", "reason": " ".join(reason.split()) or "?", "cls": cls or "this class"}
-    if "expert_hit" in src:
+    if "recompile limit exceeded" in low:
+        code = "recompile_limit"
+        limit = re.search(r"limit type: (\w+)", low)
+        detail["limit"] = limit.group(1) if limit else "recompile_limit"
+        detail["value"] = getattr(torch._dynamo.config, detail["limit"], "?")
+    elif "expert_hit" in src:
         code = "break_expert_hit_hf" if declares_experts_implementation(f.filename, f.lineno) else "break_expert_hit"
     elif "split" in src and "tolist" in src:
         code = "break_split_sizes"

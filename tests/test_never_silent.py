@@ -1430,3 +1430,28 @@ def test_experts_run_eagerly_in_a_list_not_named_experts_are_listed():
     torch._dynamo.reset()
     rep = moe_compile.explain(_DisabledMlps(), torch.randn(12, 8))
     assert [(r.module, r.code) for r in rep.refused] == [("ffn.mlps", "ran_eagerly")], str(rep)
+
+
+class _LimitedMoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.moe = make_model(spelling="index_add", e=4, k=2)
+
+    def forward(self, x):
+        return self.moe(x)
+
+
+def test_recompile_limit_hit_in_moe_code_is_listed(caplog):
+    """Was silent: past torch._dynamo.config.recompile_limit the frame runs eagerly on every new shape
+    (torch's own warning only), and explain() still said rewritten. Dynamo's metrics entry for the hit names
+    no code: the frame is found from an earlier compile of the same frame id."""
+    model = _LimitedMoE()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="moe", dynamic=False, options=OPTS)
+    with torch._dynamo.config.patch(recompile_limit=2), caplog.at_level(logging.WARNING, logger="moe_compile"):
+        for t in (10, 7, 5, 3):
+            compiled(torch.randn(t, 16))
+        rep = moe_compile.explain(compiled, torch.randn(11, 16))
+    warned = _warnings(caplog, "recompile_limit")
+    assert len(warned) == 1 and "recompile_limit (2)" in warned[0] and "_LimitedMoE.forward" in warned[0], caplog.text
+    assert [r.code for r in rep.refused] == ["recompile_limit"] and "mark_dynamic" in rep.refused[0].fix, str(rep)
