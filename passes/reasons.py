@@ -232,7 +232,8 @@ REASONS: dict[str, Reason] = {
         "picked the ids is not in this graph, so the layer matches no form the backend rewrites; it is compiled as "
         "written",
         "compute the router (its torch.topk) in the same function as the expert loop: inside the function given to "
-        "torch.utils.checkpoint, or checkpoint the whole MoE block"),
+        "torch.utils.checkpoint, or checkpoint the whole MoE block; or remove the graph break between the router and "
+        "the experts (TORCH_LOGS=\"graph_breaks\" names it; a forward hook on the router can cause one)"),
     "nested_region": Reason(
         "a top-{k} router over {e} experts runs inside `{subgraph}`, a torch.compiler.nested_compile_region "
         "subgraph called at {at}; the backend does not rewrite inside such subgraphs, so it is compiled as written",

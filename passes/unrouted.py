@@ -12,6 +12,8 @@ Contract::
         W[ids]              each token's expert weights gathered from a stacked W by integer ids computed
                             from the graph's inputs (``tid2eid[input_ids]``, ``input_ids % E`` kept as ids):
                             router_draws, or ids_outside for ids that are an input of the graph
+        mask[:, e]          column e of a graph input that is not a Parameter or buffer, picking rows (a
+                            dispatch mask made outside the graph, past a graph break): ids_outside
         scores[:, e]        column e of the block's gate scores (a matmul of the tokens with a 2-D
                             Parameter of the block writing [.., E], and what follows it short of another
                             Parameter's matmul): moe_unmatched when it picks rows (threshold, top-p),
@@ -26,6 +28,8 @@ fed to every head) are in tests/test_never_silent.py.
 """
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -38,6 +42,10 @@ from .unclaimed_base import _GATHERS, Unclaimed, _dims, _near, _same_block
 # the gates of the experts' inputs and outputs: a product, a masked write, an indexed add
 _COMBINES = {"mul", "einsum", "bmm", "matmul", "where", "index_add", "index_add_", "index_put", "index_put_",
              "setitem", "masked_fill", "masked_scatter", "div"}
+
+
+# a module path segment that numbers an expert: "3" (ModuleList, Sequential), "expert_3" (ModuleDict by name)
+_NUMBERED = re.compile(r"(\w*expert\w*?_?)?(\d+)", re.I)
 
 
 def _parent(path: str) -> str:
@@ -69,12 +77,15 @@ def _experts(gm: fx.GraphModule, params: set, weights: set) -> dict:
                 entry[2][n] = _slice_index(a, p, d[0])
                 break
             segs = module_path(n).split(".")
-            digits = [i for i, g in enumerate(segs) if g.isdigit()]
-            if len(d) == 2 and p in params and digits:
-                for i in digits:   # experts.3.fc1, experts.3.0 (Sequential experts), layers.0.moe.experts.3.fc1
-                    key = ".".join(segs[:i])
-                    entry = out.setdefault(key, [0, _parent(key), {}, True])
-                    entry[2][n] = int(segs[i])
+            numbered = [(i, m) for i, g in enumerate(segs) if (m := _NUMBERED.fullmatch(g))]
+            if len(d) == 2 and p in params and numbered:
+                # experts.3.fc1, experts.3.0 (Sequential experts), layers.0.moe.experts.3.fc1, and ModuleDict
+                # experts keyed by name: experts.expert_3.wi (Switch Transformers, NLLB-MoE)
+                for i, m in numbered:
+                    key = ".".join(segs[:i] + ([m.group(1)] if m.group(1) else []))
+                    entry = out.setdefault(key, [0, _parent(key) if not m.group(1) else ".".join(segs[:i - 1]) if i
+                                                 else "", {}, True])
+                    entry[2][n] = int(m.group(2))
                 break
     for key, entry in list(out.items()):
         if isinstance(entry, list):   # ModuleList: E = the distinct elements used
@@ -187,6 +198,12 @@ def _selectors(starts, i, e: int, scores: set, weights: set, depth: int) -> list
         if n in scores and _int_at(n, e) == i:
             out.append(("slice", n, rows))
             continue
+        src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        while src is not None and (canon(src) or "") in _VIEWS and isinstance(src.args[0], fx.Node):
+            src = src.args[0]
+        if rows and src is not None and src.op == "placeholder" and not attribute_path(src) and _int_at(n, e) == i:
+            out.append(("outside", n, rows))   # column e of a dispatch mask made outside the graph: mask[:, e]
+            continue
         op = canon(n) or ""
         if n.op == "placeholder" or op in MATMULS and any(param_of(a, weights) is not None for a in n.all_input_nodes):
             continue
@@ -225,6 +242,10 @@ def _gathered_by(m: fx.Node, weights: set, e: int) -> fx.Node | None:
                 return None
             n = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
     return None
+
+
+_VIEWS = {"view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze", "flatten", "contiguous", "to",
+          "long", "int", "bool", "float"}
 
 
 def _consumers(m: fx.Node, hops: int = 4) -> list[fx.Node]:
@@ -294,12 +315,20 @@ def _unrouted_record(key, e, members, found, module, disabled) -> Unclaimed:
     rows = any(r for *_, r in found)
     first = next(iter(members))
     at = where_in_user_code(sel) or where_in_user_code(first) or "?"
-    label = f"`{key}.<e>`" if all(isinstance(i, int) for i in members.values()) else f"`{key}`"
+    sep = "" if key.endswith("_") else "."   # experts.expert_<e> (a ModuleDict keyed by name), experts.<e>
+    label = f"`{key}{sep}<e>`" if all(isinstance(i, int) for i in members.values()) else f"`{key}`"
     evidence = (f"the {e} experts {label} (`{first.name}`) "
                 + ("with each token's expert weights gathered by its ids" if kind == "gather"
                    else "on the rows each expert's selection picks" if rows else "weighted per expert"))
     detail = {"k": "?", "e": e, "router_at": where_in_user_code(sel) or "?", "evidence": evidence, "node": sel.name,
               "disabled": f" (the finders {', '.join(disabled)} are disabled by moe.disable)" if disabled else ""}
+    if kind == "outside":
+        mask = sel.args[0]
+        while (canon(mask) or "") in _VIEWS and isinstance(mask.args[0], fx.Node):
+            mask = mask.args[0]
+        detail["router"] = (f"a dispatch mask `{mask.name}` that is an input of this graph (computed outside it: e.g. "
+                            "a router split off by a graph break, or a torch.utils.checkpoint body given the mask)")
+        return Unclaimed(module, at, e, 0, detail, "ids_outside")
     if kind in ("compare", "gather"):
         ids = _compared(sel)[0] if kind == "compare" else sel
         if ids.op == "placeholder":

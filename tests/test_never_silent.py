@@ -1455,3 +1455,51 @@ def test_recompile_limit_hit_in_moe_code_is_listed(caplog):
     warned = _warnings(caplog, "recompile_limit")
     assert len(warned) == 1 and "recompile_limit (2)" in warned[0] and "_LimitedMoE.forward" in warned[0], caplog.text
     assert [r.code for r in rep.refused] == ["recompile_limit"] and "mark_dynamic" in rep.refused[0].fix, str(rep)
+
+
+class _MaskRouter(nn.Module):
+    def __init__(self, h=16, e=4):
+        super().__init__()
+        self.lin = nn.Linear(h, e, bias=False)
+
+    def forward(self, x):
+        p = self.lin(x).softmax(-1)
+        return F.one_hot(p.argmax(-1), p.shape[-1]), p.max(-1).values[:, None]
+
+
+class _MaskExperts(nn.Module):
+    """A router returning a one-hot dispatch mask (Switch Transformers'), experts in a ModuleList or in a
+    ModuleDict keyed expert_<e> (transformers' SwitchTransformersExperts); a graph break on the router's
+    output (a forward hook; transformers' router-logit recorder with output_router_logits=True) leaves the
+    experts' graph only the mask."""
+
+    def __init__(self, container, h=16, e=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.e, self.container = e, container
+        self.router = _MaskRouter(h, e)
+        made = [nn.Sequential(nn.Linear(h, 32, bias=False), nn.ReLU(), nn.Linear(32, h, bias=False)) for _ in range(e)]
+        self.experts = nn.ModuleList(made) if container == "list" else nn.ModuleDict(
+            {f"expert_{i}": m for i, m in enumerate(made)})
+        self.router.register_forward_hook(lambda mod, args, out: torch._dynamo.graph_break())
+
+    def forward(self, x):
+        mask, w = self.router(x)
+        out = torch.zeros_like(x)
+        for e in range(self.e):
+            tok = torch.where(mask[:, e])[0]
+            expert = self.experts[e] if self.container == "list" else self.experts[f"expert_{e}"]
+            out.index_add_(0, tok, w[tok] * expert(x[tok]))
+        return out
+
+
+@pytest.mark.parametrize("container", ["list", "dict"])
+def test_experts_given_a_dispatch_mask_from_outside_the_graph_are_listed(container):
+    """Was silent (0 rewritten, 0 refused): the unrouted scan took ids compared with numbers and the
+    block's own gate scores, not column e of a mask that is a graph input, nor ModuleDict experts."""
+    torch._dynamo.reset()
+    rep = moe_compile.explain(_MaskExperts(container), make_input((24, 16)))
+    assert [r.code for r in rep.refused] == ["ids_outside"], str(rep)
+    assert "dispatch mask" in rep.refused[0].reason and "graph break" in rep.refused[0].fix, str(rep)
+    if container == "dict":
+        assert "experts.expert_<e>" in rep.refused[0].reason, str(rep)
