@@ -461,7 +461,7 @@ def _moe_backend(gm, example_inputs, mode, options):
     if plan is not None:
         from .expert_inputs import StackedInputs
 
-        compiled = StackedInputs(compiled, plan)
+        compiled = StackedInputs(compiled, plan, may_move="rehome_weights" not in config.disable)
     if any(r.status == records_mod.REWRITTEN for r in records):
         # after compiling: AOTAutograd's fake inputs were made with the parameters' old storage
         # offsets; the compiled code itself does not depend on them (lowering/rehome.py)

@@ -35,9 +35,10 @@ one buffer per linear (``lowering/rehome.py``), but only for the parameters that
 compiled with, i.e. the first block's. ``compile_blocks`` gives every other block of the same
 class the same layout, once, at the start of the model's second call (the first compiles):
 same Parameter objects, values, shapes and strides (``p.data`` moves, as the backend does). The
-compiled graph reads each buffer as one stacked input (``lowering/expert_stack.py``): during that
-first call the other blocks' weights are not laid out yet and are stacked as copies (correct,
-quiet); from the second call every block's stack is a view of its own buffer.
+compiled graph reads each buffer as one stacked input (``lowering/expert_stack.py``), and lays out
+the other blocks' weights the first time it runs with them (``expert_inputs._Feed._lay_out``: a
+per-layer ``layer.compile(backend="moe")`` gets that too); every block's stack is then a view of its
+own buffer.
 """
 from __future__ import annotations
 

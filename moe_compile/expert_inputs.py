@@ -7,6 +7,10 @@ Per call and stack (Dynamo's inputs still include every Parameter, which is what
   a post-accumulate-grad hook gives each Parameter its slice (``p.grad = g[e, rows]`` if it had
   none, else ``p.grad += g[e, rows]``, out of place under ``create_graph``): the values per-Parameter
   accumulation would give, without one autograd node, wrapper step and input view per Parameter;
+- Parameters no compile laid out (another block of the class that one graph serves: a per-layer
+  ``layer.compile(backend="moe")``) are re-homed on the first call with them, as the compile re-homes
+  its own (``_Feed._lay_out``: plain leaf Parameters with a storage of their own, ``moe.rehome_weights``
+  on, no FSDP2); from then on their stack is a view too;
 - otherwise (``.data`` replaced, e.g. by ``model.to()`` with a new dtype handled by a recompile, or
   by a user's assignment; or a Parameter with a tensor hook, which must run) the Parameters are
   stacked with ``torch.stack``, differentiably: each gets its gradient through autograd as usual, at
@@ -126,15 +130,16 @@ def _hand_over_hooked(params, views, out_of_place: bool) -> None:
 class _Feed:
     """The tensor one stack input gets on each call."""
 
-    __slots__ = ("get", "rows", "shape", "experts", "numel", "layouts", "warned", "what")
+    __slots__ = ("get", "rows", "shape", "experts", "numel", "layouts", "warned", "what", "may_move")
 
-    def __init__(self, stack, what: str):
+    def __init__(self, stack, what: str, may_move: bool = False):
         self.get = operator.itemgetter(*stack.flat_positions)
         self.rows, self.shape, self.experts = stack.rows, stack.shape, stack.shape[0]
         self.numel = math.prod(stack.shape)
         self.layouts: dict = {}   # addresses -> laid out (True), or how many calls found them not laid out
         self.warned = False
         self.what = what
+        self.may_move = may_move   # the compile may re-home Parameters (moe.rehome_weights)
 
     def _in_place(self, params: tuple) -> bool:
         key = tuple(map(_DATA_PTR, params))
@@ -142,8 +147,8 @@ class _Feed:
         if ok is not True:
             if len(self.layouts) > 1024:
                 self.layouts.clear()
-            ok = laid_out(params, self.rows, self.experts) or (ok or 0) + 1
-            self.layouts[key] = ok
+            ok = laid_out(params, self.rows, self.experts) or self._lay_out(params) or (ok or 0) + 1
+            self.layouts[tuple(map(_DATA_PTR, params)) if ok is True else key] = ok
         if ok is not True:
             # warned from the second call with the same addresses: compile_blocks gives the other
             # blocks the compiled block's layout after the model's first call (moe_compile/blocks.py)
@@ -157,6 +162,26 @@ class _Feed:
         if last.untyped_storage().data_ptr() != storage.data_ptr():
             return False
         return (first.storage_offset() + self.numel) * first.element_size() <= storage.nbytes()
+
+    def _lay_out(self, params: tuple) -> bool:
+        """Re-home Parameters this graph runs with that no compile laid out, once, as the compile lays out
+        the ones it compiled with (``lowering/rehome.py``): another block of the class that one compiled graph
+        serves (a per-layer ``layer.compile(backend="moe")``; compile_blocks mirrors the layout itself), or
+        a ``.data`` that was replaced. Only plain leaf Parameters whose storage is theirs alone (never a
+        tie, a bucket view, shared memory) and never under FSDP2; True if they are laid out now."""
+        from moe_compile.lowering.rehome import _rehome, _shared_storage, fsdp_in_use
+
+        e = self.experts
+        segs = [params[s * e:(s + 1) * e] for s in range(len(self.rows))]
+        first = params[0]
+        if not self.may_move or not all(
+                isinstance(p, torch.nn.Parameter) and type(p.data) is torch.Tensor and p.is_leaf and p.is_contiguous()
+                and p.dtype == first.dtype and p.device == first.device and p.shape[1:] == first.shape[1:]
+                for p in params) or any(len({p.shape for p in seg}) != 1 for seg in segs) \
+                or _shared_storage(params) or fsdp_in_use():
+            return False
+        _rehome([list(seg) for seg in segs])
+        return laid_out(params, self.rows, self.experts)
 
     def _warn(self, why: str) -> None:
         if not self.warned:
@@ -234,9 +259,10 @@ class _NamedInputsCheck:
 class StackedInputs:
     """The compiled graph called with Dynamo's inputs: kept ones passed on, stacks built per call."""
 
-    def __init__(self, fn, plan: StackPlan):
+    def __init__(self, fn, plan: StackPlan, may_move: bool = False):
         self.fn, self.keep = fn, plan.keep
-        self.feeds = [_Feed(s, f"{len(s.flat_positions)} expert weights {tuple(s.shape)}") for s in plan.stacks]
+        self.feeds = [_Feed(s, f"{len(s.flat_positions)} expert weights {tuple(s.shape)}", may_move)
+                      for s in plan.stacks]
         self.named_warned = False
 
     def __call__(self, *args):  # Dynamo calls compiled graphs unboxed (one argument per input)

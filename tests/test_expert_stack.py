@@ -327,3 +327,36 @@ def test_not_stacked_with_a_process_group_or_shared_memory(tmp_path):
     ref = copy.deepcopy(model)
     _train(model, ref, _compile(model), steps=2)
     assert all(p.untyped_storage().is_shared() for p in _experts(model)), "moved out of shared memory"
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(make_model(spelling="index_add", expert="swiglu", e=4, k=2, seed=s)
+                                          for s in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def test_layers_compiled_one_by_one_share_the_graph_and_the_layout(caplog):
+    """``for l in layers: l.compile(backend="moe")`` (torch's regional compile): one compiled graph serves
+    both layers, but only the first layer's experts were laid out by its compile, so from the second
+    call the second layer's were stacked as a copy on every step, with a warning that their .data was
+    replaced (found by a review). They are now laid out by the graph's first call with them: no warning,
+    same Parameters, gradients as eager's over the steps."""
+    model = _TwoLayers()
+    ref = copy.deepcopy(model)
+    torch._dynamo.reset()
+    for layer in model.layers:
+        layer.compile(backend="moe", options={"moe.inductor": False})
+    ids = [id(p) for p in model.parameters()]
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        _train(model, ref, model, steps=3)
+    assert "stacking a copy" not in caplog.text, caplog.text
+    assert [id(p) for p in model.parameters()] == ids
+    for layer in model.layers:
+        w1 = [e.w1.weight for e in layer.experts.experts]
+        assert len({w.untyped_storage().data_ptr() for w in w1}) == 1, "a layer's experts are not laid out as one"
