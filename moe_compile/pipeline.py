@@ -90,8 +90,8 @@ def _finder(name: str, module: str, fn: str):
 def _check(s: DynamoState) -> None:
     from moe_compile.passes.legality import Accepted, check, refusal
 
-    # where this compile draws random numbers as eager does, expert functions whose draws the rewrite would
-    # reorder are refused (Region.random_draws); under Inductor's own random numbers no draw is eager's anyway.
+    # where this compile draws random numbers as eager does, expert functions that draw are refused
+    # (Region.random_draws); under Inductor's own random numbers no draw is eager's anyway.
     # explain() runs without Inductor but reports what the default compile (Inductor) does
     import torch
 

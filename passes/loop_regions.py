@@ -165,38 +165,17 @@ def _draws(n: fx.Node) -> bool:
     return True
 
 
-def _random_draws(gm: fx.GraphModule, s: Storage, functions: dict, order: dict) -> Finding | None:
+def _random_draws(functions: dict) -> Finding | None:
     """Why the rewrite's draws of the expert functions' random ops cannot be eager's, else None.
 
-    The rewrite runs each op of the expert template once over the grouped rows: experts ascending, each
-    expert's rows in token order. That is eager's stream only where eager draws so: one random op per expert
-    function, the experts' draws in ascending order in the graph, every expert's rows token-ascending
-    (``where(ids == e)``, not one_hot(..).permute's slot-major order), no other draw between them, and a CPU
-    generator (CUDA's Philox starts each call at a new offset: E calls are not one)."""
-    drawn = {e: [n for n in nodes if _draws(n)] for e, nodes in functions.items()}
-    if not any(drawn.values()):
+    Eager draws once per expert call, on that expert's rows; the rewrite runs each op of the expert
+    template once over all the grouped rows. One call's numbers equal E calls' only for a generator that
+    hands out one element after another: CUDA's Philox starts each call at a new offset, and on Intel CPUs
+    with MKL each bernoulli_ call (dropout's) seeds a stream of its own. So any draw counts."""
+    drawn = [n for nodes in functions.values() for n in nodes if _draws(n)]
+    if not drawn:
         return None
-    first = next(n for nodes in drawn.values() for n in nodes)
-
-    def why(text):
-        return Finding.of("random_draw_order", first, node=first.name, why=text)
-
-    if any(len(v) != 1 for v in drawn.values()):
-        return why("each expert draws more than once (or not at all), and the rewrite draws each op once for all experts")
-    experts = sorted(drawn)
-    at = [order[drawn[e][0]] for e in experts]
-    if at != sorted(at):
-        return why("eager visits the experts in another order than ascending")
-    if any(c.rows.enum[:1] != ("tok",) for c in s.contribs.values()):
-        return why("eager takes each expert's rows in another order than by token (e.g. slot-major, from "
-                   "one_hot(..).permute)")
-    mine = {drawn[e][0] for e in experts}
-    if any(_draws(n) and n not in mine for n in gm.graph.nodes if at[0] < order[n] < at[-1]):
-        return why("other random draws run between the experts' draws")
-    v = val(first)
-    if not (hasattr(v, "device") and v.device.type == "cpu"):
-        return why("on CUDA each of eager's per-expert calls starts the generator at a new offset")
-    return None
+    return Finding.of("random_in_experts", drawn[0], node=drawn[0].name)
 
 
 def find_loop_regions(gm: fx.GraphModule, analysis: Analysis | None = None) -> list[Candidate]:
@@ -238,6 +217,6 @@ def find_loop_regions(gm: fx.GraphModule, analysis: Analysis | None = None) -> l
             overwrite=s.overwrite and s.base is not None)
         router = Router(ids=c0.rows.ids.root, weights=c0.w, top_k=k, num_experts=len(s.contribs))
         region = Region(module, form, where, c0.rows.x, router, ExpertMLP(tuple(built[0][0]), slots), combine,
-                        tuple(sorted(nodes, key=order.__getitem__)), _random_draws(gm, s, functions, order))
+                        tuple(sorted(nodes, key=order.__getitem__)), _random_draws(functions))
         found.append(Candidate(module, form, where, region, (), len(s.contribs), k))
     return found

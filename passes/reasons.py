@@ -63,13 +63,14 @@ REASONS: dict[str, Reason] = {
         "the expert intermediate `{node}` is also used outside the MoE region (by `{user}`)",
         "use only the combined output outside the expert loop"),
     "unsupported_row_op": Reason("unsupported op `{op}` on the expert rows at {at}{why}", _FIX_UNSUPPORTED),
-    "random_draw_order": Reason(
-        "the expert function draws random numbers (`{node}` at {at}, e.g. dropout in training) and {why}: the "
-        "rewrite draws them once over the rows grouped by expert, so its masks would not be eager's, which this "
-        "compile otherwise reproduces (moe.inductor=False, or Inductor's fallback_random=True)",
-        "apply the dropout outside the experts (on the combined output), or use dropout p=0 inside them; under "
-        "Inductor's own random numbers (fallback_random=False, the default) the rewrite is made, its masks drawn "
-        "by Inductor as stock torch.compile's are"),
+    "random_in_experts": Reason(
+        "the expert function draws random numbers (`{node}` at {at}, e.g. dropout in training): eager draws them "
+        "per expert call, the rewrite once over the rows grouped by expert, which gives other numbers than "
+        "eager's; this compile otherwise reproduces eager's draws (moe.inductor=False, or Inductor's "
+        "fallback_random=True), so the layer is compiled as written",
+        "nothing to fix for correctness; under Inductor's own random numbers (fallback_random=False, the default) "
+        "the rewrite is made, its masks drawn by Inductor as stock torch.compile's are; or apply the dropout "
+        "outside the experts (on the combined output)"),
     "written_in_place": Reason(
         "`{node}` at {at} writes in place to `{target}`, which the MoE region reads or computes, while the region "
         "runs: the rewrite reads its inputs once, where the region ends, and computes its own routing, so it "

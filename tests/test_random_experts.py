@@ -1,8 +1,8 @@
-"""Random draws inside the experts (dropout in training): the rewrite runs the expert template once over
-the rows grouped by expert, so it draws eager's numbers only where eager draws in that order (experts
-ascending, each expert's rows by token, one draw per expert, on the CPU). Where the compile reproduces
-eager's draws (moe.inductor=False, or Inductor with fallback_random=True) any other order is refused
-(random_draw_order) and compiled as written; under Inductor's own random numbers the rewrite is made."""
+"""Random draws inside the experts (dropout in training): eager draws per expert call, the rewrite once
+over the rows grouped by expert, which gives other numbers (CUDA's Philox starts each call at a new
+offset; Intel CPUs with MKL seed each bernoulli_ call's stream). Where the compile reproduces eager's draws
+(moe.inductor=False, or Inductor with fallback_random=True) such a layer is refused (random_in_experts) and
+compiled as written; under Inductor's own random numbers the rewrite is made."""
 from __future__ import annotations
 
 import pytest
@@ -41,22 +41,20 @@ class DropoutExperts(nn.Module):
         return out
 
 
-def test_dropout_in_eager_order_is_rewritten_and_draws_eagers_masks():
-    check_compiled(DropoutExperts(), [make_input((24, 16))], expect_rewritten=1, seed=SEED)
-
-
 def test_dropout_in_eval_mode_draws_nothing_and_is_rewritten():
     check_compiled(DropoutExperts("reversed").eval(), [make_input((24, 16))], expect_rewritten=1)
 
 
-@pytest.mark.parametrize("order", ["reversed", "slot_major", "twice"])
-def test_dropout_in_another_order_is_refused_and_matches_eager(order):
-    """Was rewritten with other masks than eager's: output off by 0.73-0.77, every gradient by 0.3-0.7."""
+@pytest.mark.parametrize("order", ["tokens", "reversed", "slot_major", "twice"])
+def test_dropout_in_experts_is_refused_and_matches_eager(order):
+    """Was rewritten with other masks than eager's where eager draws in another order than the grouped rows
+    (reversed, slot-major, twice): output off by 0.73-0.77, every gradient by 0.3-0.7. In token order on
+    this (AMD) CPU the masks happened to agree; on an Intel CPU with MKL or on CUDA they would not."""
     check_compiled(DropoutExperts(order), [make_input((24, 16))], expect_rewritten=0, expect_refused=1, seed=SEED)
     torch._dynamo.reset()   # explain reports the default compile (Inductor): refused under fallback_random only
     with torch._inductor.config.patch(fallback_random=True):
         rep = moe_compile.explain(DropoutExperts(order), make_input((24, 16)))
-    assert [r.code for r in rep.refused] == ["random_draw_order"] and rep.refused[0].fix, str(rep)
+    assert [r.code for r in rep.refused] == ["random_in_experts"] and rep.refused[0].fix, str(rep)
     torch._dynamo.reset()
     with torch._inductor.config.patch(fallback_random=False):
         rep = moe_compile.explain(DropoutExperts(order), make_input((24, 16)))
