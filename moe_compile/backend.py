@@ -189,7 +189,9 @@ def _report_skipped_frames(session, since_us: int) -> tuple[str, ...]:
             codes.get(str(getattr(m, "compile_id", "") or "").partition("/")[0], (None, None, None))
         skipped = Frame(co[0] or "?", co[1] or 0, co[2] or "?")
         frames = [skipped] + ([Frame(file, line, "")] if file and line else [])
-        if not in_moe_code(frames):
+        frame_id = str(getattr(m, "compile_id", "") or "").partition("/")[0]
+        moe_frame = "recompile limit" in (m.fail_reason or "").lower() and _holds_moe(frame_id, co, codes, session)
+        if not moe_frame and not in_moe_code(frames):
             reason = (m.fail_reason or m.fail_type).strip().splitlines()[0]
             at = f", at {frames[-1].at}" if len(frames) > 1 else ""
             others.setdefault(skipped.at, f"`{_qualname(skipped)}` ({skipped.at}{at}: {reason})")
@@ -209,6 +211,18 @@ def _report_skipped_frames(session, since_us: int) -> tuple[str, ...]:
         records.publish([r for _, r in found.values()], session)
         _skipped.update(found)
     return tuple(others.values())
+
+
+def _holds_moe(frame_id: str, code: tuple, codes: dict, session) -> bool:
+    """A frame that hit the recompile limit runs MoE code: its graphs held an MoE region, or those of a
+    frame Dynamo resumed it in after a graph break (``torch_dynamo_resume_in_<name>_at_<line>``, which the
+    hit leaves running only the graphs compiled so far)."""
+    if frame_id in session.moe_frames:
+        return True
+    file, _, name = code
+    resumed = f"torch_dynamo_resume_in_{name}_at_"
+    return any(c[0] == file and str(c[2] or "").startswith(resumed)
+               for c in (codes.get(f) for f in session.moe_frames) if c is not None)
 
 
 # frames Dynamo gave up on, by (file, line) of the failing user line: ((file, first line, name) of the
@@ -439,6 +453,10 @@ def _moe_backend(gm, example_inputs, mode, options):
     rng = {k: v for k, v in inductor_options.items() if k == "fallback_random"}
     with torch._inductor.config.patch(rng):
         new_gm, records = pipeline.run_dynamo_stage(gm, example_inputs, config)
+    if records:
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        if compile_id is not None:
+            session.moe_frames.add(str(compile_id.frame_id))
     pipeline.check_ep_markers(new_gm, records)
     plan, inputs, stacked = None, example_inputs, []
     try:

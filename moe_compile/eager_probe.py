@@ -6,7 +6,8 @@ whole checkpointed call eagerly, a frame Dynamo cannot resume is skipped, and ``
 runs as written. No graph, so no record: the layer would be missing from explain's report.
 
 While explain runs the model, ``probes(model)`` puts a forward pre-hook on every module that looks
-like experts (a container of 3-D Parameters stacked per expert, [E, ...], an expert-parallel one, or
+like experts (a container of 3-D Parameters stacked per expert, [E, ...], next to a router op, an
+expert-parallel one, or
 each expert of an nn.ModuleList named ``*expert*``, or held by a module whose class routes with a top-k
 and loops over experts, whatever the list is called). Traced by Dynamo, the hook does nothing
 (``torch.compiler.is_compiling()`` is constant there): only an eager call records the module. The
@@ -37,11 +38,20 @@ def _experts(model: nn.Module):
             found = expert_parameters(module)
         except ValueError:   # 3-D parameters with different E: not an expert container
             found = None
-        if found is not None:
+        if found is not None and _routed_near(model, path):
             yield path, module, f"3-D Parameters stacked per expert, E={found[0]}"
         elif _module_list_experts(path, module) or _routed_list(model, path, module):
             for expert in module:
                 yield path, expert, f"an nn.ModuleList of {len(module)} experts"
+
+
+def _routed_near(model: nn.Module, path: str) -> bool:
+    """The module holding ``path`` (or one below it: its router module) has a class whose source calls a
+    router op: 3-D Parameters next to a top-k are experts, per-head attention weights [H, ...] are not."""
+    from .passes.moe_source import routes
+
+    owner = model.get_submodule(path.rpartition(".")[0]) if "." in path else model
+    return any(routes(cls) for cls in dict.fromkeys(type(m) for m in owner.modules()))
 
 
 def _routed_list(model: nn.Module, path: str, module: nn.Module) -> bool:

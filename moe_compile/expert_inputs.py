@@ -180,7 +180,8 @@ class _Feed:
                 for p in params) or any(len({p.shape for p in seg}) != 1 for seg in segs) \
                 or _shared_storage(params) or fsdp_in_use():
             return False
-        _rehome([list(seg) for seg in segs])
+        with torch.inference_mode(False):   # a first call under inference_mode: a normal buffer, not an inference one
+            _rehome([list(seg) for seg in segs])
         return laid_out(params, self.rows, self.experts)
 
     def _warn(self, why: str) -> None:

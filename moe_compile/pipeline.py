@@ -88,10 +88,10 @@ def _finder(name: str, module: str, fn: str):
 
 
 def _check(s: DynamoState) -> None:
-    from moe_compile.passes.legality import Accepted, check, refusal
+    from moe_compile.passes.legality import Accepted, check, random_in_experts, refusal
 
-    # where this compile draws random numbers as eager does, expert functions that draw are refused
-    # (Region.random_draws); under Inductor's own random numbers no draw is eager's anyway.
+    # where this compile draws random numbers as eager does, regions whose experts draw are refused
+    # (legality.random_in_experts); under Inductor's own random numbers no draw is eager's anyway.
     # explain() runs without Inductor but reports what the default compile (Inductor) does
     import torch
 
@@ -101,8 +101,9 @@ def _check(s: DynamoState) -> None:
     eager_draws = aot_only or bool(torch._inductor.config.fallback_random)
     for c in s.candidates:
         verdict = check(c)
-        if isinstance(verdict, Accepted) and eager_draws and verdict.region.random_draws is not None:
-            verdict = refusal(c, verdict.region.random_draws)
+        drawn = random_in_experts(verdict.region) if isinstance(verdict, Accepted) and eager_draws else None
+        if drawn is not None:
+            verdict = refusal(c, drawn)
         (s.accepted if isinstance(verdict, Accepted) else s.refused).append(
             verdict.region if isinstance(verdict, Accepted) else verdict)
 

@@ -69,6 +69,9 @@ class Session:
         self.place = None
         # explain()'s: its graphs run without Inductor for speed but are reported as the default compile's
         self.explaining = False
+        # Dynamo frame ids ("3" of compile id "3/1") whose graphs held an MoE region: a recompile limit hit
+        # there runs MoE code eagerly whatever the frame's own code looks like (a model's top-level forward)
+        self.moe_frames: set = set()
 
     def warn_once(self, key, message: str) -> None:
         with self.lock:

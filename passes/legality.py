@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 
 from . import reasons
-from .normalize import ancestors, canon, descendants, val, where_in_user_code
+from .normalize import ancestors, arg, canon, descendants, val, where_in_user_code
 from .region import AccumulateInPlace, Candidate, Finding, Region, ReplaceOutput
 from .writes import foreign_write, written
 
@@ -131,23 +131,36 @@ def not_float64(region: Region) -> Finding | None:
     return None
 
 
-def _autocast_spans(graph: fx.Graph) -> list[tuple[int, int]]:
-    """(enter, exit) positions of the torch.autocast contexts entered inside the graph."""
+def _autocast_spans(graph: fx.Graph) -> list[tuple[int, int, str, bool]]:
+    """(enter, exit, device type, enabled) of the torch.autocast contexts entered inside the graph."""
     order = _order(graph)
     spans = []
     for n in graph.nodes:
         if n.op == "call_function" and getattr(n.target, "__name__", "") == "_exit_autocast" and n.args \
                 and isinstance(n.args[0], fx.Node):
-            spans.append((order[n.args[0]], order[n]))
+            enter = n.args[0]
+            device = enter.args[0] if enter.args and isinstance(enter.args[0], str) else enter.kwargs.get("device_type")
+            enabled = enter.args[2] if len(enter.args) > 2 else enter.kwargs.get("enabled", True)
+            spans.append((order[enter], order[n], device, enabled is not False))
     return spans
+
+
+def _autocast_at(n: fx.Node, device: str, spans: list) -> bool:
+    """Whether autocast for ``device`` is on at ``n``: the innermost context for that device entered in the
+    graph around ``n`` says so, else the state the graph was compiled under."""
+    at = _order(n.graph)[n]
+    around = [sp for sp in spans if sp[0] < at < sp[1] and sp[2] == device]
+    if around:
+        return max(around)[3]   # the innermost: entered last
+    return torch.is_autocast_enabled(device)
 
 
 def one_dtype_products(region: Region) -> Finding | None:
     """A product (linear, mm, bmm, matmul, einsum, grouped_mm) of the region whose float operands have
-    different dtypes computes only under torch.autocast: without it eager raises ("mat1 and mat2 must have
-    the same dtype"), and the fake values Dynamo records do not, so the lowering would cast them and return
-    a result. Under autocast (entered around the compiled call, or inside the graph around the product)
-    the lowering casts as autocast does."""
+    different dtypes computes only under torch.autocast for its device: without it eager raises ("mat1 and
+    mat2 must have the same dtype"), and the fake values Dynamo records do not, so the lowering would cast
+    them and return a result. Under autocast (entered around the compiled call, or inside the graph around
+    the product, enabled, for the product's device) the lowering casts as autocast does."""
     spans = None
     for n in region.nodes:
         if (canon(n) or "") not in _PRODUCTS:
@@ -157,11 +170,8 @@ def one_dtype_products(region: Region) -> Finding | None:
             continue
         out = val(n)
         device = out.device.type if isinstance(out, torch.Tensor) else "cpu"
-        if torch.is_autocast_enabled(device):
-            return None
         spans = _autocast_spans(n.graph) if spans is None else spans
-        at = _order(n.graph)[n]
-        if not any(lo < at < hi for lo, hi in spans):
+        if not _autocast_at(n, device, spans):
             names = "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
             return Finding.of("mixed_dtypes", n, node=n.name, dtypes=names)
     return None
@@ -169,6 +179,39 @@ def one_dtype_products(region: Region) -> Finding | None:
 
 _PRODUCTS = {"linear", "mm", "bmm", "matmul", "einsum", "addmm", "baddbmm", "_grouped_mm", "grouped_mm",
              "transformers::grouped_mm_fallback"}
+
+
+# ops that draw random numbers (torch's and Tensor's names, as canon spells them)
+RANDOM_OPS = {"dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d", "bernoulli",
+              "bernoulli_", "rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "randperm",
+              "multinomial", "normal", "normal_", "uniform_", "exponential_", "geometric_", "log_normal_",
+              "cauchy_", "random_", "rrelu", "rrelu_", "native_dropout", "poisson", "binomial", "_standard_gamma",
+              "gumbel_softmax"}
+
+
+def _draws(n: fx.Node) -> bool:
+    """``n`` draws random numbers (a dropout only in training with p > 0)."""
+    op = canon(n) or ""
+    if op not in RANDOM_OPS:
+        return False
+    if "dropout" in op and op != "native_dropout":
+        p = arg(n, 1, "p", 0.5)
+        training = arg(n, 2, "training", True)
+        return not (training is False or isinstance(p, (int, float)) and p == 0)
+    return True
+
+
+def random_in_experts(region: Region) -> Finding | None:
+    """A random draw on the region's expert rows (dropout in training, in any form), else None. Eager draws
+    per expert call (loops) or over every token and expert (dense), the rewrite once over the rows grouped
+    by expert: other numbers on every host (CUDA's Philox starts each call at a new offset; Intel CPUs with
+    MKL seed each bernoulli_ call's stream). Not one of ``RULES``: ``pipeline._check`` refuses such a region
+    only where the compile reproduces eager's draws (moe.inductor=False, or Inductor's fallback_random)."""
+    rows = descendants([region.x])
+    for n in region.nodes:
+        if n in rows and _draws(n):
+            return Finding.of("random_in_experts", n, node=n.name)
+    return None
 
 
 def accumulator(region: Region) -> Finding | None:

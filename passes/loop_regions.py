@@ -146,38 +146,6 @@ def _early_views(a: Analysis, s: Storage, order: dict) -> list[fx.Node]:
             and storage_base(u, {}) is s.alloc]
 
 
-# ops that draw random numbers (torch's and Tensor's names, as canon spells them)
-RANDOM_OPS = {"dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d", "bernoulli",
-              "bernoulli_", "rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "randperm",
-              "multinomial", "normal", "normal_", "uniform_", "exponential_", "geometric_", "log_normal_",
-              "cauchy_", "random_", "rrelu", "native_dropout", "poisson"}
-
-
-def _draws(n: fx.Node) -> bool:
-    """``n`` draws random numbers (a dropout only in training with p > 0)."""
-    op = canon(n) or ""
-    if op not in RANDOM_OPS:
-        return False
-    if "dropout" in op and op != "native_dropout":
-        p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
-        training = n.args[2] if len(n.args) > 2 else n.kwargs.get("training", True)
-        return not (training is False or isinstance(p, (int, float)) and p == 0)
-    return True
-
-
-def _random_draws(functions: dict) -> Finding | None:
-    """Why the rewrite's draws of the expert functions' random ops cannot be eager's, else None.
-
-    Eager draws once per expert call, on that expert's rows; the rewrite runs each op of the expert
-    template once over all the grouped rows. One call's numbers equal E calls' only for a generator that
-    hands out one element after another: CUDA's Philox starts each call at a new offset, and on Intel CPUs
-    with MKL each bernoulli_ call (dropout's) seeds a stream of its own. So any draw counts."""
-    drawn = [n for nodes in functions.values() for n in nodes if _draws(n)]
-    if not drawn:
-        return None
-    return Finding.of("random_in_experts", drawn[0], node=drawn[0].name)
-
-
 def find_loop_regions(gm: fx.GraphModule, analysis: Analysis | None = None) -> list[Candidate]:
     a = analysis or analyze(gm)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -217,6 +185,6 @@ def find_loop_regions(gm: fx.GraphModule, analysis: Analysis | None = None) -> l
             overwrite=s.overwrite and s.base is not None)
         router = Router(ids=c0.rows.ids.root, weights=c0.w, top_k=k, num_experts=len(s.contribs))
         region = Region(module, form, where, c0.rows.x, router, ExpertMLP(tuple(built[0][0]), slots), combine,
-                        tuple(sorted(nodes, key=order.__getitem__)), _random_draws(functions))
+                        tuple(sorted(nodes, key=order.__getitem__)))
         found.append(Candidate(module, form, where, region, (), len(s.contribs), k))
     return found

@@ -43,8 +43,9 @@ class Frame:
 
 # not a bare "topk": metrics, samplers, beam search and top-k pooling call it too (a router they
 # hold is found from the graph: its ids leave it, or the function routes and then groups tokens)
-_MOE_NAME = re.compile(r"expert|router|routing|gating|(top_?k|noisy)_?gate$|sparse_?moe|moe_?(block|layer|mlp)|moe$|^moe",
-                       re.I)
+# (not "routing" / "gating" alone: capsule routing, context gating and gMLP's spatial gating unit are no MoE)
+_MOE_NAME = re.compile(r"expert|router|(top_?k|noisy|sparse|switch|moe)_?(gate|gating|routing)|sparse_?moe|"
+                       r"moe_?(block|layer|mlp)|moe$|^moe", re.I)
 _MOE_LINE = re.compile(r"expert|router|routing", re.I)
 _CLASS = re.compile(r"^class\s+(\w+)")
 
@@ -92,7 +93,7 @@ def _routes_then_selects(filename: str, lineno: int, limit: int = 120) -> bool:
     body = _function_body(filename, lineno)
     if body is not None:   # the router may be a helper or a gate module (``w, ids = self.gate(x)``): the loop says it
         routed = _ROUTES_WHOLE.search(body)
-        return _per_expert_loop(body[routed.end():] if routed else body)
+        return _per_expert_loop(body[routed.end():]) if routed else _per_expert_loop(body, calls=True)
     lines = []
     for i in range(lineno, max(lineno - limit, 0), -1):
         line = linecache.getline(filename, i)
@@ -101,25 +102,52 @@ def _routes_then_selects(filename: str, lineno: int, limit: int = 120) -> bool:
             break
     text = "".join(reversed(lines))
     routed = _ROUTES.search(text)
-    return bool(routed) and bool(_SELECTS.search(text, routed.end()))
+    if not routed or not _SELECTS.search(text, routed.end()):
+        return False
+    # and computes with experts somewhere in the function (a top-k, nonzero and .item() of a beam search,
+    # a kNN monitor or a top-5 accuracy computes with none)
+    whole = _enclosing_function(filename, lineno)
+    return whole is None or bool(_EXPERT_COMPUTE.search(whole))
+
+
+# expert compute in a function's text: an indexed module called (experts[e](..)), a grouped GEMM, a batched one
+_EXPERT_COMPUTE = re.compile(r"\w\[[^\]\n]+\]\s*\(|\bgrouped_mm\(|\bbmm\(|\beinsum\(|\bexpert", re.I)
+
+
+def _enclosing_function(filename: str, lineno: int) -> str | None:
+    """The text of the innermost function holding ``filename:lineno``, else None."""
+    lines = linecache.getlines(filename)
+    try:
+        tree = ast.parse("".join(lines))
+    except (SyntaxError, ValueError):
+        return None
+    best = None
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.lineno <= lineno <= (node.end_lineno or 0):
+            if best is None or node.lineno >= best.lineno:
+                best = node
+    return "".join(lines[best.lineno - 1:best.end_lineno]) if best is not None else None
 
 
 _ROUTES_WHOLE = re.compile(r"\btopk\(|\bargmax\(|\.max\(\s*(dim\s*=\s*)?-?\d")
 _LOOP = re.compile(r"\bfor\s+\(?\s*(\w+)(?:\s*,\s*(\w+))?\s*\)?\s+in\b")
 
 
-def _per_expert_loop(text: str) -> bool:
+def _per_expert_loop(text: str, calls: bool = False) -> bool:
     """A ``for`` loop in ``text`` whose variable both selects tokens (``ids == e``, ``ids.eq(e)``,
-    ``where(mask[e])``) and picks an expert (``self.w1[e]``, ``experts[e](...)``, or the loop's
-    element called: ``for e, expert in enumerate(self.experts): ... expert(x[tok])``). A per-class
-    metric (``labels == c``) selects but picks nothing."""
+    ``where(mask[e])``; not a Python branch ``if i == ...``) and picks an expert (``self.w1[e]``,
+    ``experts[e](...)``, or the loop's element called: ``for e, expert in enumerate(self.experts): ...
+    expert(x[tok])``; with ``calls`` only a module called, not a weight indexed). A per-class metric
+    (``labels == c``) selects but picks nothing; a class-weighted loss (``self.cw[c] * ...``) picks no call."""
     for m in _LOOP.finditer(text):
         rest = text[m.end():]
         index, element = m.groups()
         names = [v for v in (index, element) if v]
-        selects = any(re.search(rf"==\s*{v}\b|\b{v}\s*==|\.eq\(\s*{v}\s*\)|\bwhere\(\s*[\w.]+\[\s*{v}\s*\]", rest)
+        kept = "\n".join(line for line in rest.splitlines() if not line.lstrip().startswith(("if ", "elif ", "while ")))
+        selects = any(re.search(rf"==\s*{v}\b|\b{v}\s*==|\.eq\(\s*{v}\s*\)|\bwhere\(\s*[\w.]+\[\s*{v}\s*\]", kept)
                       for v in names)
-        picks = any(re.search(rf"\bself\.[\w.]+\[\s*{v}\s*\]|\w\[\s*{v}\s*\]\s*\(", rest) for v in names) \
+        weight = "" if calls else rf"\bself\.[\w.]+\[\s*{{v}}\s*\]|"
+        picks = any(re.search(weight.format(v=v) + rf"\w\[\s*{v}\s*\]\s*\(", rest) for v in names) \
             or (element is not None and re.search(rf"\b{element}\s*\(", rest) is not None)
         if selects and picks:
             return True
@@ -156,8 +184,23 @@ def routes_per_expert(cls: type) -> bool:
         except (OSError, TypeError):
             continue
         routed = _ROUTES_WHOLE.search(src)
-        if routed and _per_expert_loop(src[routed.end():]):
+        if routed and _per_expert_loop(src[routed.end():], calls=True):
             return True
+    return False
+
+
+def routes(cls: type) -> bool:
+    """Some class of ``cls``'s MRO (below torch's own) has source that calls a router op (top-k, argmax)."""
+    import inspect
+
+    for c in cls.__mro__:
+        if c.__module__.startswith(("torch.", "builtins")):
+            continue
+        try:
+            if _ROUTES_WHOLE.search(inspect.getsource(c)):
+                return True
+        except (OSError, TypeError):
+            continue
     return False
 
 

@@ -112,10 +112,6 @@ class Region:
     experts: ExpertMLP
     combine: Combine
     nodes: tuple[fx.Node, ...]
-    # random draws in the expert function (dropout in training), which one grouped call cannot draw as eager's
-    # per-expert calls do: refused where the compile reproduces eager's draws (moe.inductor=False, or
-    # Inductor's fallback_random; pipeline._check)
-    random_draws: "Finding | None" = None
 
 
 @dataclass(frozen=True)

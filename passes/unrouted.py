@@ -9,17 +9,17 @@ Contract::
     gated, for >= 2 experts, on their inputs or outputs, by a per-expert selection of that expert e:
         ids == e            integer ids compared with several numbers (hash / table ids: router_draws;
                             ids that are an input of the graph, e.g. a checkpoint body's: ids_outside)
-        W[ids]              each token's expert weights gathered from a stacked W by integer ids computed
-                            from the graph's inputs (``tid2eid[input_ids]``, ``input_ids % E`` kept as ids):
-                            router_draws, or ids_outside for ids that are an input of the graph
+        W[ids]              each token's expert weights gathered from a stacked W by integer ids that hash
+                            the graph's inputs or look them up in a buffer (``tid2eid[input_ids]``,
+                            ``h & (E - 1)``): router_draws; not ids given as they are (labels, edge types)
         mask[:, e]          column e of a graph input that is not a Parameter or buffer, picking rows (a
-                            dispatch mask made outside the graph, past a graph break): ids_outside
+                            one-hot dispatch mask made outside the graph, past a graph break): ids_outside
         scores[:, e]        column e of the block's gate scores (a matmul of the tokens with a 2-D
                             Parameter of the block writing [.., E], and what follows it short of another
                             Parameter's matmul): moe_unmatched when it picks rows (threshold, top-p),
                             else soft_moe / routing_matrix_form (weighted mixtures)
   -> one Unclaimed record per expert set, unless a candidate region or the router scan of
-     unclaimed.py already covers its block.
+     unclaimed.py already covers its block, or its members run one after the other (a stack of layers).
 
 Compared ids may number the experts otherwise (``eid == (e + 1) % E``, ``enumerate(experts, start=1)``), but
 two experts must be gated by different numbers; a score column must be the expert's index. Negative
@@ -34,9 +34,10 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .normalize import arg, attribute_path, canon, common_module, module_path, val, where_in_user_code
+from .normalize import arg, attribute_path, canon, common_module, module_path, source_name, val, where_in_user_code
 from .token_paths import MATMULS, param_of
 from .unclaimed_base import _GATHERS, Unclaimed, _dims, _near, _same_block
+from .writes import written
 
 
 # the gates of the experts' inputs and outputs: a product, a masked write, an indexed add
@@ -219,9 +220,9 @@ def _selectors(starts, i, e: int, scores: set, weights: set, depth: int) -> list
 
 def _gathered_by(m: fx.Node, weights: set, e: int) -> fx.Node | None:
     """The integer ids ``m`` (a matmul) gathers its stacked weight [E, ...] by along dim 0 (``W[ids]``,
-    ``W.index_select(0, ids)``, through views and casts), when they are computed from an input of the graph
-    (not from constants, Parameters and buffers alone: ``W[arange(E)]``, ``W[self.perm]`` are every expert),
-    else None."""
+    ``W.index_select(0, ids)``, through views and casts), when they are a hash or a table lookup of the
+    graph's inputs (``_hashed``), else None. Ids given as they are (class labels, edge types, task or
+    adapter ids) and arithmetic on positions (relative-position tables) are not routing."""
     for a in m.all_input_nodes:
         p = param_of(a, weights)
         n = a
@@ -236,12 +237,35 @@ def _gathered_by(m: fx.Node, weights: set, e: int) -> fx.Node | None:
             if isinstance(idx, fx.Node):
                 v = val(idx)
                 if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dtype != torch.bool \
-                        and _dims(n.args[0])[:1] == (e,) and any(x.op == "placeholder" and not attribute_path(x)
-                                                                 for x in _ancestors(idx, 64)):
+                        and _dims(n.args[0])[:1] == (e,) and _hashed(idx):
                     return idx
                 return None
             n = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
     return None
+
+
+# how hash routers make ids: a remainder or a bit mask (ids % E, ids & (E - 1), an LSH's bits); a lookup in a
+# table (tid2eid[input_ids]) is a gather from a buffer
+_HASH_OPS = {"remainder", "mod", "fmod", "bitwise_and", "and", "and_", "__and__", "bitwise_xor", "xor", "__xor__"}
+
+
+def _hashed(ids: fx.Node, depth: int = 8) -> bool:
+    """``ids`` are computed (not a graph input as they are) by a hash of the graph's inputs or a lookup of
+    them in a buffer (through at most ``depth`` ops)."""
+    seen, stack = set(), [(ids, 0)]
+    while stack:
+        n, d = stack.pop()
+        if not isinstance(n, fx.Node) or n in seen or d > depth or n.op == "placeholder":
+            continue
+        seen.add(n)
+        op = canon(n) or getattr(n.target, "__name__", "")
+        if op in _HASH_OPS:
+            return True
+        src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        if op in _GATHERS and src is not None and src.op == "placeholder" and "_buffers" in source_name(src):
+            return True   # a table lookup: buffer[ids]
+        stack += [(x, d + 1) for x in n.all_input_nodes]
+    return False
 
 
 _VIEWS = {"view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze", "flatten", "contiguous", "to",
@@ -300,7 +324,7 @@ def unrouted(gm, params, weights, claimed_nodes, claimed_modules, listed, disabl
                 numbers.setdefault(i, set()).add(_compared(n)[1])
         if len({frozenset(v) for v in numbers.values()}) < 2:
             found = [f for f in found if f[1] != "compare"]
-        if len({i for i, *_ in found}) < 2 and not any(i is None for i, *_ in found):
+        if len({i for i, *_ in found}) < 2 and not any(i is None for i, *_ in found) or _chained(members):
             continue
         nodes = [n for _, _, n, _ in found]
         module = common_module(nodes + list(members))
@@ -308,6 +332,25 @@ def unrouted(gm, params, weights, claimed_nodes, claimed_modules, listed, disabl
             continue
         out.append(_unrouted_record(key, e, members, found, module, disabled))
     return out
+
+
+def _chained(members: dict) -> bool:
+    """One member's input is computed from another expert's member: a stack of layers run one after the
+    other (a layer drop mask ``keep[:, i]`` picking the rows of layer i), not experts side by side."""
+    owner = {m: i for m, i in members.items() if i is not None}
+    for m, i in owner.items():
+        seen, stack = set(), [a for a in m.all_input_nodes]
+        while stack:
+            n = stack.pop()
+            if n in seen or n.op == "placeholder":
+                continue
+            seen.add(n)
+            if owner.get(n, i) != i:
+                return True
+            stack.extend(n.all_input_nodes)
+            # what an in-place write put into n (x[keep] = layer(x[keep]): the next layer reads x)
+            stack.extend(a for u in n.users if written(u) is n for a in u.all_input_nodes)
+    return False
 
 
 def _unrouted_record(key, e, members, found, module, disabled) -> Unclaimed:

@@ -187,20 +187,29 @@ class _FP32RouterBF16Input(torch.nn.Module):
         if self.where == "inside":   # autocast entered inside the compiled code: the graph holds it
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 return self._moe(x)
+        if self.where == "disabled_inside":   # autocast off around the experts, inside an enabled one
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                with torch.autocast("cpu", enabled=False):
+                    return self._moe(x)
+        if self.where == "other_device":   # autocast for CUDA does nothing to CPU tensors
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return self._moe(x)
         return self._moe(x)
 
 
-@pytest.mark.parametrize("where", ["none", "around", "inside"])
+@pytest.mark.parametrize("where", ["none", "disabled_inside", "other_device", "around", "inside"])
 def test_mixed_dtype_experts_raise_as_eager_outside_autocast(where):
     """Was rewritten outside autocast: the lowering cast the bf16 rows and fp32 weights to one dtype and
     returned a result where eager raises. Now refused (mixed_dtypes) and compiled as written, which
-    raises eager's error; under autocast, around the call or inside it, still rewritten."""
+    raises eager's error; so is autocast entered in the graph but disabled around the experts, or for
+    another device (the first version took any autocast context as on). Under autocast for the device,
+    around the call or inside it, still rewritten."""
     model = _FP32RouterBF16Input(where)
     x = make_input((12, 16), torch.bfloat16, requires_grad=False)
     torch._dynamo.reset()
     compiled = torch.compile(copy.deepcopy(model), backend="moe", options={"moe.inductor": False})
     before = dict(records.counters)
-    if where == "none":
+    if where in ("none", "disabled_inside", "other_device"):
         with pytest.raises(RuntimeError, match="same dtype"):
             model(x)
         with pytest.raises(RuntimeError, match="same dtype"):

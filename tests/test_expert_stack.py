@@ -360,3 +360,17 @@ def test_layers_compiled_one_by_one_share_the_graph_and_the_layout(caplog):
     for layer in model.layers:
         w1 = [e.w1.weight for e in layer.experts.experts]
         assert len({w.untyped_storage().data_ptr() for w in w1}) == 1, "a layer's experts are not laid out as one"
+
+
+def test_layers_compiled_one_by_one_first_called_under_inference_mode_still_train():
+    """The second layer's experts are laid out on the graph's first call with them: under inference_mode
+    that made them inference tensors, and training then raised (found by a review)."""
+    model = _TwoLayers()
+    ref = copy.deepcopy(model)
+    torch._dynamo.reset()
+    for layer in model.layers:
+        layer.compile(backend="moe", options={"moe.inductor": False})
+    with torch.inference_mode():
+        model(make_input((3, 5, 16), requires_grad=False))
+    assert not any(p.is_inference() for p in model.parameters())
+    _train(model, ref, model, steps=2)

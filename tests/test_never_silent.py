@@ -1503,3 +1503,119 @@ def test_experts_given_a_dispatch_mask_from_outside_the_graph_are_listed(contain
     assert "dispatch mask" in rep.refused[0].reason and "graph break" in rep.refused[0].fix, str(rep)
     if container == "dict":
         assert "experts.expert_<e>" in rep.refused[0].reason, str(rep)
+
+
+class _Wrapper(nn.Module):
+    def __init__(self, graph_break):
+        super().__init__()
+        self.graph_break, self.pre, self.moe = graph_break, nn.Linear(16, 16), make_model(spelling="index_add", e=4, k=2)
+
+    def forward(self, x):
+        x = self.pre(x)
+        if self.graph_break:
+            torch._dynamo.graph_break()
+        return self.moe(x)
+
+
+@pytest.mark.parametrize("graph_break", [False, True])
+def test_recompile_limit_hit_in_a_frame_around_moe_code_is_listed(graph_break, caplog):
+    """The frame that hits the limit is usually the model's forward, not MoE code by its looks: it holds the
+    MoE layer inlined (its graphs held a region), or resumes into it after a graph break; Dynamo then runs
+    the layer eagerly on new shapes. Was silent (found by a review)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(_Wrapper(graph_break), backend="moe", dynamic=False, options=OPTS)
+    with torch._dynamo.config.patch(recompile_limit=2), caplog.at_level(logging.WARNING, logger="moe_compile"):
+        for t in (4, 5, 6, 7):
+            compiled(torch.randn(t, 16))
+    warned = _warnings(caplog, "recompile_limit")
+    assert len(warned) == 1 and "_Wrapper.forward" in warned[0], caplog.text
+
+
+class _LookAlike(nn.Module):
+    """Not MoE, found as MoE by today's first versions of the scans (a review's false positives)."""
+
+    def __init__(self, form, h=16, n=3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.form = form
+        self.W = nn.Parameter(torch.randn(5, h, h) / 4)            # per-class bilinear table / relation weights
+        self.rel_k3 = nn.Parameter(torch.randn(7, 2, h // 2) / 4)
+        self.heads = nn.ModuleList(nn.Linear(h, h) for _ in range(n))
+        self.layers = nn.ModuleList(nn.Linear(h, h) for _ in range(n))
+
+    def forward(self, x, ids, mask):
+        if self.form == "class_bilinear":      # bmm(f, W[labels]); R-GCN's weight[edge_type] alike
+            return torch.bmm(x.unsqueeze(1), self.W[ids]).squeeze(1)
+        if self.form == "relative_keys":       # Shaw-style relative key table gathered by position distances
+            pos = torch.arange(x.shape[0])
+            rel = (pos[:, None] - pos[None, :]).clamp(-3, 3) + 3
+            return torch.einsum("th,tsh->ts", x[:, :8], self.rel_k3[rel].flatten(-2)[..., :8])
+        if self.form == "layer_drop":          # per-sample layer drop with a precomputed keep mask
+            for i, layer in enumerate(self.layers):
+                keep = mask[:, i]
+                x = x.clone()
+                x[keep] = layer(x[keep])
+            return x
+        raise ValueError(self.form)
+
+
+@pytest.mark.parametrize("form", ["class_bilinear", "relative_keys", "layer_drop"])
+def test_look_alikes_given_ids_or_masks_are_not_listed(form):
+    """Labels or edge types gathering a 3-D table (not hashed, nor looked up in a buffer), relative-position
+    tables, and a layer-drop mask picking each layer's rows (layers one after the other) are not experts."""
+    x = make_input((12, 16))
+    ids = torch.randint(0, 5, (12,), generator=torch.Generator().manual_seed(1))
+    mask = torch.rand(12, 3, generator=torch.Generator().manual_seed(2)) > 0.5
+    torch._dynamo.reset()
+    rep = moe_compile.explain(_LookAlike(form), x, ids, mask)
+    assert not rep.refused and not rep.graph_breaks, str(rep)
+
+
+def test_moe_source_reads_loops_and_names_narrowly():
+    """A review's false positives from the source checks: a class-weighted loss loop (``self.cw[c]`` indexes a
+    weight, calls no module) and a Python branch on the loop variable (``if i == last``) are no per-expert
+    loop where no router is in sight; capsule routing, context gating and gMLP's spatial gating unit are no
+    MoE names. The MoE loop of a forward whose router is a gate module still is."""
+    from moe_compile.passes.moe_source import _MOE_NAME, _per_expert_loop
+
+    moe = "for e in range(4):\n    slot, tok = torch.where(mask[e])\n    out.index_add_(0, tok, self.experts[e](x[tok]))\n"
+    loss = "for c in range(3):\n    m = y == c\n    loss = loss + self.cw[c] * x[m].square().mean()\n"
+    blocks = "for i, blk in enumerate(self.blocks):\n    x = blk(x)\n    if i == len(self.blocks) - 1:\n        h = x\n"
+    assert _per_expert_loop(moe, calls=True) and not _per_expert_loop(loss, calls=True)
+    assert not _per_expert_loop(blocks) and not _per_expert_loop(blocks, calls=True)
+    assert not any(_MOE_NAME.search(n) for n in ("CapsuleRouting", "ContextGating", "SpatialGatingUnit"))
+    assert all(_MOE_NAME.search(n) for n in ("TopKGating", "SwitchGate", "NoisyTopkGate", "MoeLayer", "Router",
+                                             "SparseMoeBlock", "Experts"))
+
+
+class _Heads3D(nn.Module):
+    def __init__(self, h=8, heads=4):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(heads, h, h // 2) / 4)   # per-head projections [H, D, dh]
+
+    def forward(self, x):
+        q = torch.einsum("td,hde->hte", x, self.w)
+        return torch.einsum("hte,hse->ts", q, q).softmax(-1) @ x
+
+
+class _CheckpointedAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = _Heads3D()
+
+    def _body(self, x):
+        torch._dynamo.graph_break()
+        return x + self.attn(x)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self._body, x, use_reentrant=False)
+
+
+def test_per_head_weights_run_eagerly_are_not_experts():
+    """3-D per-head weights [H, ...] that Dynamo ran eagerly (a graph break under checkpointing) were listed
+    as ran_eagerly experts: a 3-D Parameter counts as experts only next to a router op (a review's false
+    positive); experts next to one still are (test_experts_dynamo_ran_eagerly_are_listed)."""
+    torch._dynamo.reset()
+    rep = moe_compile.explain(_CheckpointedAttention(), torch.randn(6, 8))
+    assert not rep.refused, str(rep)
