@@ -1619,3 +1619,17 @@ def test_per_head_weights_run_eagerly_are_not_experts():
     torch._dynamo.reset()
     rep = moe_compile.explain(_CheckpointedAttention(), torch.randn(6, 8))
     assert not rep.refused, str(rep)
+
+
+def _top5_accuracy(logits, y):
+    pred = logits.topk(5, -1).indices
+    hit = torch.where(pred == y[:, None])[0]
+    return logits.sum() * hit.float().mean().item()
+
+
+def test_break_after_a_topk_in_code_without_experts_is_not_moe_code():
+    """A top-k, a selection, then a host sync (a top-5 accuracy, a kNN monitor, a beam search's exit test) was
+    reported as a graph break in MoE code (a review's false positive): the function computes with no expert."""
+    torch._dynamo.reset()
+    rep = moe_compile.explain(_top5_accuracy, torch.randn(8, 10), torch.randint(0, 10, (8,)))
+    assert not rep.graph_breaks and not rep.refused, str(rep)
