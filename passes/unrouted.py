@@ -45,6 +45,10 @@ _COMBINES = {"mul", "einsum", "bmm", "matmul", "where", "index_add", "index_add_
              "setitem", "masked_fill", "masked_scatter", "div"}
 
 
+# views and casts between a dispatch mask input and the column an expert takes of it
+_VIEWS = {"view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze", "flatten", "contiguous", "to",
+          "long", "int", "bool", "float"}
+
 # a module path segment that numbers an expert: "3" (ModuleList, Sequential), "expert_3" (ModuleDict by name)
 _NUMBERED = re.compile(r"(\w*expert\w*?_?)?(\d+)", re.I)
 
@@ -83,9 +87,9 @@ def _experts(gm: fx.GraphModule, params: set, weights: set) -> dict:
                 # experts.3.fc1, experts.3.0 (Sequential experts), layers.0.moe.experts.3.fc1, and ModuleDict
                 # experts keyed by name: experts.expert_3.wi (Switch Transformers, NLLB-MoE)
                 for i, m in numbered:
-                    key = ".".join(segs[:i] + ([m.group(1)] if m.group(1) else []))
-                    entry = out.setdefault(key, [0, _parent(key) if not m.group(1) else ".".join(segs[:i - 1]) if i
-                                                 else "", {}, True])
+                    container = ".".join(segs[:i])
+                    key = ".".join(x for x in (container, m.group(1)) if x)
+                    entry = out.setdefault(key, [0, _parent(container), {}, True])
                     entry[2][n] = int(m.group(2))
                 break
     for key, entry in list(out.items()):
@@ -266,10 +270,6 @@ def _hashed(ids: fx.Node, depth: int = 8) -> bool:
             return True   # a table lookup: buffer[ids]
         stack += [(x, d + 1) for x in n.all_input_nodes]
     return False
-
-
-_VIEWS = {"view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze", "flatten", "contiguous", "to",
-          "long", "int", "bool", "float"}
 
 
 def _consumers(m: fx.Node, hops: int = 4) -> list[fx.Node]:
