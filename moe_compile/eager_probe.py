@@ -6,10 +6,10 @@ whole checkpointed call eagerly, a frame Dynamo cannot resume is skipped, and ``
 runs as written. No graph, so no record: the layer would be missing from explain's report.
 
 While explain runs the model, ``probes(model)`` puts a forward pre-hook on every module that looks
-like experts (a container of 3-D Parameters stacked per expert, [E, ...], next to a router op, an
-expert-parallel one, or
-each expert of an nn.ModuleList named ``*expert*``, or held by a module whose class routes with a top-k
-and loops over experts, whatever the list is called). Traced by Dynamo, the hook does nothing
+like experts: a container of 3-D Parameters stacked per expert, [E, ...], next to a router op; an
+expert-parallel one; each expert of an nn.ModuleList named ``*expert*``, or held by a module whose
+class routes with a top-k and loops over experts, whatever the list is called. Traced by Dynamo, the
+hook does nothing
 (``torch.compiler.is_compiling()`` is constant there): only an eager call records the module. The
 hooks are removed when explain returns. ``records(...)`` turns what ran eagerly into refused records
 (code ``ran_eagerly``), except where a graph break in MoE code already says why.

@@ -9,9 +9,9 @@ scope), where only file names, line numbers and function names are known:
     then groups tokens by expert before the failing line. At a function's first line (a frame given
     up as a whole: nothing says which line failed) its whole body counts: a per-expert loop (a ``for``
     variable that both selects tokens and picks an expert), after the router if the body has one.
-``routes_per_expert(cls)``
+``routes_per_expert(cls)`` / ``routes(cls)``
     a class whose source routes and loops over experts (explain's eager probe: ModuleList experts
-    whatever their attribute is called).
+    whatever their attribute is called) / calls a router op (3-D expert containers next to a router).
 ``enclosing_class`` / ``declares_experts_implementation``
     the top-level class around a line, and whether transformers' ``@use_experts_implementation``
     decorates it.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import linecache
 import re
 
@@ -171,37 +172,34 @@ def _function_body(filename: str, lineno: int) -> str | None:
     return None
 
 
-def routes_per_expert(cls: type) -> bool:
-    """Some class of ``cls``'s MRO (below torch's own) has source that routes (top-k, argmax) and loops
-    over experts (``_per_expert_loop``): its nn.ModuleLists may be experts whatever their names."""
+def _class_sources(cls: type):
+    """The source of each class of ``cls``'s MRO below torch's own (those that have one)."""
     import inspect
 
     for c in cls.__mro__:
         if c.__module__.startswith(("torch.", "builtins")):
             continue
         try:
-            src = inspect.getsource(c)
+            yield inspect.getsource(c)
         except (OSError, TypeError):
             continue
+
+
+@functools.lru_cache(maxsize=512)
+def routes_per_expert(cls: type) -> bool:
+    """Some class of ``cls``'s MRO (below torch's own) has source that routes (top-k, argmax) and loops
+    over experts calling them (``_per_expert_loop``): its nn.ModuleLists may be experts whatever their names."""
+    for src in _class_sources(cls):
         routed = _ROUTES_WHOLE.search(src)
         if routed and _per_expert_loop(src[routed.end():], calls=True):
             return True
     return False
 
 
+@functools.lru_cache(maxsize=512)
 def routes(cls: type) -> bool:
     """Some class of ``cls``'s MRO (below torch's own) has source that calls a router op (top-k, argmax)."""
-    import inspect
-
-    for c in cls.__mro__:
-        if c.__module__.startswith(("torch.", "builtins")):
-            continue
-        try:
-            if _ROUTES_WHOLE.search(inspect.getsource(c)):
-                return True
-        except (OSError, TypeError):
-            continue
-    return False
+    return any(_ROUTES_WHOLE.search(src) for src in _class_sources(cls))
 
 
 def in_moe_code(frames) -> bool:
