@@ -38,6 +38,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .config import MoEConfig
+from .skipped_frames import report_skipped_frames
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ class _Scope:
             if exc is not None:
                 _note_break(exc)
             if _frames_tried() != self.frames:
-                skipped = _report_skipped_frames(self.session, self.t0)
+                skipped = report_skipped_frames(self.session, self.t0)
                 if exc is None:   # a call that raised ran nothing "as the default backend would"
                     # frames outside MoE code are named only when no graph reached this backend in the
                     # call: otherwise they may be another compile's, or have nothing to do with MoE
@@ -159,91 +160,6 @@ def _frames_tried() -> int:
     from torch._dynamo.utils import counters
 
     return counters["frames"]["total"]
-
-
-def _report_skipped_frames(session, since_us: int) -> tuple[str, ...]:
-    """Publish a record for each frame in MoE code that Dynamo gave up on since ``since_us`` (from
-    Dynamo's compilation metrics: the frame then ran eagerly, MoE layer included). Returns the other
-    frames it gave up on, as `Class.method` (file:line) and the reason's first line."""
-    try:
-        from torch._dynamo.utils import get_compilation_metrics
-    except ImportError:  # pragma: no cover - torch without compilation metrics
-        return ()
-    from . import records
-    from .passes import reasons
-    from .passes.unclaimed import Frame, break_fix, classify_break, in_moe_code
-
-    found: dict = {}
-    others: dict = {}
-    metrics = list(get_compilation_metrics())
-    # a frame's code, by the frame part of its compile ids ("3/1" -> "3"): the entry of a recompile limit
-    # hit names no code, an earlier compile of the same frame does
-    codes = {str(m.compile_id).partition("/")[0]: (m.co_filename, m.co_firstlineno, m.co_name)
-             for m in metrics if getattr(m, "co_filename", None) and getattr(m, "compile_id", None)}
-    for m in metrics:
-        if not getattr(m, "fail_type", None) or (getattr(m, "start_time_us", None) or since_us) < since_us \
-                or m.fail_type == "BackendCompilerFailed":  # our own error: raised (moe.strict) or warned
-            continue
-        file, line = getattr(m, "fail_user_frame_filename", None), getattr(m, "fail_user_frame_lineno", None)
-        co = (m.co_filename, m.co_firstlineno, m.co_name) if m.co_filename else \
-            codes.get(str(getattr(m, "compile_id", "") or "").partition("/")[0], (None, None, None))
-        skipped = Frame(co[0] or "?", co[1] or 0, co[2] or "?")
-        frames = [skipped] + ([Frame(file, line, "")] if file and line else [])
-        frame_id = str(getattr(m, "compile_id", "") or "").partition("/")[0]
-        moe_frame = "recompile limit" in (m.fail_reason or "").lower() and _holds_moe(frame_id, co, codes, session)
-        if not moe_frame and not in_moe_code(frames):
-            reason = (m.fail_reason or m.fail_type).strip().splitlines()[0]
-            at = f", at {frames[-1].at}" if len(frames) > 1 else ""
-            others.setdefault(skipped.at, f"`{_qualname(skipped)}` ({skipped.at}{at}: {reason})")
-            continue
-        if (frames[-1].filename, frames[-1].lineno) in found:
-            continue
-        code, detail = classify_break(frames, f"{m.fail_type}: {m.fail_reason or ''}")
-        detail.update(what="skipped frame", effect=f"; Dynamo gave up on the frame `{_qualname(skipped)}` "
-                                                   f"({skipped.at}), which runs eagerly, MoE code included")
-        if code == "recompile_limit":
-            detail.update(effect=f" (`{_qualname(skipped)}`, {skipped.at})")
-        found[(frames[-1].filename, frames[-1].lineno)] = (
-            (skipped.filename, skipped.lineno, skipped.name),
-            records.RegionRecord("", "skipped frame", records.REFUSED, reasons.message(code, detail), (),
-                                 frames[-1].at, code=code, fix=break_fix(code, detail), source=frames[-1].source))
-    if found:
-        records.publish([r for _, r in found.values()], session)
-        _skipped.update(found)
-    return tuple(others.values())
-
-
-def _holds_moe(frame_id: str, code: tuple, codes: dict, session) -> bool:
-    """A frame that hit the recompile limit runs MoE code: its graphs held an MoE region, or those of a
-    frame Dynamo resumed it in after a graph break (``torch_dynamo_resume_in_<name>_at_<line>``, which the
-    hit leaves running only the graphs compiled so far)."""
-    if frame_id in session.moe_frames:
-        return True
-    file, _, name = code
-    resumed = f"torch_dynamo_resume_in_{name}_at_"
-    return any(c[0] == file and str(c[2] or "").startswith(resumed)
-               for c in (codes.get(f) for f in session.moe_frames) if c is not None)
-
-
-# frames Dynamo gave up on, by (file, line) of the failing user line: ((file, first line, name) of the
-# skipped frame, its record). explain() reports them for a model whose frames an earlier compile left
-# skipped (Dynamo never traces a skipped frame again)
-_skipped: dict = {}
-
-
-def _qualname(frame) -> str:
-    """The frame's function as Class.method when Dynamo's code registry still holds its code."""
-    try:
-        from torch._dynamo.convert_frame import input_codes
-
-        for ref in list(input_codes.seen):
-            code = ref()
-            if code is not None and code.co_filename == frame.filename and code.co_firstlineno == frame.lineno \
-                    and code.co_name == frame.name:
-                return getattr(code, "co_qualname", code.co_name)
-    except Exception:  # noqa: BLE001  (a name for a message: the plain function name will do)
-        pass
-    return frame.name
 
 
 def _note_break(exc: BaseException) -> None:

@@ -237,9 +237,9 @@ def _earlier_skips(fn, tried: set) -> list[RegionRecord]:
     """Frames of this model that an earlier moe compile saw Dynamo give up on and that explain's own
     trace did not try (Dynamo never traces a skipped frame again), and frames that hit Dynamo's recompile
     limit (explain's trace has its own budget; the model's compiled frame runs eagerly on new guards)."""
-    from . import backend
+    from . import skipped_frames
 
-    if not backend._skipped:
+    if not skipped_frames._skipped:
         return []
     spans = []
     objs = [type(m) for m in fn.modules()] if isinstance(fn, torch.nn.Module) else [fn]
@@ -249,7 +249,7 @@ def _earlier_skips(fn, tried: set) -> list[RegionRecord]:
             spans.append((inspect.getsourcefile(obj), first, first + len(lines)))
         except (OSError, TypeError):
             continue
-    return [r for (file, line), (frame, r) in backend._skipped.items()
+    return [r for (file, line), (frame, r) in skipped_frames._skipped.items()
             if (frame not in tried or r.code == "recompile_limit") and any(file == f and lo <= line < hi
                                                                             for f, lo, hi in spans)]
 

@@ -129,10 +129,10 @@ def test_hf_eager_experts_under_autocast_are_not_substituted(monkeypatch):
     loop is traced as written, its graph break reported (break_expert_hit_hf), and it runs as eager."""
     pytest.importorskip("transformers")
     from helpers import HF_FP32_REL, tiny_qwen3_moe
-    from moe_compile import backend
+    from moe_compile import skipped_frames
 
     # the frame Dynamo gives up on here is recorded process-wide for explain(); keep it to this test
-    monkeypatch.setattr(backend, "_skipped", {})
+    monkeypatch.setattr(skipped_frames, "_skipped", {})
     eager = tiny_qwen3_moe(2)
     eager.set_experts_implementation("eager")
     _, got, want, recs = _hf_step(eager)

@@ -248,9 +248,9 @@ def test_substitutes_never_skip_user_code(case, monkeypatch):
     import transformers.models.jetmoe.modeling_jetmoe as jetmoe
     import transformers.models.qwen3_moe.modeling_qwen3_moe as qwen3
 
-    from moe_compile import backend
+    from moe_compile import skipped_frames
 
-    monkeypatch.setattr(backend, "_skipped", {})   # frames Dynamo gives up on: recorded process-wide for explain()
+    monkeypatch.setattr(skipped_frames, "_skipped", {})   # frames Dynamo gives up on: recorded process-wide for explain()
     arch = _USER_CODE[case]
     if case == "dbrx_class_patch":
         stock = dbrx.DbrxExperts.forward
