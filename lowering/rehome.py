@@ -72,10 +72,14 @@ def _params(node_list, index, example_inputs) -> list[torch.Tensor] | None:
     if any(p is None or p not in index or index[p] >= len(example_inputs) for p in phs):
         return None
     params = [example_inputs[index[p]] for p in phs]
+    return params if plain_group(params) and len(params) > 1 else None
+
+
+def plain_group(params) -> bool:
+    """Plain contiguous nn.Parameters of one shape, dtype and device: a group ``_rehome`` can put side by side."""
     first = params[0]
-    ok = all(isinstance(p, torch.nn.Parameter) and type(p.data) is torch.Tensor and p.is_contiguous()
-             and p.shape == first.shape and p.dtype == first.dtype and p.device == first.device for p in params)
-    return params if ok and len(params) > 1 else None
+    return all(isinstance(p, torch.nn.Parameter) and type(p.data) is torch.Tensor and p.is_contiguous()
+               and p.shape == first.shape and p.dtype == first.dtype and p.device == first.device for p in params)
 
 
 def _shared_storage(params) -> bool:

@@ -169,16 +169,14 @@ class _Feed:
         serves (a per-layer ``layer.compile(backend="moe")``; compile_blocks mirrors the layout itself), or
         a ``.data`` that was replaced. Only plain leaf Parameters whose storage is theirs alone (never a
         tie, a bucket view, shared memory) and never under FSDP2; True if they are laid out now."""
-        from moe_compile.lowering.rehome import _rehome, _shared_storage, fsdp_in_use
+        from moe_compile.lowering.rehome import _rehome, _shared_storage, fsdp_in_use, plain_group
 
         e = self.experts
         segs = [params[s * e:(s + 1) * e] for s in range(len(self.rows))]
         first = params[0]
-        if not self.may_move or not all(
-                isinstance(p, torch.nn.Parameter) and type(p.data) is torch.Tensor and p.is_leaf and p.is_contiguous()
-                and p.dtype == first.dtype and p.device == first.device and p.shape[1:] == first.shape[1:]
-                for p in params) or any(len({p.shape for p in seg}) != 1 for seg in segs) \
-                or _shared_storage(params) or fsdp_in_use():
+        if not self.may_move or not all(map(plain_group, segs)) or not all(
+                p.is_leaf and p.dtype == first.dtype and p.device == first.device and p.shape[1:] == first.shape[1:]
+                for p in params) or _shared_storage(params) or fsdp_in_use():
             return False
         with torch.inference_mode(False):   # a first call under inference_mode: a normal buffer, not an inference one
             _rehome([list(seg) for seg in segs])

@@ -35,11 +35,10 @@ def report_skipped_frames(session, since_us: int) -> tuple[str, ...]:
                 or m.fail_type == "BackendCompilerFailed":  # our own error: raised (moe.strict) or warned
             continue
         file, line = getattr(m, "fail_user_frame_filename", None), getattr(m, "fail_user_frame_lineno", None)
-        co = (m.co_filename, m.co_firstlineno, m.co_name) if m.co_filename else \
-            codes.get(str(getattr(m, "compile_id", "") or "").partition("/")[0], (None, None, None))
+        frame_id = str(getattr(m, "compile_id", "") or "").partition("/")[0]
+        co = (m.co_filename, m.co_firstlineno, m.co_name) if m.co_filename else codes.get(frame_id, (None, None, None))
         skipped = Frame(co[0] or "?", co[1] or 0, co[2] or "?")
         frames = [skipped] + ([Frame(file, line, "")] if file and line else [])
-        frame_id = str(getattr(m, "compile_id", "") or "").partition("/")[0]
         moe_frame = "recompile limit" in (m.fail_reason or "").lower() and _holds_moe(frame_id, co, codes, session)
         if not moe_frame and not in_moe_code(frames):
             reason = (m.fail_reason or m.fail_type).strip().splitlines()[0]

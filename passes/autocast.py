@@ -6,6 +6,9 @@ Without autocast a product's dtype is its operands'. So one such node is evidenc
 ran under autocast, whether the context was entered inside the compiled code or around it.
 
     narrowed_product(nodes)   the first product whose output dtype differs from a float operand's
+    AutocastAt(graph).on(n, device)
+                              whether autocast for ``device`` is on at node ``n``: the innermost
+                              context entered in the graph around it, else the state it was compiled under
     wide_experts_note(...)    a region note: the graph ran under autocast, but the region's expert
                               products kept their operands' wider dtype (as in eager: transformers'
                               grouped_mm experts call torch._grouped_mm, which autocast passes
@@ -53,6 +56,30 @@ def narrowed_product(nodes) -> Narrowed | None:
         if other:
             return Narrowed(n, op, _name(out.dtype), "/".join(other), out.dtype)
     return None
+
+
+class AutocastAt:
+    """Whether torch.autocast is on at a node of ``graph``, for a device: the innermost context for that
+    device entered in the graph around the node (``_enter_autocast`` .. its ``_exit_autocast``) says so,
+    enabled or not; outside every such context, the state the graph is compiled under."""
+
+    def __init__(self, graph: fx.Graph):
+        self.order = {n: i for i, n in enumerate(graph.nodes)}
+        self.spans = []   # (enter, exit, device type, enabled)
+        for n in graph.nodes:
+            if n.op == "call_function" and getattr(n.target, "__name__", "") == "_exit_autocast" and n.args \
+                    and isinstance(n.args[0], fx.Node):
+                enter = n.args[0]
+                device = enter.args[0] if enter.args and isinstance(enter.args[0], str) else enter.kwargs.get("device_type")
+                enabled = enter.args[2] if len(enter.args) > 2 else enter.kwargs.get("enabled", True)
+                self.spans.append((self.order[enter], self.order[n], device, enabled is not False))
+
+    def on(self, n: fx.Node, device: str) -> bool:
+        at = self.order[n]
+        around = [sp for sp in self.spans if sp[0] < at < sp[1] and sp[2] == device]
+        if around:
+            return max(around)[3]   # the innermost: entered last
+        return torch.is_autocast_enabled(device)
 
 
 def wide_experts_note(region: Region, evidence: Narrowed | None) -> str | None:

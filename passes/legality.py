@@ -35,8 +35,10 @@ import torch
 import torch.fx as fx
 
 from . import reasons
+from .autocast import AutocastAt
 from .normalize import ancestors, arg, canon, descendants, val, where_in_user_code
 from .region import AccumulateInPlace, Candidate, Finding, Region, ReplaceOutput
+from .token_paths import MATMULS
 from .writes import foreign_write, written
 
 
@@ -131,54 +133,25 @@ def not_float64(region: Region) -> Finding | None:
     return None
 
 
-def _autocast_spans(graph: fx.Graph) -> list[tuple[int, int, str, bool]]:
-    """(enter, exit, device type, enabled) of the torch.autocast contexts entered inside the graph."""
-    order = _order(graph)
-    spans = []
-    for n in graph.nodes:
-        if n.op == "call_function" and getattr(n.target, "__name__", "") == "_exit_autocast" and n.args \
-                and isinstance(n.args[0], fx.Node):
-            enter = n.args[0]
-            device = enter.args[0] if enter.args and isinstance(enter.args[0], str) else enter.kwargs.get("device_type")
-            enabled = enter.args[2] if len(enter.args) > 2 else enter.kwargs.get("enabled", True)
-            spans.append((order[enter], order[n], device, enabled is not False))
-    return spans
-
-
-def _autocast_at(n: fx.Node, device: str, spans: list) -> bool:
-    """Whether autocast for ``device`` is on at ``n``: the innermost context for that device entered in the
-    graph around ``n`` says so, else the state the graph was compiled under."""
-    at = _order(n.graph)[n]
-    around = [sp for sp in spans if sp[0] < at < sp[1] and sp[2] == device]
-    if around:
-        return max(around)[3]   # the innermost: entered last
-    return torch.is_autocast_enabled(device)
-
-
 def one_dtype_products(region: Region) -> Finding | None:
     """A product (linear, mm, bmm, matmul, einsum, grouped_mm) of the region whose float operands have
     different dtypes computes only under torch.autocast for its device: without it eager raises ("mat1 and
     mat2 must have the same dtype"), and the fake values Dynamo records do not, so the lowering would cast
     them and return a result. Under autocast (entered around the compiled call, or inside the graph around
-    the product, enabled, for the product's device) the lowering casts as autocast does."""
-    spans = None
+    the product, enabled, for the product's device: ``autocast.AutocastAt``) the lowering casts as autocast does."""
+    state = None
     for n in region.nodes:
-        if (canon(n) or "") not in _PRODUCTS:
+        if (canon(n) or "") not in MATMULS:
             continue
         dtypes = {v.dtype for a in n.all_input_nodes if isinstance(v := val(a), torch.Tensor) and v.is_floating_point()}
         if len(dtypes) < 2:
             continue
         out = val(n)
-        device = out.device.type if isinstance(out, torch.Tensor) else "cpu"
-        spans = _autocast_spans(n.graph) if spans is None else spans
-        if not _autocast_at(n, device, spans):
+        state = AutocastAt(n.graph) if state is None else state
+        if not state.on(n, out.device.type if isinstance(out, torch.Tensor) else "cpu"):
             names = "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
             return Finding.of("mixed_dtypes", n, node=n.name, dtypes=names)
     return None
-
-
-_PRODUCTS = {"linear", "mm", "bmm", "matmul", "einsum", "addmm", "baddbmm", "_grouped_mm", "grouped_mm",
-             "transformers::grouped_mm_fallback"}
 
 
 # ops that draw random numbers (torch's and Tensor's names, as canon spells them)

@@ -1532,7 +1532,8 @@ def test_recompile_limit_hit_in_a_frame_around_moe_code_is_listed(graph_break, c
 
 
 class _LookAlike(nn.Module):
-    """Not MoE, found as MoE by today's first versions of the scans (a review's false positives)."""
+    """Not MoE, found as MoE by the first versions of the unrouted scan's W[ids] and mask rules (a review's
+    false positives)."""
 
     def __init__(self, form, h=16, n=3):
         super().__init__()
@@ -1540,7 +1541,6 @@ class _LookAlike(nn.Module):
         self.form = form
         self.W = nn.Parameter(torch.randn(5, h, h) / 4)            # per-class bilinear table / relation weights
         self.rel_k3 = nn.Parameter(torch.randn(7, 2, h // 2) / 4)
-        self.heads = nn.ModuleList(nn.Linear(h, h) for _ in range(n))
         self.layers = nn.ModuleList(nn.Linear(h, h) for _ in range(n))
 
     def forward(self, x, ids, mask):
