@@ -150,8 +150,8 @@ class _Feed:
             ok = laid_out(params, self.rows, self.experts) or self._lay_out(params) or (ok or 0) + 1
             self.layouts[tuple(map(_DATA_PTR, params)) if ok is True else key] = ok
         if ok is not True:
-            # warned from the second call with the same addresses: compile_blocks gives the other
-            # blocks the compiled block's layout after the model's first call (moe_compile/blocks.py)
+            # warned from the second call with the same addresses (Parameters _lay_out may not move):
+            # compile_blocks' mirror may still lay them out after the model's first call (moe_compile/blocks.py)
             if ok >= 2:
                 self._warn("they no longer share the buffer they were stacked from (their .data was replaced)")
             return False
