@@ -289,10 +289,10 @@ def permute_rows(x, perm, offsets, top_k):
     return _triton_moe.permute_rows(x, perm, offsets, top_k)
 
 
-def unpermute_combine(y, inv, weights, offsets):
+def unpermute_combine(y, inv, weights, offsets, out_dtype=None):
     from . import _triton_moe
 
-    return _triton_moe.unpermute_combine(y, inv, weights, offsets)
+    return _triton_moe.unpermute_combine(y, inv, weights, offsets, out_dtype)
 
 
 def unpermute_combine_backward(dout, y, inv, weights, offsets):
@@ -301,10 +301,10 @@ def unpermute_combine_backward(dout, y, inv, weights, offsets):
     return _triton_moe.unpermute_combine_backward(dout, y, inv, weights, offsets)
 
 
-def unpermute_sum(y, perm, inv, offsets, top_k):
+def unpermute_sum(y, perm, inv, offsets, top_k, out_dtype=None):
     from . import _triton_moe
 
-    return _triton_moe.unpermute_sum(y, perm, inv, offsets, top_k)
+    return _triton_moe.unpermute_sum(y, perm, inv, offsets, top_k, out_dtype)
 
 
 def weighted_swiglu(h, weights, perm, offsets):

@@ -106,14 +106,16 @@ def grouped_bias_grad(dy: torch.Tensor, offsets: torch.Tensor, num_experts: int)
     return db
 
 
-def unpermute_combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor):
+def unpermute_combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+                      out_dtype: torch.dtype | None = None):
     """out[t] = sum_j weights[t, j] * y[inv[t*K + j]] over rows inside a group; fp32 accumulation,
-    deterministic (a gather-reduce, no atomics). y [N, H], weights [T, K] -> out [T, H] (y.dtype)."""
+    deterministic (a gather-reduce, no atomics). y [N, H], weights [T, K] -> out [T, H] (out_dtype,
+    default y.dtype)."""
     t, k = weights.shape
     keep = (inv < (offsets[-1].long() if offsets.numel() else 0)).to(torch.float32)
     rows = y.float().index_select(0, inv)  # [N, H]
     w = weights.float().reshape(-1) * keep
-    return (rows * w.unsqueeze(-1)).view(t, k, y.shape[1]).sum(1).to(y.dtype)  # T may be 0
+    return (rows * w.unsqueeze(-1)).view(t, k, y.shape[1]).sum(1).to(out_dtype or y.dtype)  # T may be 0
 
 
 def unpermute_combine_backward(dout, y, inv, weights, offsets):
@@ -145,10 +147,11 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
     return torch.cat([d * u * (s + g * s * (1 - s)), d * g * s], dim=1).to(h.dtype)
 
 
-def unpermute_sum(y: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor, offsets: torch.Tensor, top_k: int):
+def unpermute_sum(y: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor, offsets: torch.Tensor, top_k: int,
+                  out_dtype: torch.dtype | None = None):
     """out[t] = sum_j y[inv[t*K + j]] over rows inside a group: unpermute_combine with weight 1."""
     ones = torch.ones(perm.numel() // top_k, top_k, dtype=torch.float32, device=y.device)
-    return unpermute_combine(y, inv, ones, offsets)
+    return unpermute_combine(y, inv, ones, offsets, out_dtype)
 
 
 def _row_weights(weights: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, ct: torch.dtype):

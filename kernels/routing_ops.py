@@ -2,8 +2,11 @@
 
     route_permute(expert_ids[T,K], E)            -> perm[N] i64, inv[N] i64, offsets[E] i32
     permute_rows(x[T,H], perm, inv, offsets, K)  -> xp[N,H]          (gather; bwd = combine)
-    unpermute_combine(y[N,H], inv, weights[T,K], offsets) -> out[T,H] (weighted gather-reduce)
-    unpermute_sum(y[N,H], perm, inv, offsets, K) -> out[T,H]  (weight 1; bwd = permute_rows: y not kept)
+    unpermute_combine(y[N,H], inv, weights[T,K], offsets, out_dtype=None) -> out[T,H] (weighted gather-reduce)
+    unpermute_sum(y[N,H], perm, inv, offsets, K, out_dtype=None) -> out[T,H]  (weight 1; bwd = permute_rows:
+                                                    y not kept)
+      out_dtype: the output's dtype (default y's): a wider one sums narrower rows as ``y.to(out_dtype)``
+      would, without materialising or keeping that copy (bf16 expert rows into an fp32 combine)
     router_topk(scores[..., E], k)               -> values[..., k], indices[..., k] i64  (torch.topk
                                                     on the last dim; bwd: scatter into zeros)
 
@@ -64,28 +67,36 @@ permute_rows.register_autograd(_permute_rows_bwd, setup_context=_routing_setup)
 
 
 # --------------------------------------------------------------------------- unpermute_combine
+def _check_out_dtype(op: str, y: torch.Tensor, out_dtype: torch.dtype | None) -> None:
+    check(out_dtype is None or (out_dtype.is_floating_point and torch.promote_types(y.dtype, out_dtype) == out_dtype),
+          op, f"out_dtype {out_dtype} must be a floating dtype at least as wide as the rows' {y.dtype}")
+
+
 @torch.library.custom_op("moe_compile::unpermute_combine", mutates_args=())
-def unpermute_combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def unpermute_combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
     check(weights.dim() == 2, "unpermute_combine", f"weights must be [T, K], got {tuple(weights.shape)}")
     check(y.shape[0] == weights.numel() == inv.numel(), "unpermute_combine",
            f"y has {y.shape[0]} rows, inv {inv.numel()}, weights {weights.numel()}: all must be T*K")
-    return implementation("unpermute_combine", y)(y, inv, weights, offsets)
+    _check_out_dtype("unpermute_combine", y, out_dtype)
+    return implementation("unpermute_combine", y)(y, inv, weights, offsets, out_dtype)
 
 
 @unpermute_combine.register_fake
-def _(y, inv, weights, offsets):
-    return y.new_empty(weights.shape[0], y.shape[1])
+def _(y, inv, weights, offsets, out_dtype=None):
+    return y.new_empty(weights.shape[0], y.shape[1], dtype=out_dtype or y.dtype)
 
 
 def _combine_setup(ctx, inputs, output):
-    y, inv, weights, offsets = inputs
+    y, inv, weights, offsets, _ = inputs
     ctx.save_for_backward(y, inv, weights, offsets)
 
 
 def _combine_bwd(ctx, dout):
     y, inv, weights, offsets = ctx.saved_tensors
+    # dout in the output's dtype; dy in y's, rounded once (as the backward of y.to(out_dtype) rounds it)
     dy, dw = unpermute_combine_backward(dout.contiguous(), y, inv, weights, offsets)
-    return dy, None, (dw if ctx.needs_input_grad[2] else None), None
+    return dy, None, (dw if ctx.needs_input_grad[2] else None), None, None
 
 
 unpermute_combine.register_autograd(_combine_bwd, setup_context=_combine_setup)
@@ -105,26 +116,35 @@ def _(dout, y, inv, weights, offsets):
 # --------------------------------------------------------------------------- unpermute_sum
 @torch.library.custom_op("moe_compile::unpermute_sum", mutates_args=())
 def unpermute_sum(y: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor, offsets: torch.Tensor,
-                  top_k: int) -> torch.Tensor:
+                  top_k: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """out[t] = sum_j y[inv[t*K + j]] over rows inside a group (fp32, j in order): the combine of
     unweighted experts, or of experts whose rows were weighted before (``weighted_swiglu``)."""
     check(y.dim() == 2 and top_k > 0 and perm.numel() == inv.numel() == y.shape[0]
           and y.shape[0] % top_k == 0, "unpermute_sum",
           f"y {tuple(y.shape)}, perm {perm.numel()}, inv {inv.numel()}: y must have T*K rows (K={top_k})")
-    return implementation("unpermute_sum", y)(y, perm, inv, offsets, top_k)
+    _check_out_dtype("unpermute_sum", y, out_dtype)
+    return implementation("unpermute_sum", y)(y, perm, inv, offsets, top_k, out_dtype)
 
 
 @unpermute_sum.register_fake
-def _(y, perm, inv, offsets, top_k):
-    return y.new_empty(y.shape[0] // top_k, y.shape[1])
+def _(y, perm, inv, offsets, top_k, out_dtype=None):
+    return y.new_empty(y.shape[0] // top_k, y.shape[1], dtype=out_dtype or y.dtype)
+
+
+def _sum_setup(ctx, inputs, output):
+    y, perm, inv, offsets, top_k, _ = inputs
+    _routing_setup(ctx, (y, perm, inv, offsets, top_k), output)
+    ctx.rows_dtype = y.dtype
 
 
 def _sum_bwd(ctx, dout):
     perm, inv, offsets = ctx.saved_tensors
-    return permute_rows(dout, perm, inv, offsets, ctx.top_k), None, None, None, None
+    # a wider output's gradient is gathered, then rounded to the rows' dtype once, as y.to(out_dtype)'s backward
+    dy = permute_rows(dout, perm, inv, offsets, ctx.top_k)
+    return (dy if dy.dtype == ctx.rows_dtype else dy.to(ctx.rows_dtype)), None, None, None, None, None
 
 
-unpermute_sum.register_autograd(_sum_bwd, setup_context=_routing_setup)
+unpermute_sum.register_autograd(_sum_bwd, setup_context=_sum_setup)
 
 
 # --------------------------------------------------------------------------- router_topk

@@ -191,7 +191,7 @@ def lower_region(gm: fx.GraphModule, region: Region, ep_chunks: int = 1) -> tupl
         h, out, received = _lower_whole(b, region, ep)
     notes = (expert_parallel.describe(ep, received, len(chunks) or 1),) if ep is not None else ()
     c = region.combine
-    if val(h).dtype != c.dtype:
+    if val(out).dtype != c.dtype:
         out = b.method("to", out, c.dtype)
     if isinstance(c, AccumulateInPlace) and c.base is not None:
         out = region_forms.keep_unrouted(b, region.router, c.base, out) if c.overwrite else \
@@ -229,10 +229,10 @@ def _lower_whole(b: GraphBuilder, region: Region, ep):
     # the weights before the experts: lowering/weights_in_swiglu.py may move them into the activation
     weights = _pair_weights(b, router, ones=False)
     h = _emit_experts(b, region, rows, offs, ep)
-    y = _widen(b, region, h)
+    wide = _wide(region, h)
     if weights is None:  # weight 1: the backward is a gather, y is not kept
-        return h, b.fn(OPS.unpermute_sum.default, y, perm, inv, offs, router.top_k), None
-    return h, b.fn(OPS.unpermute_combine.default, y, inv, weights, offs), None
+        return h, b.fn(OPS.unpermute_sum.default, h, perm, inv, offs, router.top_k, **wide), None
+    return h, b.fn(OPS.unpermute_combine.default, h, inv, weights, offs, **wide), None
 
 
 def _ep_tokens(b: GraphBuilder, region: Region, ep):
@@ -271,9 +271,9 @@ def _ep_chain(b: GraphBuilder, region: Region, ep, x: fx.Node, ids: fx.Node, w: 
     perm, inv, offs = (b.fn(operator.getitem, routed, i) for i in range(3))
     rows = region_forms.scale_rows(b, router, b.fn(OPS.permute_rows.default, x_all, perm, inv, offs, k), perm, w_all)
     h = _emit_experts(b, region, rows, offs, ep)
-    y = _widen(b, region, h)
-    partial = (b.fn(OPS.unpermute_sum.default, y, perm, inv, offs, k) if w_all is None or router.scale_input
-               else b.fn(OPS.unpermute_combine.default, y, inv, w_all, offs))
+    wide = _wide(region, h)
+    partial = (b.fn(OPS.unpermute_sum.default, h, perm, inv, offs, k, **wide) if w_all is None or router.scale_input
+               else b.fn(OPS.unpermute_combine.default, h, inv, w_all, offs, **wide))
     return h, expert_parallel.scatter_tokens(b, partial, ep), val(rows)
 
 
@@ -292,15 +292,16 @@ def _travel_dtype(region: Region):
     return None
 
 
-def _widen(b: GraphBuilder, region: Region, y: fx.Node) -> fx.Node:
-    """Expert rows narrower than the output they are summed into (bf16 products under autocast into
-    an fp32 accumulator) are weighted and summed in the output's dtype, as the model does. Under
-    expert parallelism after the rows came back: they travel in the product's dtype (the cast
-    commutes with moving rows)."""
+def _wide(region: Region, y: fx.Node) -> dict:
+    """``{"out_dtype": fp32}`` where expert rows are narrower than the fp32 output they are summed
+    into (bf16 products under autocast into an fp32 accumulator; bf16 rows times fp32 routing
+    weights, as transformers' DeepSeek-V3 experts): the combine widens each row as it loads it and
+    sums in fp32, as the model's ``y.float() * w`` does, without an fp32 copy of the rows (kept for
+    the backward: [T*K, H] fp32 per layer). {} otherwise (the rows' own dtype)."""
     wide = region.combine.dtype
-    if val(y).dtype != wide and torch.promote_types(val(y).dtype, wide) == wide:
-        return b.method("to", y, wide)
-    return y
+    if wide == torch.float32 and val(y).dtype != wide and torch.promote_types(val(y).dtype, wide) == wide:
+        return {"out_dtype": wide}
+    return {}
 
 
 def _chunks(region: Region, ep, ep_chunks: int) -> list[int]:

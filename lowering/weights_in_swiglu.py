@@ -2,12 +2,12 @@
 
 Before::
 
-    a = moe_compile.swiglu(h); y = <down>(a, ...); out = moe_compile.unpermute_combine(y, inv, w, offs)
+    a = moe_compile.swiglu(h); y = <down>(a, ...); out = moe_compile.unpermute_combine(y, inv, w, offs[, out_dtype])
 
 After::
 
     a = moe_compile.weighted_swiglu(h, w, perm, offs); y = <down>(a, ...)
-    out = moe_compile.unpermute_sum(y, perm, inv, offs, K)
+    out = moe_compile.unpermute_sum(y, perm, inv, offs, K[, out_dtype])
 
 The new nodes take the old ones' places (the activation at the activation, the sum at the
 combine); ``meta["example_value"]`` is computed under the graph's fake mode; the graph is
@@ -38,8 +38,9 @@ def weights_into_swiglu(gm: fx.GraphModule, matches: list[WeightsInSwiGLUMatch])
         m.swiglu.replace_all_uses_with(act)
         g.erase_node(m.swiglu)
         _, inv, _, offs = m.combine.args
+        wide = {"out_dtype": m.out_dtype} if m.out_dtype is not None else {}
         total = GraphBuilder(g, m.combine, mode, m.combine).fn(OPS.unpermute_sum.default, m.down, m.perm, inv, offs,
-                                                               m.top_k)
+                                                               m.top_k, **wide)
         m.combine.replace_all_uses_with(total)
         g.erase_node(m.combine)
         added.append((act, total))

@@ -8,11 +8,11 @@ Contract (finds and checks, never mutates)::
           [.to(dtype) ...]                                       (casts, each read once, are looked through)
     y   = moe_compile.grouped_mm(a, W_down, offs, None)          bias-free, read only by the combine
         | moe_compile.grouped_mm_list(a, [W_e], offs, [], ...)
-    out = moe_compile.unpermute_combine(y, inv, w[T, K], offs)   w defined before a
+    out = moe_compile.unpermute_combine(y, inv, w[T, K], offs[, out_dtype=])   w defined before a
   -> WeightsInSwiGLUMatch; ``lowering/weights_in_swiglu.py`` rewrites it to
     a   = moe_compile.weighted_swiglu(h, w, perm, offs)          a[p] = w.flat[perm[p]] * swiglu(h)[p]
     y   = <the same casts and down projection>(a, ...)
-    out = moe_compile.unpermute_sum(y, perm, inv, offs, K)
+    out = moe_compile.unpermute_sum(y, perm, inv, offs, K[, out_dtype=])   (an fp32 sum of bf16 rows stays one)
 
 Why it is the same function: the down projection is linear and bias-free, so for every row p,
 w_p * (a_p @ W) = (w_p * a_p) @ W; and the weights' gradient <dout_t, a_p @ W> = <dout_t @ W^T, a_p>
@@ -42,6 +42,7 @@ class WeightsInSwiGLUMatch:
     weights: fx.Node   # w [T, K]
     perm: fx.Node      # route_permute(...)[0]
     top_k: int
+    out_dtype: torch.dtype | None = None   # the combine's (rows summed into a wider output), kept by the sum
 
 
 def _perm_of(rp: fx.Node) -> fx.Node | None:
@@ -70,7 +71,7 @@ def _through_casts(x):
 
 
 def _match(c: fx.Node, order: dict) -> WeightsInSwiGLUMatch | None:
-    if len(c.args) != 4 or c.kwargs:
+    if len(c.args) != 4 or set(c.kwargs) - {"out_dtype"}:
         return None
     y, inv, w, offs = c.args
     rp = route_permute_output(inv, "inv")
@@ -84,7 +85,7 @@ def _match(c: fx.Node, order: dict) -> WeightsInSwiGLUMatch | None:
     if not isinstance(w, fx.Node) or not isinstance(wv, torch.Tensor) or not wv.is_floating_point() \
             or wv.dim() != 2 or wv.numel() != av.shape[0] or order[w] > order[a]:
         return None
-    return WeightsInSwiGLUMatch(c, y, a, w, perm, wv.shape[1])
+    return WeightsInSwiGLUMatch(c, y, a, w, perm, wv.shape[1], c.kwargs.get("out_dtype"))
 
 
 def find_weights_in_swiglu(gm: fx.GraphModule) -> list[WeightsInSwiGLUMatch]:

@@ -531,6 +531,10 @@ def run_variant(name, form, variant, args, device, dtype) -> dict:
         row["tflops"] = flops / (row["step_ms"] / 1e3) / 1e12
     row["loss"] = losses[0].item()
     row["loss_last"] = losses[-1].item()
+    if args.memory_peak and device == "cuda" and not variant.endswith("_cg"):
+        from moe_layer import _memory_peak   # what one step allocates and still holds at its peak
+
+        _memory_peak(step, f"{name} {form} {variant}", top=args.memory_peak)
     if args.profile_steps:
         from torch.profiler import ProfilerActivity, profile
 
@@ -599,6 +603,9 @@ def main(argv=None):
     ap.add_argument("--gaps", type=int, default=0, metavar="N",
                     help="print the N launch sites that leave the GPU idle longest (what the host was doing)")
     ap.add_argument("--fsdp", action="store_true", help="FSDP2 on every decoder layer and the model (see above)")
+    ap.add_argument("--memory-peak", type=int, default=0, metavar="N",
+                    help="after timing, one step under the allocator's history: the N largest kinds of block "
+                         "allocated in the step and alive at its peak, with where they were allocated")
     ap.add_argument("--json", default=None)
     add_kernel_arg(ap)
     args = ap.parse_args(argv)
