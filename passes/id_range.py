@@ -37,8 +37,9 @@ def _number_ok(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
 
 
-def _holds(dtype, bound: int | None) -> bool:
-    """Every id below ``bound`` keeps its value in ``dtype``."""
+def holds_ids(dtype, bound: int | None) -> bool:
+    """Every id below ``bound`` keeps its value in ``dtype`` (int32 / int64 always; a narrower one
+    only for a known bound: uint8 wraps 300 to 44, int8 to 44 - 256, bf16 rounds 257 to 256)."""
     if dtype in (torch.int64, torch.int32):
         return True
     if bound is None or not (dtype in _INTS or dtype.is_floating_point):
@@ -109,7 +110,7 @@ def _nonnegative(n, writes: _Writes, depth: int) -> bool:
         return sub(src)
     if op in _CASTS and isinstance(src, fx.Node):
         v = val(n)
-        return isinstance(v, torch.Tensor) and _holds(v.dtype, id_bound(src)) and sub(src)
+        return isinstance(v, torch.Tensor) and holds_ids(v.dtype, id_bound(src)) and sub(src)
     if op in ("stack", "cat", "concat", "concatenate", "hstack", "vstack") and isinstance(src, (list, tuple)):
         return bool(src) and all(sub(a) for a in src)
     if op in ("clamp", "clamp_min", "clamp_max"):

@@ -31,7 +31,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .loop_combine import acc_read, acc_sum, combine, expert_rows
 from .loop_roles import (STOP, Contrib, Ids, Index, OneHot, PendingScatter, RowFn, Rows, RowW, ScatterIndex, Sel,
                          Storage, TokMask, Weighted, WhereOf)
-from .normalize import arg, canon, shape, val, where_in_user_code
+from .id_range import holds_ids
+from .normalize import arg, canon, id_bound, shape, val, where_in_user_code
 from .region import Finding
 
 # element-wise ops the expert function may contain (with linears, splits and last-dim slices)
@@ -190,9 +191,12 @@ def ids_reshape(a, n, op, r0):
     return Ids(r0.root, r0.k, flat=len(s) == 1) if len(s) == 1 or statically_known_true(s[-1] == r0.k) else None
 
 
-def same_role(a, n, op, r0):
-    """A cast or copy that keeps the role of its input."""
-    return r0
+def ids_cast(a, n, op, r0):
+    """A cast of the ids that keeps every id's value (int64 / int32, or a narrower dtype that holds
+    every id below E); else no role: ``ids.to(torch.uint8) == e`` with 300 experts compares wrapped
+    ids, which the rewrite, routing the router's own ids, would not reproduce."""
+    v = val(n)
+    return r0 if isinstance(v, torch.Tensor) and holds_ids(v.dtype, id_bound(r0.root)) else None
 
 
 def sel_of_eq(a, n, op, r0):
@@ -444,10 +448,10 @@ RULES: dict[str, tuple[Rule, ...]] = {
     "view": ((Ids, ids_reshape), (Index, index_keep), (RowW, roww_keep), (Rows, rows_reshape)),
     "reshape": ((Ids, ids_reshape), (Index, index_keep), (RowW, roww_keep), (Rows, rows_reshape)),
     "flatten": ((Ids, ids_reshape), (Index, index_keep)),
-    "to": ((Ids, same_role), (Sel, sel_keep), (Weighted, weighted_cast), (Index, index_keep),
+    "to": ((Ids, ids_cast), (Sel, sel_keep), (Weighted, weighted_cast), (Index, index_keep),
            (TokMask, tokmask_keep), (RowW, roww_keep)),
-    "long": ((Ids, same_role), (Sel, sel_keep), (Index, index_keep)),
-    "int": ((Ids, same_role), (Sel, sel_keep), (Index, index_keep)),
+    "long": ((Ids, ids_cast), (Sel, sel_keep), (Index, index_keep)),
+    "int": ((Ids, ids_cast), (Sel, sel_keep), (Index, index_keep)),
     "float": ((Sel, sel_keep), (Weighted, weighted_cast), (RowW, roww_keep)),
     "bool": ((Sel, sel_keep), (TokMask, tokmask_keep)),
     "type_as": ((RowW, roww_keep),),

@@ -228,6 +228,11 @@ REASONS: dict[str, Reason] = {
         "it is compiled as written",
         "nothing to fix for correctness: the layer runs as stock torch.compile runs it; a router that picks its "
         "experts with torch.topk gets the grouped rewrite"),
+    "ids_cast_narrow": Reason(
+        "looks like an MoE layer ({router} over {e} experts at {router_at} feeds {evidence}) but its expert ids are "
+        "cast to {dtype} (`{node}`), which does not hold every id up to {last} (they wrap or round), and the layer "
+        "reads the cast ids; the rewrite would route by the router's own ids, so it is compiled as written",
+        "cast the ids with .long() or .int() (or to a dtype that holds every id below the number of experts)"),
     "ids_outside": Reason(
         "looks like an MoE layer ({router} over {e} experts at {router_at} feeds {evidence}) but the router that "
         "picked the ids is not in this graph, so the layer matches no form the backend rewrites; it is compiled as "

@@ -60,6 +60,7 @@ import torch
 import torch.fx as fx
 
 from .expert_ids import ID_VIEWS, OTHER_ROUTERS, router_kind, router_root, routers as _routers
+from .id_range import holds_ids
 from .moe_source import Frame, declares_experts_implementation, enclosing_class, in_moe_code  # noqa: F401
 from .normalize import (arg, canon, common_module, module_path, source_name, val,
                         where_in_user_code)
@@ -254,9 +255,26 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
         detail = {"k": k, "e": e, "router": how, "router_at": where_in_user_code(router) or "?",
                   "evidence": evidence,
                   "disabled": f" (the finders {', '.join(disabled)} are disabled by moe.disable)" if disabled else ""}
-        out.append(Unclaimed(module, at, e, k, detail,
-                             "router_draws" if canon(router) in OTHER_ROUTERS else "moe_unmatched"))
+        narrow = _narrowing_cast(router, reach, e)
+        if narrow is not None:
+            detail.update(dtype=str(val(narrow).dtype).removeprefix("torch."), node=narrow.name, last=e - 1)
+        code = "router_draws" if canon(router) in OTHER_ROUTERS else "ids_cast_narrow" if narrow else "moe_unmatched"
+        out.append(Unclaimed(module, at, e, k, detail, code))
     return out + unrouted(gm, params, weights, claimed_nodes, claimed_modules, out, disabled)
+
+
+def _narrowing_cast(router: fx.Node, reach: set, e: int) -> fx.Node | None:
+    """A cast of the router's ids (or a view of them) into a dtype that does not hold ids below ``e``
+    (``ids.to(torch.uint8)`` with 300 experts), else None."""
+    for n in sorted(reach, key=lambda n: n.name):
+        src, v = (n.args[0] if n.args else None), val(n)
+        if canon(n) in _ID_CASTS and isinstance(src, fx.Node) and isinstance(v, torch.Tensor) \
+                and router_root(src) is router and not holds_ids(v.dtype, e):
+            return n
+    return None
+
+
+_ID_CASTS = {"to", "type", "byte", "char", "short", "half", "bfloat16", "float"}
 
 
 def _expert_choice(router: fx.Node, params: set = frozenset()) -> tuple[int, str] | None:

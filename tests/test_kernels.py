@@ -166,6 +166,7 @@ def _opcheck_samples():
     ws = [torch.randn(h, n, generator=gen, requires_grad=True) for _ in range(e)]
     y = torch.randn(t * k, n, generator=gen, requires_grad=True)
     wr = torch.rand(t, k, generator=gen, requires_grad=True)
+    yb = torch.randn(t * k, n, generator=gen).bfloat16().requires_grad_()
     return {
         "route_permute": (ids, e),
         "permute_rows": (x, perm, inv, offs, k),
@@ -176,6 +177,9 @@ def _opcheck_samples():
         "grouped_bias_grad": (y.detach(), offs, e),
         "unpermute_combine_backward": (torch.randn(t, n, generator=gen), y.detach(), inv, wr.detach(), offs),
         "unpermute_sum": (y, perm, inv, offs, k),
+        # bf16 rows summed into an fp32 output (lowering/region.py `_wide`)
+        "unpermute_combine:wide": (yb, inv, wr, offs, torch.float32),
+        "unpermute_sum:wide": (yb, perm, inv, offs, k, torch.float32),
         "weighted_swiglu": (torch.randn(t * k, 2 * n, generator=gen, requires_grad=True), wr, perm, offs),
         "weighted_swiglu_backward": (torch.randn(t * k, 2 * n, generator=gen), wr.detach(), perm, offs,
                                      torch.randn(t * k, n, generator=gen)),
@@ -184,7 +188,7 @@ def _opcheck_samples():
 
 @pytest.mark.parametrize("name", list(_opcheck_samples()))
 def test_opcheck(name):
-    torch.library.opcheck(getattr(OPS, name).default, _opcheck_samples()[name])
+    torch.library.opcheck(getattr(OPS, name.split(":")[0]).default, _opcheck_samples()[name])
 
 
 def test_ops_validate_inputs():
