@@ -293,15 +293,16 @@ def _travel_dtype(region: Region):
 
 
 def _wide(region: Region, y: fx.Node) -> dict:
-    """``{"out_dtype": fp32}`` where expert rows are narrower than the fp32 output they are summed
-    into (bf16 products under autocast into an fp32 accumulator; bf16 rows times fp32 routing
-    weights, as transformers' DeepSeek-V3 experts): the combine widens each row as it loads it and
-    sums in fp32, as the model's ``y.float() * w`` does, without an fp32 copy of the rows (kept for
-    the backward: [T*K, H] fp32 per layer). {} otherwise (the rows' own dtype)."""
-    wide = region.combine.dtype
-    if wide == torch.float32 and val(y).dtype != wide and torch.promote_types(val(y).dtype, wide) == wide:
-        return {"out_dtype": wide}
-    return {}
+    """``{"out_dtype": promote(rows, output)}`` where the expert rows' dtype does not hold the output
+    they are summed into: bf16 rows into an fp32 accumulator (autocast's bf16 products; bf16 rows
+    times fp32 routing weights, as transformers' DeepSeek-V3 experts), fp16 rows into a bf16 or fp64
+    one. The combine widens each row as it loads it and sums in fp32, as the model's ``y.float() * w``
+    does, without a wide copy of the rows (kept for the backward: [T*K, H] fp32 per layer), and its
+    sum is not rounded to the rows' dtype on the way (fp16 overflows above 65504 where bf16 does
+    not). {} otherwise (the rows' own dtype)."""
+    rows, acc = val(y).dtype, region.combine.dtype
+    wide = torch.promote_types(rows, acc) if rows.is_floating_point and acc.is_floating_point else rows
+    return {"out_dtype": wide} if wide != rows else {}
 
 
 def _chunks(region: Region, ep, ep_chunks: int) -> list[int]:

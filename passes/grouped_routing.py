@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from .grouped_state import CASTS, DONE, as_int, swaps_2d
 from .expert_ids import ID_VIEWS, router_root
+from .id_range import holds_ids
 from .normalize import arg, canon, id_bound, shape, val
 
 
@@ -63,16 +64,32 @@ def sort_parts(f, n, op, a0, r0, rk):
     return DONE
 
 
-# casts that keep expert ids (< E, at most 2^15 experts) and row counts / offsets (fp32: < 2^24 rows) exact;
-# a bool, 8-bit or 16-bit float cast changes the sort key or the counts
-_EXACT = {"ids": {torch.int16, torch.int32, torch.int64, torch.float32, torch.float64},
-          "counts": {torch.int32, torch.int64, torch.float32, torch.float64}}
+# casts that keep row counts / offsets exact (fp32: < 2^24 rows); a bool, 8-bit or 16-bit cast changes them.
+# Expert ids: a dtype that holds every id below the router's E where E is known (id_range.holds_ids: int16
+# wraps 32768 to -32768, which sorts first and shifts every group), else one that holds 2^15 experts
+_EXACT_COUNTS = {torch.int32, torch.int64, torch.float32, torch.float64}
+_EXACT_IDS = {torch.int16, torch.int32, torch.int64, torch.float32, torch.float64}
+
+
+def _ids_bound(g, a0) -> int | None:
+    """E of the router whose ids the group reads (its topk / argmax dim), else None."""
+    for ids in (getattr(g, "ids", None), a0):   # (flat ids read before their sort have no group yet)
+        bound = id_bound(ids) if isinstance(ids, fx.Node) else None
+        if bound is not None:
+            return bound
+    return None
 
 
 def cast_keeps_kind(f, n, op, a0, r0, rk):
     if rk in ("sorted_ids", "flat", "counts", "offs") and op in CASTS:
         v = val(n)
-        if not isinstance(v, torch.Tensor) or v.dtype not in _EXACT["ids" if rk in ("sorted_ids", "flat") else "counts"]:
+        if not isinstance(v, torch.Tensor):
+            return None
+        bound = _ids_bound(r0.g, a0) if rk in ("sorted_ids", "flat") else None
+        if rk in ("sorted_ids", "flat") and not (holds_ids(v.dtype, bound) if bound is not None else
+                                                 v.dtype in _EXACT_IDS):
+            return None
+        if rk in ("counts", "offs") and v.dtype not in _EXACT_COUNTS:
             return None
         f.set(n, rk, r0.g, r0.info)
         return DONE

@@ -16,9 +16,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from helpers import BF16_GRAD_REL, BF16_REL, check_compiled
+from moe_compile import records
 from moe_compile.kernels import registry, reference
 
 BF16 = torch.bfloat16
+# fp16 products rounded per row in eager, summed in fp32 by the rewrite (a bf16 accumulator adds its own
+# rounding in eager's order): fp16 / bf16 rounding of the rows, 1.9e-4 measured with the fp64 accumulator
+FP16_ROWS_REL = 1e-2
 
 
 @pytest.fixture
@@ -114,3 +118,46 @@ def test_out_dtype_op_matches_a_widened_copy():
         assert (dwa is None) == (dwb is None) and (dwa is None or torch.equal(dwa, dwb)), name
     with pytest.raises(ValueError, match="unpermute_combine.*out_dtype"):
         torch.ops.moe_compile.unpermute_combine(y.float(), inv, w, offs, out_dtype=BF16)
+
+
+class FP16RowsLoop(nn.Module):
+    """fp16 experts with large outputs, an fp32 router scaled by 8 (a routed scaling factor) and an
+    accumulator of ``acc`` dtype: a weighted row sum above fp16's 65504 stays finite in eager."""
+
+    def __init__(self, acc: torch.dtype, h=8, e=4, k=2):
+        super().__init__()
+        self.k, self.acc = k, acc
+        self.gate = nn.Linear(h, e, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(h, h, bias=False) for _ in range(e)).half()
+        with torch.no_grad():
+            for ex in self.experts:
+                ex.weight.fill_(1000.0)
+
+    def forward(self, x):
+        w, ids = self.gate(x.float()).softmax(-1).topk(self.k, -1)
+        w = w * 8.0
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=self.acc)
+        for e in range(len(self.experts)):
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, (self.experts[e](x[tok]) * w[tok, slot, None]).to(self.acc))
+        return out
+
+
+@pytest.mark.parametrize("acc,wide", [(torch.bfloat16, torch.float32), (torch.float64, torch.float64)],
+                         ids=["bf16_acc", "fp64_acc"])
+def test_fp16_rows_into_a_wider_accumulator_are_not_rounded_to_fp16(acc, wide, combine_calls):
+    """The sum is not rounded to the rows' fp16 before the accumulator's dtype (it was: all inf, found
+    by a review); out_dtype is promote(fp16, acc)."""
+    torch.manual_seed(0)
+    m = FP16RowsLoop(acc)
+    x = (torch.rand(8, 8) * 2.0 + 1.0).half()
+    with torch.no_grad():
+        ref = m(x)
+        torch._dynamo.reset()
+        before = dict(records.counters)
+        got = torch.compile(m, backend="moe", options={"moe.inductor": False})(x)
+    assert records.counters[records.REWRITTEN] - before.get(records.REWRITTEN, 0) == 1
+    assert torch.isfinite(ref).all() and ref.abs().max() > 65504
+    assert torch.isfinite(got).all(), got
+    assert ((got.double() - ref.double()).norm() / ref.double().norm()).item() <= FP16_ROWS_REL
+    assert {c[1:] for c in combine_calls} == {(torch.float16, wide)}, combine_calls
