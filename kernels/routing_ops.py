@@ -139,9 +139,10 @@ def _sum_setup(ctx, inputs, output):
 
 def _sum_bwd(ctx, dout):
     perm, inv, offsets = ctx.saved_tensors
-    # a wider output's gradient is gathered, then rounded to the rows' dtype once, as y.to(out_dtype)'s backward
-    dy = permute_rows(dout, perm, inv, offsets, ctx.top_k)
-    return (dy if dy.dtype == ctx.rows_dtype else dy.to(ctx.rows_dtype)), None, None, None, None, None
+    # a wider output's gradient rounded to the rows' dtype once, as y.to(out_dtype)'s backward rounds it: before
+    # the gather (a copy: the same values), so the cast reads [T, H] and no wide [T*K, H] copy is made
+    dout = dout if dout.dtype == ctx.rows_dtype else dout.to(ctx.rows_dtype)
+    return permute_rows(dout, perm, inv, offsets, ctx.top_k), None, None, None, None, None
 
 
 unpermute_sum.register_autograd(_sum_bwd, setup_context=_sum_setup)
