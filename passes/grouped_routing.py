@@ -17,9 +17,9 @@ import torch
 import torch.fx as fx
 
 from .grouped_state import CASTS, DONE, as_int, swaps_2d
-from .expert_ids import ID_VIEWS, router_root
+from .expert_ids import ID_VIEWS, router_kind, router_root
 from .id_range import holds_ids
-from .normalize import arg, canon, id_bound, shape, val
+from .normalize import arg, canon, id_bound, shape, val, where_in_user_code
 
 
 def flat_ids(f, n, op, a0, r0, rk):
@@ -39,6 +39,13 @@ def sort_ids(f, n, op, a0, r0, rk):
         g = f.group("sorted", n)
         g.flat, g.ids, g.k = a0, r0.info, (val(r0.info).shape[-1] if val(r0.info).dim() == 2 else 1)
         f.set(n, "sort" if op == "sort" else "perm", g)
+        return DONE
+    if rk == "narrow_flat":   # the ids cast to a dtype that does not hold them, then sorted
+        ids, detail = r0.info
+        g = f.group("sorted", n)
+        g.flat, g.ids, g.k = a0, ids, (val(ids).shape[-1] if val(ids).dim() == 2 else 1)
+        f.set(n, "sort" if op == "sort" else "perm", g)
+        g.note("ids_cast_narrow", a0, **detail)
         return DONE
 
 
@@ -80,6 +87,17 @@ def _ids_bound(g, a0) -> int | None:
     return None
 
 
+def _narrow_cast(n: fx.Node, ids, bound: int | None, dtype) -> dict:
+    """The detail of an ``ids_cast_narrow`` finding: the sorted ids cast to a dtype that does not hold them."""
+    router = router_root(ids) if isinstance(ids, fx.Node) else None
+    k = val(ids).shape[-1] if isinstance(ids, fx.Node) and val(ids).dim() == 2 else 1
+    return {"router": router_kind(router, k) if router is not None else "a router",
+            "e": bound if bound is not None else "?", "last": bound - 1 if bound is not None else "the last (E unknown)",
+            "router_at": where_in_user_code(router) if router is not None else "?",
+            "evidence": "grouped expert GEMMs through a sort of its ids", "dtype": str(dtype).removeprefix("torch."),
+            "node": n.name}
+
+
 def cast_keeps_kind(f, n, op, a0, r0, rk):
     if rk in ("sorted_ids", "flat", "counts", "offs") and op in CASTS:
         v = val(n)
@@ -88,7 +106,14 @@ def cast_keeps_kind(f, n, op, a0, r0, rk):
         bound = _ids_bound(r0.g, a0) if rk in ("sorted_ids", "flat") else None
         if rk in ("sorted_ids", "flat") and not (holds_ids(v.dtype, bound) if bound is not None else
                                                  v.dtype in _EXACT_IDS):
-            return None
+            # the region still forms, so that it is refused with this reason (rather than as a new group
+            # of 1-D ids or as an unmatched layer): sorted ids keep their role in a group that can no
+            # longer be rewritten; flat ids (no group yet) get a role of their own, which only a sort reads
+            detail = _narrow_cast(n, r0.g.ids if r0.g is not None else r0.info, bound, v.dtype)
+            if r0.g is None:
+                f.set(n, "narrow_flat", info=(r0.info, detail))
+                return DONE
+            r0.g.note("ids_cast_narrow", n, **detail)
         if rk in ("counts", "offs") and v.dtype not in _EXACT_COUNTS:
             return None
         f.set(n, rk, r0.g, r0.info)
@@ -295,7 +320,7 @@ def enter_dense(f, n, op, a0, r0, rk):
     src, v = (a0.args[0] if unsqueezed else a0), val(n)
     xv = val(src)
     if isinstance(v, torch.Tensor) and v.dim() == 3 and isinstance(xv, torch.Tensor) and xv.dim() == 2 \
-            and xv.is_floating_point() and (unsqueezed or tuple(v.shape[1:]) == tuple(xv.shape)):
+            and xv.is_floating_point() and tuple(v.shape[1:]) == tuple(xv.shape):   # ([T, 1] broadcast: no)
         g = f.group("dense", n)
         g.x, g.e = src, v.shape[0]
         g.step_of[n] = -1

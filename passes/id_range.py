@@ -31,6 +31,7 @@ _CASTS = {"to", "long", "int", "short", "char", "byte", "type", "float", "double
 _TUPLES = {"topk", "max", "min", "sort", "kthvalue", "mode", "aminmax", "median"}
 _INTS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 _DEPTH = 24
+_EXACT_INTS_UP_TO = {torch.float64: 2 ** 53, torch.float32: 2 ** 24, torch.float16: 2 ** 11, torch.bfloat16: 2 ** 8}
 
 
 def _number_ok(v) -> bool:
@@ -39,13 +40,13 @@ def _number_ok(v) -> bool:
 
 def holds_ids(dtype, bound: int | None) -> bool:
     """Every id below ``bound`` keeps its value in ``dtype`` (int32 / int64 always; a narrower one
-    only for a known bound: uint8 wraps 300 to 44, int8 to 44 - 256, bf16 rounds 257 to 256)."""
+    only for a known bound: uint8 wraps 300 to 44, int8 to 44 - 256, bf16 rounds 257 to 256, fp16 2049 to 2048)."""
     if dtype in (torch.int64, torch.int32):
         return True
     if bound is None or not (dtype in _INTS or dtype.is_floating_point):
         return False
-    if dtype.is_floating_point:
-        return bound <= 2 ** 24 if dtype in (torch.float32, torch.float64) else bound <= 256
+    if dtype.is_floating_point:   # every integer up to 2^(mantissa bits + 1) is exact
+        return dtype in _EXACT_INTS_UP_TO and bound - 1 <= _EXACT_INTS_UP_TO[dtype]
     return bound - 1 <= torch.iinfo(dtype).max
 
 

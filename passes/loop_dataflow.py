@@ -438,7 +438,6 @@ def rowwise(a: Analysis, n: fx.Node, op: str, r0):
 
 
 Rule = tuple[type | None, Callable]
-_CASTS_IDS = ("to", "long", "int")
 # op -> rules tried in order (the role class the first argument must have, or None for any)
 RULES: dict[str, tuple[Rule, ...]] = {
     "getitem": ((None, ids_of_topk), (OneHot, sel_of_onehot), (Weighted, roww_of_weighted),
@@ -452,7 +451,8 @@ RULES: dict[str, tuple[Rule, ...]] = {
            (TokMask, tokmask_keep), (RowW, roww_keep)),
     "long": ((Ids, ids_cast), (Sel, sel_keep), (Index, index_keep)),
     "int": ((Ids, ids_cast), (Sel, sel_keep), (Index, index_keep)),
-    "float": ((Sel, sel_keep), (Weighted, weighted_cast), (RowW, roww_keep)),
+    "float": ((Ids, ids_cast), (Sel, sel_keep), (Weighted, weighted_cast), (RowW, roww_keep)),
+    **{c: ((Ids, ids_cast),) for c in ("double", "half", "bfloat16", "short", "char", "byte")},
     "bool": ((Sel, sel_keep), (TokMask, tokmask_keep)),
     "type_as": ((RowW, roww_keep),),
     "eq": ((Ids, sel_of_eq), (None, sel_of_eq_reversed)),

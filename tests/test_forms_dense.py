@@ -127,3 +127,35 @@ def test_doge_refused_not_silent_end_to_end():
     records = [r for g in graphs for r in g]
     assert [(r.status, r.code) for r in records] == [("refused", "retrieval_experts")], records
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+class BroadcastInputDense(nn.Module):
+    """The dense form (every token through every expert, a routing matrix, sum over the experts) whose
+    expanded input is a [T, 1] column broadcast to [E, T, H]: the rewrite's rows would be [T, 1]. It
+    failed in the lowering (a compile error the backend reported) before the form checked the width."""
+
+    def __init__(self, h=8, i=6, e=4, k=2):
+        super().__init__()
+        self.e, self.h, self.k = e, h, k
+        self.router = nn.Linear(h, e, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(e, h, 2 * i) / math.sqrt(h))
+        self.down = nn.Parameter(torch.randn(e, i, h) / math.sqrt(i))
+
+    def forward(self, x):
+        t = x.shape[0]
+        w, ids = self.router(x).softmax(-1).topk(self.k, -1)
+        r = torch.zeros(t, self.e).scatter(1, ids, w)
+        col = x.mean(-1, keepdim=True)                       # [T, 1]
+        h = torch.bmm(col.unsqueeze(0).expand(self.e, t, self.h), self.gate_up)
+        g, u = h.chunk(2, dim=-1)
+        return (torch.bmm(F.silu(g) * u, self.down) * r.t().unsqueeze(-1)).sum(0)
+
+
+def test_dense_input_broadcast_from_one_column_is_not_taken_for_the_tokens():
+    from moe_compile import report
+
+    torch.manual_seed(0)
+    with report.recording() as graphs:
+        check_compiled(BroadcastInputDense(), [make_input((10, 8))], expect_rewritten=0, expect_refused=1)
+    codes = [r.code for g in graphs for r in g]
+    assert codes and not {"compile_error", "lowering_error", "matcher_error"} & set(codes), codes
