@@ -6,7 +6,7 @@ ep ranks in the expert-parallel group, E_local = E / ep (rank r owns global expe
 
     ep_experts(local[E_local, ...], E, group_name, max_tokens=0) -> [E, ...]   marker; never runs (raises)
     ep_same_tokens(counts[ep] i64, T) -> 1 (i64, 0-dim)             every rank holds T tokens, else an error
-    ep_tokens_fit(like, T, N) -> 1 (0-dim)                          T <= N (max_tokens), else an error
+    ep_tokens_fit(counts[ep, 2] i64, T, N) -> 1 (i64, 0-dim)        every rank's T <= N and N its max_tokens, else an error
     ep_plan(offsets[E] i32, E, group_name) -> plan[2, ep, E_local] i64, recv_offsets[E_local] i32
     ep_dispatch(xp[N, H], plan, group_name) -> [ep*N, H]      (bwd: ep_combine of the gradient)
     ep_combine(y[ep*N, H2], plan, group_name) -> [N, H2]      (bwd: ep_dispatch of the gradient)
@@ -120,25 +120,45 @@ def _(counts, t):
 
 
 # --------------------------------------------------------------------------- ep_tokens_fit
-TOO_MANY_TOKENS = ("moe_compile expert parallelism: this rank holds {t} tokens in the MoE layer, more than "
-                   "parallelize_experts(..., max_tokens={n}) allows; give parallelize_experts a larger max_tokens "
-                   "(every rank the same), or split the batch")
+TOO_MANY_TOKENS = ("moe_compile expert parallelism: {who} of the expert-parallel group {hold} {t} tokens in the "
+                   "MoE layer, more than parallelize_experts(..., max_tokens={n}) allows; give parallelize_experts a "
+                   "larger max_tokens (every rank the same), or split the batch")
+# the device-side assert's message (at most DEVICE_ASSERT_MAX_CHARS)
+TOO_MANY_TOKENS_DEVICE = ("moe_compile expert parallelism: a rank holds more tokens in the MoE layer than "
+                          "parallelize_experts(..., max_tokens) allows")
 
 
 @torch.library.custom_op("moe_compile::ep_tokens_fit", mutates_args=())
-def ep_tokens_fit(like: torch.Tensor, t: int, max_tokens: int) -> torch.Tensor:
-    """1 (0-dim, ``like``'s dtype and device) when this rank's T is at most ``max_tokens``, else
-    TOO_MANY_TOKENS. T is a host value (a size): no sync. For a data-dependent T (tokens
-    picked by a mask in the graph) no guard can check the bound when the graph compiles: pad_tokens
-    multiplies what it pads by this 1, so the check runs before any padding."""
-    if t > max_tokens:
-        raise RuntimeError(TOO_MANY_TOKENS.format(t=t, n=max_tokens))
-    return like.new_ones(())
+def ep_tokens_fit(counts: torch.Tensor, t: int, max_tokens: int) -> torch.Tensor:
+    """1 (int64, 0-dim) when every rank's (T, N) in ``counts`` [ep, 2] (all-gathered before any padding:
+    its token count and its max_tokens) has T <= ``max_tokens`` and N == ``max_tokens``, else
+    TOO_MANY_TOKENS or SAME_TOKENS: raised here on the CPU, a device-side assert on a GPU (no host
+    sync). Every rank checks every rank's count, so all of them raise together before any token-sized
+    collective (a rank raising alone left its peers waiting in the next one). On a GPU a rank over the
+    bound raises on the host instead (its own T is a size: no sync), after the counts' all-gather was
+    issued, so that its peers complete it and stop at their assert. pad_tokens multiplies what it pads
+    by this 1, so the check runs before anything is padded or sent."""
+    fits, same = (counts[:, 0] <= max_tokens).all(), (counts[:, 1] == max_tokens).all()
+    if counts.device.type == "cpu":
+        if not bool(same):
+            raise RuntimeError(f"{SAME_TOKENS}; fix: {SAME_TOKENS_FIX}")
+        if not bool(fits):
+            over = (counts[:, 0] > max_tokens).nonzero().flatten().tolist()
+            raise RuntimeError(TOO_MANY_TOKENS.format(
+                who=("rank " if len(over) == 1 else "ranks ") + ", ".join(map(str, over)),
+                hold="holds" if len(over) == 1 else "hold", n=max_tokens,
+                t=", ".join(str(int(counts[r, 0])) for r in over)))
+    else:
+        if t > max_tokens:   # before the asserts: this rank's process stays usable (no device-side assert)
+            raise RuntimeError(TOO_MANY_TOKENS.format(who="this rank", hold="holds", t=t, n=max_tokens))
+        device_assert(same, SAME_TOKENS)
+        device_assert(fits, TOO_MANY_TOKENS_DEVICE)
+    return (fits & same).to(torch.int64)
 
 
 @ep_tokens_fit.register_fake
-def _(like, t, max_tokens):
-    return like.new_empty(())
+def _(counts, t, max_tokens):
+    return counts.new_empty((), dtype=torch.int64)
 
 
 # --------------------------------------------------------------------------- ep_plan

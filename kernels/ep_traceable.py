@@ -13,7 +13,7 @@ pass (``lowering/overlap.py``) orders them so that work they do not feed runs wh
 
     gather_tokens(x[T, H], ids[T, K], w[T, K] | None, E, group) -> x_all[ep*T, H], local_ids[ep*T, K], w_all
     scatter_tokens(partial[ep*T, H], group) -> [T, H]
-    pad_tokens(x[T, H], ids[T, K], w[T, K] | None, N, E) -> [N, H], [N, K], [N, K] | None   (T <= N)
+    pad_tokens(x[T, H], ids[T, K], w[T, K] | None, N, E, group) -> [N, H], [N, K], [N, K] | None   (T <= N on every rank)
     unpad_tokens(out[N, H], x[T, H]) -> out[:T]
 
 On the wire: T rows to every peer each way, where a row-level exchange sends N = T*K rows padded to
@@ -27,7 +27,9 @@ row leaves (the rows, ids and weights are multiplied by the check's 1, so no sch
 earlier; a collective of mismatched sizes would abort or hang the ranks without a message). With
 ``parallelize_experts(..., max_tokens=N)`` ranks may hold different T <= N: ``pad_tokens`` pads each
 rank's tokens to N rows first (zero rows, expert id E: routed to no rank's experts, weight 0), so
-the collectives move N rows per rank, and ``unpad_tokens`` keeps the first T rows of the result.
+the collectives move N rows per rank, and ``unpad_tokens`` keeps the first T rows of the result; its
+all-gather of every rank's (T, N) and ``ep_tokens_fit`` replace the same-count check (every rank
+raises when any rank's T exceeds N).
 
 Worked example (ep=2, E=4, K=2, T=2; rank 0 owns experts 0 1, rank 1 experts 2 3)::
 
@@ -47,16 +49,20 @@ from .ep_transport import resolve_group
 
 
 def gather_tokens(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor | None, num_experts: int,
-                  group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                  group_name: str, padded: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Every rank's tokens [ep*T, H] (rank s's at s*T), their expert ids mapped to this rank's local
     experts ([ep*T, K]; ids of other ranks' experts become E_local: dropped by route_permute) and
-    their routing weights [ep*T, K] (None stays None)."""
+    their routing weights [ep*T, K] (None stays None). ``padded``: x, ids, w come from pad_tokens,
+    whose check already holds every rank to the same row count (and these wait for it)."""
     group = resolve_group(group_name)
     ep, rank = group.size(), group.rank()
     e_local = num_experts // ep
     t = x.shape[0]
-    counts = fc.all_gather_tensor(torch.full((1,), t, dtype=torch.int64, device=x.device), 0, group_name)
-    one = torch.ops.moe_compile.ep_same_tokens(counts, t)   # every gathered tensor waits for the check
+    if padded:
+        one = torch.ones((), dtype=torch.int64, device=x.device)
+    else:
+        counts = fc.all_gather_tensor(torch.full((1,), t, dtype=torch.int64, device=x.device), 0, group_name)
+        one = torch.ops.moe_compile.ep_same_tokens(counts, t)   # every gathered tensor waits for the check
     x_all = fc.all_gather_tensor_autograd((x * one.to(x.dtype)).contiguous(), 0, group_name)
     ids_all = fc.all_gather_tensor((ids * one.to(ids.dtype)).contiguous(), 0, group_name)
     mine = (ids_all >= rank * e_local) & (ids_all < (rank + 1) * e_local)
@@ -74,12 +80,19 @@ def data_dependent(t) -> bool:
     return bool(free_unbacked_symbols(t))
 
 
-def pad_tokens(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor | None, max_tokens: int, num_experts: int):
+def pad_tokens(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor | None, max_tokens: int, num_experts: int,
+               group_name: str, over: bool = False):
     """x [T, H], ids [T, K], w [T, K] | None padded to ``max_tokens`` rows: zero rows, id ``num_experts``
-    (no rank's expert: gather_tokens drops it), weight 0. A T above the bound is an error, never a
-    truncation: ``ep_tokens_fit`` checks it on the host (T is a size: no sync) before anything is padded."""
+    (no rank's expert: gather_tokens drops it), weight 0. A T above the bound on any rank is an error on
+    every rank, never a truncation: a one-element all-gather of the ranks' T and ``ep_tokens_fit`` check
+    it before anything is padded or sent. ``over``: T is known above the bound when the graph compiles;
+    its rows are kept as they are (T of them: this graph only gets as far as the check)."""
     t = x.shape[0]
-    one = torch.ops.moe_compile.ep_tokens_fit(x.detach(), t, max_tokens)   # a data-dependent T: checked when run
+    mine = torch.stack([torch.full((), t, dtype=torch.int64, device=x.device),
+                        torch.full((), max_tokens, dtype=torch.int64, device=x.device)])
+    counts = fc.all_gather_tensor(mine, 0, group_name).view(-1, 2)   # (T, N) of every rank
+    one = torch.ops.moe_compile.ep_tokens_fit(counts, t, max_tokens)
+    max_tokens = t if over else max_tokens
     # a data-dependent T: rows written by index; Inductor re-places a slice_scatter as a copy into
     # buffer[:T], whose Min(T, N) rows torch 2.11 cannot match to T (GuardOnDataDependentSymNode)
     rows = torch.arange(t, device=x.device) if data_dependent(t) else None

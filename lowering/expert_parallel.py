@@ -32,7 +32,6 @@ import torch
 import torch.fx as fx
 
 from moe_compile.kernels import ep_traceable
-from moe_compile.kernels.ep import TOO_MANY_TOKENS
 from moe_compile.passes.normalize import val
 from moe_compile.passes.region import Region, ep_marker, is_ep_marker
 
@@ -116,7 +115,7 @@ def gather_tokens(b, x: fx.Node, ids: fx.Node, w: fx.Node | None, ep: EPLayout):
     """Every rank's tokens, their ids mapped to this rank's experts and their weights (None stays
     None): ``kernels/ep_traceable.gather_tokens``, emitted as traceable code so that the compiler
     sees the collectives and the post_grad stage's ``ep_overlap`` pass schedules them."""
-    out = b.fn(ep_traceable.gather_tokens, x, ids, w, ep.num_experts, ep.group_name)
+    out = b.fn(ep_traceable.gather_tokens, x, ids, w, ep.num_experts, ep.group_name, bool(ep.max_tokens))
     x_all, local_ids = (b.fn(operator.getitem, out, i) for i in range(2))
     return x_all, local_ids, (b.fn(operator.getitem, out, 2) if w is not None else None)
 
@@ -146,16 +145,15 @@ def check_data_dependent_tokens(region: Region, inductor: bool) -> None:
 
 
 def pad_tokens(b, x: fx.Node, ids: fx.Node, w: fx.Node | None, ep: EPLayout):
-    """x, ids, w padded to ``ep.max_tokens`` rows (kernels/ep_traceable.pad_tokens). A T above the
-    bound raises here, when the graph compiles; a symbolic T with a value (backed: an input's size)
-    gets a guard (T <= bound: a larger T recompiles, and raises here), checked on the host like every
-    size guard (no sync); a data-dependent T (unbacked: tokens picked by a mask in the graph) is
-    checked when the graph runs, by the ``ep_tokens_fit`` op pad_tokens calls."""
+    """x, ids, w padded to ``ep.max_tokens`` rows (kernels/ep_traceable.pad_tokens), after every rank's T
+    is checked against the bound when the graph runs (``ep_tokens_fit`` on the all-gathered counts: all
+    ranks raise together). A T known above the bound here (an int, or a backed symbolic T, whose
+    comparison becomes a guard: crossing the bound recompiles) still compiles, padded to T rows: that
+    graph raises at the check on every rank. Raising here instead, on this rank alone, left the other
+    ranks waiting in their collectives until this process died."""
     t = val(x).shape[0]
-    if not ep_traceable.data_dependent(t) and t > ep.max_tokens:   # on a backed symbolic T: the guard
-        shown = t if isinstance(t, int) else t.node.hint   # this call's T, not its symbol
-        raise InvalidSetup(TOO_MANY_TOKENS.format(t=shown, n=ep.max_tokens))
-    out = b.fn(ep_traceable.pad_tokens, x, ids, w, ep.max_tokens, ep.num_experts)
+    over = not ep_traceable.data_dependent(t) and bool(t > ep.max_tokens)   # (a backed T: a guard)
+    out = b.fn(ep_traceable.pad_tokens, x, ids, w, ep.max_tokens, ep.num_experts, ep.group_name, over)
     return tuple(b.fn(operator.getitem, out, i) for i in range(2)) + \
         ((b.fn(operator.getitem, out, 2) if w is not None else None),)
 

@@ -265,7 +265,11 @@ def mirror_layout(src: nn.Module, dst: nn.Module) -> int:
     """Move the parameters of ``dst`` that correspond (by name) to parameters of ``src`` sharing one
     storage into one new storage with the same layout (offsets, shapes, strides); values and
     Parameter objects are kept. Skips a group unless every counterpart is a plain Parameter of the
-    same shape, stride, dtype and device, in a storage of its own. Returns how many moved."""
+    same shape, stride, dtype and device, in a storage of its own alone (``rehome._shared_storage``:
+    no alias such as ``p.detach()``, no view into a larger buffer, not in shared memory; moving it would
+    cut those ties, as the backend's own re-homing never does). Returns how many moved."""
+    from moe_compile.lowering.rehome import _shared_storage
+
     dst_params = dict(dst.named_parameters())
     moved = 0
     for group in _shared_storage_groups(src):
@@ -274,8 +278,9 @@ def mirror_layout(src: nn.Module, dst: nn.Module) -> int:
                    and q.stride() == p.stride() and q.dtype == p.dtype and q.device == p.device
                    for p, q in pairs):
             continue
-        if len({q.untyped_storage().data_ptr() for _, q in pairs}) != len(pairs):
-            continue  # already sharing storage: leave it
+        if len({q.untyped_storage().data_ptr() for _, q in pairs}) != len(pairs) \
+                or _shared_storage([q for _, q in pairs]):
+            continue  # already sharing storage, or held by another tensor or process: leave it
         first = pairs[0][0]
         numel = first.untyped_storage().nbytes() // first.element_size()
         with torch.no_grad():

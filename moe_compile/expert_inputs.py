@@ -69,6 +69,12 @@ class _HandOver:
         self.params, self.rows, self.versions = params, rows, versions
 
     def __call__(self, leaf: torch.Tensor) -> None:
+        if torch.compiler.is_dynamo_compiling():
+            # compiled autograd (moe_compile.compiled_backward) traces this hook, and Dynamo reads a
+            # Parameter's hook dicts as empty there (a hook registered between the forward and the
+            # backward was skipped: 0.67 relative error), nor would a cached graph re-read them:
+            # hand over outside the trace (one graph break per stack leaf)
+            return _hand_over_untraced(self, leaf)
         g, leaf.grad = leaf.grad, None
         if g is None:
             return
@@ -103,6 +109,11 @@ class _HandOver:
             torch._foreach_add_(old, new)
 
 
+@torch._dynamo.disable(recursive=True)
+def _hand_over_untraced(hand_over: _HandOver, leaf: torch.Tensor) -> None:
+    hand_over(leaf)
+
+
 def _accumulate(p, have, v, out_of_place: bool) -> None:
     """``p.grad`` as AccumulateGrad leaves it, ``have`` its gradient so far: ``v`` where there was none (a
     clone under create_graph: not a view, which zero_grad could not detach), else the sum (out of place
@@ -124,7 +135,8 @@ def _hand_over_hooked(params, views, out_of_place: bool) -> None:
             v = v if r is None else r
         _accumulate(p, p.grad, v, out_of_place)
         for hook in tuple((p._post_accumulate_grad_hooks or {}).values()):
-            hook(p)
+            if hook(p) is not None:   # as eager's AccumulateGrad
+                raise RuntimeError("Tensor post accumulate grad hooks should return None.")
 
 
 class _Feed:
@@ -153,7 +165,7 @@ class _Feed:
             # warned from the second call with the same addresses (Parameters _lay_out may not move):
             # compile_blocks' mirror may still lay them out after the model's first call (moe_compile/blocks.py)
             if ok >= 2:
-                self._warn("they no longer share the buffer they were stacked from (their .data was replaced)")
+                self._warn(self._why_apart(params))
             return False
         # the addresses are those of a checked layout; it still holds if the stack lies inside the
         # first Parameter's (live) storage: memory inside it belongs to views of it alone
@@ -181,6 +193,14 @@ class _Feed:
         with torch.inference_mode(False):   # a first call under inference_mode: a normal buffer, not an inference one
             _rehome([list(seg) for seg in segs])
         return laid_out(params, self.rows, self.experts)
+
+    def _why_apart(self, params: tuple) -> str:
+        from moe_compile.lowering.rehome import _shared_storage
+
+        if _shared_storage(params):
+            return ("they are not in one buffer, and the backend does not move them there: a weight shares its "
+                    "storage (an alias such as p.detach(), a view into a larger buffer, or shared memory)")
+        return "they no longer share the buffer they were stacked from (their .data was replaced)"
 
     def _warn(self, why: str) -> None:
         if not self.warned:

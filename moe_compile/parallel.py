@@ -105,6 +105,33 @@ class _ReduceGrad(torch.autograd.Function):
         return fc.wait_tensor(fc.all_reduce(grad, "sum", ctx.group_name)) / ctx.divisor, None, None
 
 
+class _ShardedOutsideCompile:
+    """What a sharded expert weight reads as outside a torch.compile trace. ``hasattr``, ``getattr(m, n,
+    None)``, ``is None`` and Dynamo's HASATTR guard (built from such code, and evaluated on every call)
+    see an attribute; any use of it raises the marker's error: eager code must not compute with one
+    rank's rows (the ep_experts op itself raised when the property ran it outside a trace, which made
+    a guard on ``hasattr`` fail the whole compile with an error naming neither)."""
+
+    __slots__ = ()
+
+    def _raise(self, *args, **kwargs):
+        raise RuntimeError(_ep_ops.EP_EXPERTS_ERROR)
+
+    __getattr__ = __getitem__ = __setitem__ = __call__ = __bool__ = __len__ = __iter__ = __float__ = _raise
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __matmul__ = __rmatmul__ = _raise
+    __truediv__ = __rtruediv__ = __neg__ = __pow__ = __array__ = _raise
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(_ep_ops.EP_EXPERTS_ERROR)
+
+    def __repr__(self):
+        return "<expert weight sharded by moe_compile.parallelize_experts: readable only inside torch.compile>"
+
+
+OUTSIDE_COMPILE = _ShardedOutsideCompile()
+
+
 def _ep_class(cls: type, names: tuple[str, ...], num_experts: int, group_name: str, max_tokens: int = 0) -> type:
     """``cls`` plus one property per sharded name returning the ep_experts marker of the local shard."""
     key = (cls, names, num_experts, group_name, max_tokens)
@@ -113,6 +140,8 @@ def _ep_class(cls: type, names: tuple[str, ...], num_experts: int, group_name: s
             local = LOCAL_PREFIX + name
 
             def get(self):
+                if not torch.compiler.is_dynamo_compiling():   # eager code, or Dynamo's guards (hasattr): no op
+                    return OUTSIDE_COMPILE
                 rows = getattr(self, local)
                 rows = rows.to_local() if isinstance(rows, DTensor) else rows   # kept out of FSDP: _keep_local
                 divisor = self._moe_grad_divisor

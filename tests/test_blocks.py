@@ -318,3 +318,33 @@ def test_dense_first_block_of_a_class_mirrors_from_a_rehomed_one(caplog):
     _train_like_eager(eager, model, steps=3)
     assert all(_shares_one_storage(b) for b in model.layers[1:])
     assert "stacking a copy" not in caplog.text and ".data was replaced" not in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("tie", ["alias", "shared_memory"])
+def test_mirror_keeps_weights_held_by_another_tensor_where_they_are(tie, caplog):
+    """A later block's expert weight that another tensor also holds (a user's ``p.detach()`` alias
+    updated in place, or a block in shared memory that Hogwild workers update): the backend's own
+    re-homing never moves such weights, and compile_blocks' mirror of the first block's layout must
+    not either. It did: from the model's second call the alias was no longer the weight (and the
+    block left shared memory), so its in-place updates stopped reaching the model (output 8e-3 off
+    at the next step, the weight 3x off after 3 steps)."""
+    torch._dynamo.reset()
+    eager = LoopLM()
+    model = copy.deepcopy(eager)
+    if tie == "shared_memory":
+        for m in (eager, model):
+            m.layers[1].share_memory()
+    w, w_ref = model.layers[1].experts[0].w1.weight, eager.layers[1].experts[0].w1.weight
+    alias, alias_ref = w.detach(), w_ref.detach()
+    moe_compile.compile_blocks(model, options=OPTS)
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    for step in range(3):
+        _train_like_eager(eager, model, steps=1)
+        with torch.no_grad():   # the other holder writes in place
+            alias.mul_(0.5)
+            alias_ref.mul_(0.5)
+        assert alias.data_ptr() == w.data_ptr(), f"step {step}: the alias is no longer the weight"
+        assert w.is_shared() == w_ref.is_shared()
+    for (n, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+        assert_close_rel(p.detach(), q.detach(), TRAIN_REL, f"{n} after 3 steps")
+    assert "a weight shares its storage" in caplog.text, caplog.text   # the slower path is named

@@ -460,9 +460,10 @@ def test_tied_expert_parameter_raises_before_sharding(mesh1, where):
 
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_more_tokens_than_max_tokens_raises_named_error(mesh1, dynamic):
-    """A rank holding more tokens than parallelize_experts' max_tokens fails the compile with the bound
-    and the fix (never a truncated batch); with a symbolic T through the guard the compile put on T.
-    Smaller counts still run afterwards."""
+    """A rank holding more tokens than parallelize_experts' max_tokens fails with the bound and the fix
+    (never a truncated batch), when the graph runs (every rank checks every rank's T: see
+    test_ep_compiled.test_ep2_one_rank_over_max_tokens_raises_on_every_rank); with a symbolic T
+    through the guard the compile put on T. Smaller counts still run afterwards."""
     from moe_compile.parallel import parallelize_experts
     from test_ep_compiled import LoopMoE
 
@@ -474,7 +475,7 @@ def test_more_tokens_than_max_tokens_raises_named_error(mesh1, dynamic):
         return compiled(torch.randn(t, 8), torch.zeros(t, 4))
 
     assert run(4).shape == (4, 8)
-    with pytest.raises(Exception, match=r"this rank holds 7 tokens in the MoE layer, more than "
+    with pytest.raises(Exception, match=r"rank 0 of the expert-parallel group holds 7 tokens in the MoE layer, more than "
                                         r"parallelize_experts\(\.\.\., max_tokens=6\) allows; give parallelize_experts a larger"):
         run(7)
     assert run(6).shape == (6, 8) and run(3).shape == (3, 8)

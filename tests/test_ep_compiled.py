@@ -123,6 +123,27 @@ class Fp32RowsLoopMoE(LoopMoE):
         self.dense = nn.Identity()
 
 
+class OptionalBiasLoopMoE(BiasLoopMoE):
+    """BiasLoopMoE whose bias is optional and looked up as such: ``hasattr`` or ``getattr(.., None)``
+    (Dynamo guards the answer with a HASATTR guard, which calls the sharded property outside the
+    trace; the marker op ran there and raised, and the compile failed with an error naming neither)."""
+
+    def __init__(self, h=8, i=6, e=4, k=2, how="hasattr"):
+        super().__init__(h, i, e, k)
+        self.how = how
+
+    def up(self, rows, e):
+        ex = self.experts
+        has = hasattr(ex, "gate_up_bias") if self.how == "hasattr" else getattr(ex, "gate_up_bias", None) is not None
+        a = rows @ ex.gate_up[e]
+        return a + ex.gate_up_bias[e] if has else a
+
+
+class GetattrBiasLoopMoE(OptionalBiasLoopMoE):
+    def __init__(self, h=8, i=6, e=4, k=2):
+        super().__init__(h, i, e, k, how="getattr")
+
+
 class SortedMoE(nn.Module):
     """The Hugging Face grouped_mm form: sort, histc offsets, grouped GEMMs on W.transpose(-2, -1)
     (the marker sits behind a view), per-expert bias b[sorted ids], unsort, sum over top-k."""
@@ -187,7 +208,11 @@ UNEVEN_CASES = {
     "sorted_uneven_tokens": (SortedMoE, (5, 11, 2, 8), 2, 2, "uneven"),
     "loop_uneven_rank0_gets_all": (LoopMoE, (4, 10, 7, 1), 2, 2, "rank0"),
 }
-ALL_CASES = {**CASES, **UNEVEN_CASES}
+OPTIONAL_BIAS_CASES = {
+    "loop_hasattr_bias_top2": (OptionalBiasLoopMoE, 6, 2, 2, "random"),
+    "loop_getattr_bias_top2": (GetattrBiasLoopMoE, 6, 2, 2, "random"),
+}
+ALL_CASES = {**CASES, **UNEVEN_CASES, **OPTIONAL_BIAS_CASES}
 
 
 def tokens_per_rank(case, ep) -> tuple[int, ...]:
@@ -458,6 +483,60 @@ def body_stacked_module_list(rank, ep):
 
 def test_ep2_stacked_module_list_matches_eager():
     run_distributed(body_stacked_module_list, 2)
+
+
+def body_one_rank_over_max_tokens(rank, ep, mode):
+    """Rank 0 holds more tokens than max_tokens, rank 1 fewer. Both raise the named error, naming rank 0
+    and its T, and promptly: rank 0 stays alive afterwards (a rank still logging or checkpointing), so
+    a peer still inside a collective would wait (until gloo's timeout; an NCCL hang on GPUs). Before,
+    only rank 0 raised, and rank 1 failed ~25 s later with gloo's "Connection closed by peer"."""
+    import time
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import moe_compile
+
+    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+    torch.manual_seed(0)
+    model = moe_compile.parallelize_experts(LoopMoE(), mesh, max_tokens=8)
+    compiled = torch.compile(model, backend="moe", options={"moe.inductor": False}, dynamic=mode == "dynamic")
+    if mode == "dynamic":   # a legal step first, on both ranks
+        compiled(torch.randn(5 + rank, 8), torch.zeros(5 + rank, 4)).sum().backward()
+    t = 9 if rank == 0 else 3
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=re.escape("rank 0 of the expert-parallel group holds 9 tokens in the MoE "
+                                                     "layer, more than parallelize_experts(..., max_tokens=8)")):
+        compiled(torch.randn(t, 8), torch.zeros(t, 4))
+    assert time.monotonic() - start < 20, "a rank waited for its peer"
+    dist.barrier()
+    if rank == 0:
+        time.sleep(1)
+
+
+@pytest.mark.parametrize("mode", ["static", "dynamic"])
+def test_ep2_one_rank_over_max_tokens_raises_on_every_rank(mode):
+    run_distributed(body_one_rank_over_max_tokens, 2, mode, timeout_s=200)
+
+
+def body_optional_bias(rank, ep):
+    """hasattr / getattr(.., None) on a sharded weight inside the compiled layer: rewritten, matching; an
+    eager read of the weight is an attribute (hasattr holds) whose every use raises the marker's error."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import moe_compile
+    from moe_compile.kernels import ep as ep_ops
+
+    body_cases(rank, ep, tuple(OPTIONAL_BIAS_CASES))
+    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+    model = moe_compile.parallelize_experts(OptionalBiasLoopMoE(e=2 * ep), mesh)
+    assert hasattr(model.experts, "gate_up") and model.experts.gate_up is not None
+    for use in (lambda w: w[0], lambda w: torch.ones(2, 8) @ w, lambda w: w.shape, lambda w: F.linear(torch.ones(2, 8), w)):
+        with pytest.raises(RuntimeError, match=re.escape(ep_ops.EP_EXPERTS_ERROR[:60])):
+            use(model.experts.gate_up)
+
+
+def test_ep2_optional_weight_looked_up_with_hasattr():
+    run_distributed(body_optional_bias, 2)
 
 
 def test_ep2_compiled_matches_eager():
@@ -830,7 +909,8 @@ def body_masked_tokens(rank, ep, inductor=False):
         bs = [torch.randn(rows, e, generator=g) for g in gens]
         masks = [torch.arange(rows) < counts[r % 2] for r in range(ep)]
         if counts[0] > MAX_TOKENS:
-            with pytest.raises(RuntimeError, match=f"this rank holds {MAX_TOKENS + 1} tokens .*max_tokens={MAX_TOKENS}"):
+            with pytest.raises(RuntimeError, match=f"ranks 0, 1 of the expert-parallel group hold {MAX_TOKENS + 1}, "
+                                                   f"{MAX_TOKENS + 1} tokens .*max_tokens={MAX_TOKENS}"):
                 compiled(xs[rank], masks[rank], bs[rank])
             continue
         out = compiled(xs[rank], masks[rank], bs[rank])
