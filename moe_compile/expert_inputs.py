@@ -197,7 +197,8 @@ class _Feed:
     def _why_apart(self, params: tuple) -> str:
         from moe_compile.lowering.rehome import _shared_storage
 
-        if _shared_storage(params):
+        # some still share a buffer a compile laid out: another one's .data was replaced
+        if len({p.untyped_storage().data_ptr() for p in params}) == len(params) and _shared_storage(params):
             return ("they are not in one buffer, and the backend does not move them there: a weight shares its "
                     "storage (an alias such as p.detach(), a view into a larger buffer, or shared memory)")
         return "they no longer share the buffer they were stacked from (their .data was replaced)"
