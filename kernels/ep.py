@@ -6,7 +6,7 @@ ep ranks in the expert-parallel group, E_local = E / ep (rank r owns global expe
 
     ep_experts(local[E_local, ...], E, group_name, max_tokens=0) -> [E, ...]   marker; never runs (raises)
     ep_same_tokens(counts[ep] i64, T) -> 1 (i64, 0-dim)             every rank holds T tokens, else an error
-    ep_tokens_fit(counts[ep, 2] i64, T, N) -> 1 (i64, 0-dim)        every rank's T <= N and N its max_tokens, else an error
+    ep_tokens_fit(counts[ep, 2] i64, T, N) -> 1 (i64, 0-dim)        each rank's (T, N): T <= N, N the same, else an error
     ep_plan(offsets[E] i32, E, group_name) -> plan[2, ep, E_local] i64, recv_offsets[E_local] i32
     ep_dispatch(xp[N, H], plan, group_name) -> [ep*N, H]      (bwd: ep_combine of the gradient)
     ep_combine(y[ep*N, H2], plan, group_name) -> [N, H2]      (bwd: ep_dispatch of the gradient)
@@ -120,7 +120,7 @@ def _(counts, t):
 
 
 # --------------------------------------------------------------------------- ep_tokens_fit
-TOO_MANY_TOKENS = ("moe_compile expert parallelism: {who} of the expert-parallel group {hold} {t} tokens in the "
+TOO_MANY_TOKENS = ("moe_compile expert parallelism: {who} {hold} {t} tokens in the "
                    "MoE layer, more than parallelize_experts(..., max_tokens={n}) allows; give parallelize_experts a "
                    "larger max_tokens (every rank the same), or split the batch")
 # the device-side assert's message (at most DEVICE_ASSERT_MAX_CHARS)
@@ -145,7 +145,7 @@ def ep_tokens_fit(counts: torch.Tensor, t: int, max_tokens: int) -> torch.Tensor
         if not bool(fits):
             over = (counts[:, 0] > max_tokens).nonzero().flatten().tolist()
             raise RuntimeError(TOO_MANY_TOKENS.format(
-                who=("rank " if len(over) == 1 else "ranks ") + ", ".join(map(str, over)),
+                who=f"{'rank' if len(over) == 1 else 'ranks'} {', '.join(map(str, over))} of the expert-parallel group",
                 hold="holds" if len(over) == 1 else "hold", n=max_tokens,
                 t=", ".join(str(int(counts[r, 0])) for r in over)))
     else:
