@@ -13,7 +13,7 @@ pass (``lowering/overlap.py``) orders them so that work they do not feed runs wh
 
     gather_tokens(x[T, H], ids[T, K], w[T, K] | None, E, group) -> x_all[ep*T, H], local_ids[ep*T, K], w_all
     scatter_tokens(partial[ep*T, H], group) -> [T, H]
-    pad_tokens(x[T, H], ids[T, K], w[T, K] | None, N, E, group) -> [N, H], [N, K], [N, K] | None   (T <= N on every rank)
+    pad_tokens(x[T, H], ids[T, K], w[T, K] | None, N, E, group) -> [N, H], [N, K], [N, K] | None  (every rank T <= N)
     unpad_tokens(out[N, H], x[T, H]) -> out[:T]
 
 On the wire: T rows to every peer each way, where a row-level exchange sends N = T*K rows padded to
@@ -58,17 +58,20 @@ def gather_tokens(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor | None, nu
     ep, rank = group.size(), group.rank()
     e_local = num_experts // ep
     t = x.shape[0]
-    if padded:
-        one = torch.ones((), dtype=torch.int64, device=x.device)
+    if padded:   # already multiplied by pad_tokens' check
+        def checked(v):
+            return v
     else:
         counts = fc.all_gather_tensor(torch.full((1,), t, dtype=torch.int64, device=x.device), 0, group_name)
-        one = torch.ops.moe_compile.ep_same_tokens(counts, t)   # every gathered tensor waits for the check
-    x_all = fc.all_gather_tensor_autograd((x * one.to(x.dtype)).contiguous(), 0, group_name)
-    ids_all = fc.all_gather_tensor((ids * one.to(ids.dtype)).contiguous(), 0, group_name)
+        one = torch.ops.moe_compile.ep_same_tokens(counts, t)
+
+        def checked(v):   # every gathered tensor waits for the check
+            return v * one.to(v.dtype)
+    x_all = fc.all_gather_tensor_autograd(checked(x).contiguous(), 0, group_name)
+    ids_all = fc.all_gather_tensor(checked(ids).contiguous(), 0, group_name)
     mine = (ids_all >= rank * e_local) & (ids_all < (rank + 1) * e_local)
     local_ids = torch.where(mine, ids_all - rank * e_local, e_local)
-    w_all = (fc.all_gather_tensor_autograd((w * one.to(w.dtype)).contiguous(), 0, group_name)
-             if w is not None else None)
+    w_all = fc.all_gather_tensor_autograd(checked(w).contiguous(), 0, group_name) if w is not None else None
     return x_all, local_ids, w_all
 
 
