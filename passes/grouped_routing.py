@@ -35,18 +35,20 @@ def sort_ids(f, n, op, a0, r0, rk):
     if rk is None and shape(a0) and len(shape(a0)) == 1 and not val(a0).is_floating_point():
         f.set(a0, "flat", info=a0)
         rk, r0 = "flat", f.r(a0)
-    if rk == "flat" and not arg(n, 2, "descending", False):
+    # narrow_flat: the ids cast to a dtype that does not hold them, then sorted (a group refused for it)
+    if rk == "narrow_flat" or rk == "flat" and not arg(n, 2, "descending", False):
+        ids, narrow = r0.info if rk == "narrow_flat" else (r0.info, None)
         g = f.group("sorted", n)
-        g.flat, g.ids, g.k = a0, r0.info, (val(r0.info).shape[-1] if val(r0.info).dim() == 2 else 1)
+        g.flat, g.ids, g.k = a0, ids, _top_k(ids)
         f.set(n, "sort" if op == "sort" else "perm", g)
+        if narrow is not None:
+            g.note("ids_cast_narrow", a0, **narrow)
         return DONE
-    if rk == "narrow_flat":   # the ids cast to a dtype that does not hold them, then sorted
-        ids, detail = r0.info
-        g = f.group("sorted", n)
-        g.flat, g.ids, g.k = a0, ids, (val(ids).shape[-1] if val(ids).dim() == 2 else 1)
-        f.set(n, "sort" if op == "sort" else "perm", g)
-        g.note("ids_cast_narrow", a0, **detail)
-        return DONE
+
+
+def _top_k(ids: fx.Node) -> int:
+    """K of router ids [T, K]; 1 for top-1 ids [T]."""
+    return val(ids).shape[-1] if val(ids).dim() == 2 else 1
 
 
 def _not_the_ids(ids: fx.Node) -> str:
@@ -72,10 +74,10 @@ def sort_parts(f, n, op, a0, r0, rk):
 
 
 # casts that keep row counts / offsets exact (fp32: < 2^24 rows); a bool, 8-bit or 16-bit cast changes them.
-# Expert ids: a dtype that holds every id below the router's E where E is known (id_range.holds_ids: int16
-# wraps 32768 to -32768, which sorts first and shifts every group), else one that holds 2^15 experts
+# Expert ids: a dtype that holds every id below the router's E (id_range.holds_ids: int16 wraps 32768 to
+# -32768, which sorts first and shifts every group); where E is not known, below this many experts
 _EXACT_COUNTS = {torch.int32, torch.int64, torch.float32, torch.float64}
-_EXACT_IDS = {torch.int16, torch.int32, torch.int64, torch.float32, torch.float64}
+_EXPERTS_IF_UNKNOWN = 2 ** 15
 
 
 def _ids_bound(g, a0) -> int | None:
@@ -90,9 +92,9 @@ def _ids_bound(g, a0) -> int | None:
 def _narrow_cast(n: fx.Node, ids, bound: int | None, dtype) -> dict:
     """The detail of an ``ids_cast_narrow`` finding: the sorted ids cast to a dtype that does not hold them."""
     router = router_root(ids) if isinstance(ids, fx.Node) else None
-    k = val(ids).shape[-1] if isinstance(ids, fx.Node) and val(ids).dim() == 2 else 1
-    return {"router": router_kind(router, k) if router is not None else "a router",
-            "e": bound if bound is not None else "?", "last": bound - 1 if bound is not None else "the last (E unknown)",
+    return {"router": router_kind(router, _top_k(ids)) if router is not None else "a router",
+            "e": bound if bound is not None else "?",
+            "last": bound - 1 if bound is not None else "the last (E unknown)",
             "router_at": where_in_user_code(router) if router is not None else "?",
             "evidence": "grouped expert GEMMs through a sort of its ids", "dtype": str(dtype).removeprefix("torch."),
             "node": n.name}
@@ -103,9 +105,9 @@ def cast_keeps_kind(f, n, op, a0, r0, rk):
         v = val(n)
         if not isinstance(v, torch.Tensor):
             return None
-        bound = _ids_bound(r0.g, a0) if rk in ("sorted_ids", "flat") else None
-        if rk in ("sorted_ids", "flat") and not (holds_ids(v.dtype, bound) if bound is not None else
-                                                 v.dtype in _EXACT_IDS):
+        of_ids = rk in ("sorted_ids", "flat")
+        bound = _ids_bound(r0.g, a0) if of_ids else None
+        if of_ids and not holds_ids(v.dtype, _EXPERTS_IF_UNKNOWN if bound is None else bound):
             # the region still forms, so that it is refused with this reason (rather than as a new group
             # of 1-D ids or as an unmatched layer): sorted ids keep their role in a group that can no
             # longer be rewritten; flat ids (no group yet) get a role of their own, which only a sort reads
