@@ -33,6 +33,8 @@ import types
 
 import torch
 
+from moe_compile.kernels import gemm_ops as _gemm_ops  # noqa: F401  (registers moe_compile::grouped_mm)
+
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
@@ -340,14 +342,24 @@ def _declared_substitute(cls, dispatch):
 
 # ----------------------------------------------------------------------------- grouped forms
 def _gmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """x [S, K] @ w[e] [K, N] per group of rows (offs: int32 cumulative ends): F.grouped_mm in bf16,
-    transformers' fallback op otherwise (torch.compile lowers torch's grouped_mm in bf16 only)."""
+    """x [S, K] @ w[e] [K, N] per group of rows (offs: int32 cumulative ends): F.grouped_mm in bf16
+    (torch.compile lowers torch's grouped_mm in bf16 only), else transformers' fallback op where its
+    backward traces, else moe_compile's grouped_mm (the matchers read all three as a grouped GEMM)."""
     x = x.to(w.dtype)
     if w.dtype == torch.bfloat16 and hasattr(torch.nn.functional, "grouped_mm"):
         return torch.nn.functional.grouped_mm(x, w, offs=offs)
-    if hasattr(torch.ops.transformers, "grouped_mm_fallback"):
+    if _traceable_fallback():
         return torch.ops.transformers.grouped_mm_fallback(x, w, offs=offs)
-    return torch._grouped_mm(x, w, offs=offs)
+    return torch.ops.moe_compile.grouped_mm(x, w, offs)
+
+
+def _traceable_fallback() -> bool:
+    """transformers::grouped_mm_fallback exists and its backward is an op of its own. Before that
+    (transformers 5.17) the backward ran ``offs.tolist()`` in Python, which AOTAutograd cannot trace:
+    a graph left holding the op (a refused region, e.g. JetMoE's attention experts) failed to compile
+    in training."""
+    ops = torch.ops.transformers
+    return hasattr(ops, "grouped_mm_fallback") and hasattr(ops, "grouped_mm_fallback_backward")
 
 
 def _route(ids: torch.Tensor, num_experts: int):

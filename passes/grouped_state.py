@@ -23,7 +23,7 @@ import torch.fx as fx
 from .normalize import arg, val
 from .region import Finding
 
-GMM_OPS = {"_grouped_mm", "grouped_mm", "transformers::grouped_mm_fallback"}
+GMM_OPS = {"_grouped_mm", "grouped_mm", "transformers::grouped_mm_fallback", "moe_compile::grouped_mm"}
 FLATTEN = {"reshape", "view", "flatten"}
 FRESH = {"zeros_like", "zeros", "new_zeros", "empty_like", "empty", "new_empty"}
 CASTS = {"to", "float", "long", "int", "type", "contiguous", "bfloat16", "half", "double"}

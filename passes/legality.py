@@ -36,6 +36,7 @@ import torch.fx as fx
 
 from . import reasons
 from .autocast import AutocastAt
+from .grouped_state import GMM_OPS
 from .normalize import ancestors, arg, canon, descendants, val, where_in_user_code
 from .region import AccumulateInPlace, Candidate, Finding, Region, ReplaceOutput
 from .token_paths import MATMULS
@@ -194,7 +195,9 @@ def accumulator(region: Region) -> Finding | None:
     return None
 
 
-_EXPERT_LINEARS = {"linear", "matmul", "mm", "bmm", "_grouped_mm", "grouped_mm", "transformers::grouped_mm_fallback"}
+_EXPERT_LINEARS = {"linear", "matmul", "mm", "bmm"} | GMM_OPS
+
+
 def expert_parallel(region: Region) -> Finding | None:
     from .region import ep_marker
 
@@ -263,8 +266,8 @@ def _order(graph: fx.Graph) -> dict:
 # after it): what a dense expert may contain when its input, not its output, is weighted
 _ZERO_TO_ZERO = {"bmm", "matmul", "mm", "linear", "silu", "gelu", "relu", "tanh", "neg", "mul", "chunk", "split",
                  "getitem", "view", "reshape", "sum", "to", "float", "bfloat16", "half", "contiguous", "relu6",
-                 "leaky_relu", "elu", "selu", "mish", "hardswish", "abs", "square", "type", "_grouped_mm",
-                 "grouped_mm", "transformers::grouped_mm_fallback", "squeeze", "unsqueeze"}
+                 "leaky_relu", "elu", "selu", "mish", "hardswish", "abs", "square", "type", "squeeze",
+                 "unsqueeze"} | GMM_OPS
 
 
 def input_weights(region: Region) -> Finding | None:
@@ -300,7 +303,8 @@ def input_weights(region: Region) -> Finding | None:
 
 
 def _has_bias(n: fx.Node) -> bool:
-    return canon(n) == "linear" and (n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")) is not None
+    at = {"linear": 2, **{op: 3 for op in GMM_OPS}}.get(canon(n))
+    return at is not None and arg(n, at, "bias") is not None
 
 
 def no_foreign_writes(region: Region) -> Finding | None:
