@@ -52,12 +52,16 @@ def _trace(name: str, payload: str) -> None:
         pass
 
 
-def log_rewrite(graphs, records, seconds: float, loud: bool = True) -> None:
+def log_rewrite(graphs, records, seconds: float | None, loud: bool = True) -> None:
     """Region table and the graph before and after each pass that changed it; at WARNING in debug
-    mode, else at DEBUG (TORCH_LOGS=+moe_compile)."""
+    mode, else at DEBUG (TORCH_LOGS=+moe_compile). ``seconds`` None: the table after the
+    before_compile stage (stacked expert weights), which the graphs that follow it are."""
     level = logging.WARNING if loud else logging.DEBUG
     table = format_records(records)
-    log.log(level, "moe_compile: %d MoE region(s) in %.3fs\n%s", len(records), seconds, table)
+    if seconds is None:
+        log.log(level, "moe_compile: %d MoE region(s), as compiled\n%s", len(records), table)
+    else:
+        log.log(level, "moe_compile: %d MoE region(s) in %.3fs\n%s", len(records), seconds, table)
     for title, code in graphs:
         log.log(level, "moe_compile: %s\n%s", title, code)
         _trace(f"moe_compile_{title.replace(' ', '_')}", code)

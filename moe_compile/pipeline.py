@@ -92,12 +92,13 @@ def _check(s: DynamoState) -> None:
 
     # where this compile draws random numbers as eager does, regions whose experts draw are refused
     # (legality.random_in_experts); under Inductor's own random numbers no draw is eager's anyway.
-    # explain() runs without Inductor but reports what the default compile (Inductor) does
+    # explain() runs without Inductor but reports what the compile it explains does
     import torch
 
     from moe_compile.records import current_session
 
-    aot_only = not s.config.inductor and not current_session().explaining
+    session = current_session()
+    aot_only = not (session.explain_inductor if session.explaining else s.config.inductor)
     eager_draws = aot_only or bool(torch._inductor.config.fallback_random)
     for c in s.candidates:
         verdict = check(c)
@@ -344,7 +345,7 @@ def run_dynamo_stage(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.Gra
     from moe_compile.passes.checkpoint_bodies import checkpoint_bodies
 
     passes = enabled("dynamo", config)
-    if not any(p.name.endswith("_regions") for p in passes):
+    if not any(p.name.endswith("_regions") or p.name == "unclaimed" for p in passes):
         return gm, []
     t0 = time.perf_counter()
     top = DynamoState(copy_graph_module(gm), example_inputs, config)
@@ -375,6 +376,8 @@ def run_dynamo_stage(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.Gra
             return gm, [rec for t in states for rec in _not_rewritten(t)] + failed
     records = [rec for s in states for rec in _not_rewritten(s)]
     if not any(s.accepted for s in states):
+        if verbose:
+            debug.log_rewrite([], records, time.perf_counter() - t0, loud=config.debug)
         return gm, records
     for s in states:
         notes = tuple(s.graph_notes)
@@ -478,6 +481,11 @@ def run_before_compile(gm: fx.GraphModule, example_inputs, records: list, config
         records = [dataclasses.replace(r, notes=r.notes + tuple(s.notes)) if r.status == REWRITTEN else r
                    for r in records]
     s.records = records
+    if s.plan is not None and (config.debug or log.isEnabledFor(logging.DEBUG)):
+        from moe_compile import debug
+
+        debug.log_rewrite([("after stack_expert_params", gm.print_readable(print_output=False))], records,
+                          None, loud=config.debug)
     return s
 
 

@@ -67,8 +67,10 @@ class Session:
         # module paths from the model's root (a graph compiled for a nested frame, e.g. a decoder
         # layer's forward after a graph break, names modules from that frame and serves every layer)
         self.place = None
-        # explain()'s: its graphs run without Inductor for speed but are reported as the default compile's
+        # explain()'s: its graphs run without Inductor for speed but are reported as the compile's they
+        # explain (explain_inductor: moe.inductor of that compile, the default's unless a compiled model's)
         self.explaining = False
+        self.explain_inductor = True
         # Dynamo frame ids ("3" of compile id "3/1") whose graphs held an MoE region: a recompile limit hit
         # there runs MoE code eagerly whatever the frame's own code looks like (a model's top-level forward)
         self.moe_frames: set = set()
@@ -104,7 +106,7 @@ class Session:
                        "eagerly with everything it calls")
             self.warn_once(("nothing",), f"moe_compile: backend=\"moe\" rewrote no MoE region of this compiled model "
                                          f"({why}); it runs as torch.compile's default backend would run it. "
-                                         "moe_compile.explain(model, *inputs) lists what was found and why.")
+                                         "moe_compile.explain(compiled_model, *inputs) lists what was found and why.")
 
 
 _default_session = Session()   # compiles outside a capture scope (a backend called directly)

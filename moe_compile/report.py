@@ -24,6 +24,7 @@ import inspect
 import torch
 
 from . import eager_probe
+from .config import MoEConfig
 from .debug import format_records
 from .records import REFUSED, REWRITTEN, RegionRecord, Session, recording
 
@@ -95,8 +96,10 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
         raise TypeError(f"moe_compile.explain: expected a model (an nn.Module instance) or a function, got {what}; "
                         "call moe_compile.explain(model, *inputs) with the inputs of one forward call")
     fn = _unwrap(model_or_fn)
+    options = _explain_options(_compiled_options(model_or_fn, moe_backend))
     session = Session(quiet=True)
     session.explaining = True
+    session.explain_inductor = options.pop(_INDUCTOR_KEY)
     if isinstance(fn, torch.nn.Module):
         names: dict = {}   # id -> every name of the tensor (tied parameters have several)
         for name, t in [*fn.named_parameters(remove_duplicate=False), *fn.named_buffers(remove_duplicate=False)]:
@@ -106,9 +109,9 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
 
     def backend(gm, example_inputs):  # a fresh callable per call: a fresh trace, not a cache hit
         graphs[0] += 1
-        return moe_backend(gm, example_inputs, options=dict(_EXPLAIN_OPTIONS))
+        return moe_backend(gm, example_inputs, options=dict(options))
 
-    backend.moe_capture_ctx = functools.partial(capture_ctx, session=session)
+    backend.moe_capture_ctx = lambda _options=None, mode=None: capture_ctx(options, mode, session=session)
     failure = None
     with _no_side_effects(fn, args, kwargs) as tried, recording() as published, eager_probe.probes(fn) as eager:
         try:
@@ -203,6 +206,38 @@ def _causes(exc: BaseException):
         yield exc
         seen.add(id(exc))
         exc = getattr(exc, "inner_exception", None) or exc.__cause__
+
+
+_INDUCTOR_KEY = "explain: moe.inductor"
+
+
+def _compiled_options(obj, moe_backend) -> dict:
+    """The options of ``torch.compile(obj, backend="moe", options=...)`` when ``obj`` is what that
+    returns, else {}: explain() then reports what that compile does, not the default one."""
+    ctx = getattr(obj, "dynamo_ctx", None)   # a compiled module's; a compiled function's is in its closure
+    for cell in () if ctx is not None else (getattr(obj, "__closure__", None) or ()):
+        try:
+            if isinstance(cell.cell_contents, torch._dynamo.eval_frame._TorchDynamoContext):
+                ctx = cell.cell_contents
+        except ValueError:   # an empty cell
+            continue
+    backend = getattr(ctx, "callback", None)
+    for _ in range(8):   # Dynamo's wrappers of the backend, down to torch.compile's
+        if getattr(backend, "compiler_fn", None) is moe_backend:
+            return dict((getattr(backend, "kwargs", None) or {}).get("options") or {})
+        backend = getattr(backend, "_torchdynamo_orig_backend", None)
+        if backend is None:
+            break
+    return {}
+
+
+def _explain_options(user: dict) -> dict:
+    """The compile's options as explain runs them: without Inductor (its moe.inductor kept under
+    _INDUCTOR_KEY), weights left where they are, quiet."""
+    config, _ = MoEConfig.from_options(None, user)
+    return {**{k: v for k, v in user.items() if k != "moe.debug"}, **_EXPLAIN_OPTIONS,
+            "moe.disable": tuple(dict.fromkeys((*config.disable, *_EXPLAIN_OPTIONS["moe.disable"]))),
+            _INDUCTOR_KEY: config.inductor}
 
 
 def _unwrap(fn):

@@ -65,7 +65,7 @@ from .moe_source import Frame, declares_experts_implementation, enclosing_class,
 from .normalize import (arg, canon, common_module, module_path, source_name, val,
                         where_in_user_code)
 from .token_paths import MATMULS, ep_experts_of, graph_params, param_of, router_params, token_values
-from .unclaimed_base import _GATHERS, Unclaimed, _dims, _near, _same_block
+from .unclaimed_base import _GATHERS, Unclaimed, _claimed_by, _dims, _near, _same_block
 from .unrouted import unrouted
 from .writes import basic_index, written
 
@@ -244,7 +244,8 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
         if not found:
             continue
         module = common_module([router] + [n for _, n in found])
-        if any(_same_block(module, m) for m in claimed_modules) or any(u.module == module for u in out):
+        evidence = common_module([n for _, n in found])
+        if any(_claimed_by(module, m, evidence) for m in claimed_modules) or any(u.module == module for u in out):
             continue   # claimed, or already listed (two ids tensors of one layer, e.g. two hashes stacked)
         kinds = list(dict.fromkeys(kind for kind, _ in found))
         first = found[0][1]

@@ -48,3 +48,13 @@ def _same_block(a: str, b: str) -> bool:
         return True
     short, long_ = sorted((a, b), key=len)
     return short == "" or long_.startswith(short + ".")
+
+
+def _claimed_by(module: str, claimed: str, evidence: str) -> bool:
+    """A candidate found at ``module`` (its router and evidence; ``evidence``: the evidence's own
+    module) is the layer of a region found at ``claimed``: the same block. At the compiled root ("")
+    only where the evidence is in the region's block (a layer whose router sits on the root and its
+    experts in a child): the root contains every module, so a region anywhere would hide a layer
+    whose expert compute is on the root itself."""
+    return _same_block(module, claimed) and (module != "" or _same_block(evidence, claimed)
+                                             and (evidence != "" or claimed == ""))

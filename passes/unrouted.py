@@ -36,7 +36,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .normalize import arg, attribute_path, canon, common_module, module_path, source_name, val, where_in_user_code
 from .token_paths import MATMULS, param_of
-from .unclaimed_base import _GATHERS, Unclaimed, _dims, _near, _same_block
+from .unclaimed_base import _GATHERS, Unclaimed, _claimed_by, _dims, _near, _same_block
 from .writes import written
 
 
@@ -328,7 +328,7 @@ def unrouted(gm, params, weights, claimed_nodes, claimed_modules, listed, disabl
             continue
         nodes = [n for _, _, n, _ in found]
         module = common_module(nodes + list(members))
-        if any(_same_block(module, m) for m in claimed_modules) or any(_same_block(module, u.module) for u in listed + out):
+        if any(_claimed_by(module, m, module) for m in claimed_modules) or any(_same_block(module, u.module) for u in listed + out):
             continue
         out.append(_unrouted_record(key, e, members, found, module, disabled))
     return out

@@ -324,6 +324,20 @@ def test_debug_logs_graphs(how, monkeypatch, caplog):
     assert "dynamo graph" in caplog.text and "after lower" in caplog.text
     assert "index_add_" in caplog.text and "moe_compile.grouped_mm" in caplog.text
     assert "rewritten" in caplog.text
+    # the ModuleList weights were stacked after the dynamo stage: the table and graph of what compiles
+    compiled_table = caplog.text.split("MoE region(s), as compiled")[-1]
+    assert "after stack_expert_params" in compiled_table and "grouped_mm_list" not in compiled_table
+
+
+def test_debug_logs_the_table_when_nothing_is_rewritten(caplog):
+    torch._dynamo.reset()
+    m = make_model(spelling="index_add")
+    opts = {"moe.inductor": False, "moe.debug": True, "moe.disable": ("loop_regions", "grouped_regions")}
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        torch.compile(m, backend="moe", options=opts)(make_input((6, 16)))
+    assert "1 MoE region(s) in" in caplog.text and "moe_unmatched" in caplog.text, caplog.text
+    # with both finders disabled the layer is still found, and the reason says why it was not rewritten
+    assert "the finders loop_regions, grouped_regions are disabled by moe.disable" in caplog.text
 
 
 def test_no_debug_logging_by_default(monkeypatch, caplog):

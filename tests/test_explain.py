@@ -305,3 +305,33 @@ def test_docs_and_tests_name_no_outside_files():
     hits = [f"{f.relative_to(root)}:{i}" for f in files for i, line in enumerate(f.read_text().splitlines(), 1)
             if bad.search(line) and f.name != "test_explain.py"]
     assert not hits, hits
+
+
+def _dropout_model():
+    torch.manual_seed(0)
+    m = make_model(spelling="index_add", expert="gelu_seq")
+    for ex in m.experts.experts:
+        ex.insert(2, nn.Dropout(0.1))
+    return m.train()
+
+
+def test_explain_of_a_compiled_model_uses_its_options():
+    """explain(torch.compile(m, backend="moe", options=...)) reports what that compile does: its
+    moe.disable, its moe.inductor (dropout in the experts is refused where the compile keeps eager's
+    draws), its Inductor fallback_random; for a compiled module and a compiled function. The model
+    itself is explained as the default compile runs it."""
+    x = make_input((6, 16))
+    model = Block(spelling="index_add", e=4, k=2)
+    for compiled in (torch.compile(model, backend="moe", options={"moe.disable": ["loop_regions"]}),
+                     torch.compile(lambda t: model(t), backend="moe", options={"moe.disable": ("loop_regions",)})):
+        rep = moe_compile.explain(compiled, x)
+        assert [r.code for r in rep.refused] == ["moe_unmatched"] and not rep.rewritten, str(rep)
+        assert "disabled by moe.disable" in rep.refused[0].reason
+    assert len(moe_compile.explain(model, x).rewritten) == 1
+    dropout = _dropout_model()
+    assert len(moe_compile.explain(dropout, x).rewritten) == 1   # the default compile (Inductor's draws)
+    for options in ({"moe.inductor": False}, {"fallback_random": True}):
+        rep = moe_compile.explain(torch.compile(dropout, backend="moe", options=options), x)
+        assert [r.code for r in rep.refused] == ["random_in_experts"], (options, str(rep))
+    rep = moe_compile.explain(torch.compile(dropout, backend="inductor"), x)   # not ours: the default's
+    assert len(rep.rewritten) == 1, str(rep)

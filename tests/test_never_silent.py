@@ -276,6 +276,43 @@ def test_nothing_rewritten_warns_for_a_call_inside_an_except_block(caplog):
 
 
 # ------------------------------------------------------------------------------ graph breaks
+class _RootMoE(nn.Module):
+    """An MoE layer on the compiled root module itself (module path ""), in a form no finder knows (a
+    masked dense loop over 3-D weights), beside a supported layer in a child module."""
+
+    def __init__(self, h=16, i=8, e=4, k=2, child=True):
+        super().__init__()
+        self.e, self.k = e, k
+        self.gate = nn.Linear(h, e, bias=False)
+        self.w1 = nn.Parameter(torch.randn(e, h, i) / 4)
+        self.w2 = nn.Parameter(torch.randn(e, i, h) / 3)
+        self.moe = make_model(spelling="index_add", e=4, k=2) if child else None
+
+    def forward(self, x):
+        if self.moe is not None:
+            x = x + self.moe(x)
+        w, ids = self.gate(x).softmax(-1).topk(self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.e):
+            mine = (ids == e).any(-1, keepdim=True)
+            we = (w * (ids == e)).sum(-1, keepdim=True)
+            out = out + torch.where(mine, (F.gelu(x @ self.w1[e]) @ self.w2[e]) * we, 0)
+        return x + out
+
+
+@pytest.mark.parametrize("child", [False, True])
+def test_moe_on_the_root_module_is_listed_beside_a_rewritten_layer(child, caplog):
+    """The root's path "" contains every module path: a rewritten layer anywhere used to count as the
+    root layer's own region, which was then neither listed nor warned about."""
+    model = _RootMoE(child=child)
+    rep = moe_compile.explain(model, make_input((8, 16)))
+    assert [r.code for r in rep.refused] == ["moe_unmatched"] and len(rep.rewritten) == int(child), str(rep)
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        torch.compile(model, backend="moe", options=OPTS)(make_input((8, 16)))
+    assert len(_warnings(caplog, "moe_unmatched")) == 1, caplog.text
+
+
 class SkipEmptyMoE(nn.Module):
     """DeepSeek-style: counts on the host to skip experts without tokens (Dynamo gives up on the frame)."""
 
