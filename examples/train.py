@@ -29,15 +29,14 @@ eager, and so in the compiled run (``moe_compile.explain`` notes it; docs/benchm
 
 Distributed (under torchrun): every rank trains on its own batches (data parallel), the decoder
 layers and the root are ``fully_shard``-ed (FSDP2). ``--ep N`` also shards the experts over N ranks
-(``moe_compile.parallelize_experts``) and shards each expert container over the ranks holding the
-same experts (``moe_compile.fully_shard_experts``; with one such rank the experts stay out of FSDP,
-and the layers' ``fully_shard`` get them as ``ignored_params``); gradients are clipped with
+(``moe_compile.parallelize_experts``) and keeps them out of FSDP (the layers' ``fully_shard`` get
+them as ``ignored_params``): with ``--ep`` equal to the number of ranks through
+``moe_compile.fully_shard_experts``, on more ranks whole on the ranks holding the same experts
+(``moe_compile.replicate_experts``: an FSDP unit on the experts would break the compiled layer
+between its router and its experts, so ``fully_shard_experts`` raises there); gradients are clipped with
 ``moe_compile.parallel.clip_grad_norm_``, which combines the norms of both meshes (as
 tests/test_ep_fsdp.py). ``--grad-checkpointing`` turns on transformers' activation checkpointing in
-every run; with it, ``--ep N`` on more than N ranks keeps each rank's experts whole on the ranks
-holding the same experts (``moe_compile.replicate_experts``, ``--ep-experts replicate``: an FSDP unit's
-hooks inside a checkpointed layer would make Dynamo run that layer eagerly, an error under expert
-parallelism). The eager reference of an ``--ep`` run is the same training without expert
+every run. The eager reference of an ``--ep`` run is the same training without expert
 parallelism (expert-parallel layers only run compiled), which computes the same function.
 """
 from __future__ import annotations
@@ -160,9 +159,9 @@ def shard(model, args, world: int, device_type: str, ep: int):
     flat = init_device_mesh(device_type, (world,), mesh_dim_names=("all",))
     if ep > 1:
         moe_compile.parallelize_experts(model, mesh["ep"])     # each rank keeps E / ep experts
-        if args.ep_experts == "replicate":                     # ... whole on the ranks holding the same ones
+        if world > ep:                                         # ... whole on the ranks holding the same ones
             moe_compile.replicate_experts(model, mesh["dp"])
-        else:                                                  # ... sharded over them
+        else:                                                  # ... out of FSDP (one rank holds each)
             moe_compile.fully_shard_experts(model, mesh["dp"])
     ignored = moe_compile.fsdp_ignored_params(model)           # experts kept out of FSDP (dp = 1: nothing to shard)
     for layer in find_blocks(model):                           # the decoder layers
@@ -330,10 +329,6 @@ def parse_args(argv=None):
     ap.add_argument("--amp", action="store_true",
                     help="fp32 parameters, the forward under torch.autocast(bfloat16) (HF Trainer's bf16=True)")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (under torchrun)")
-    ap.add_argument("--ep-experts", choices=["shard", "replicate"], default=None,
-                    help="with --ep on more ranks than --ep: the experts sharded over the ranks holding the same ones "
-                         "(fully_shard_experts) or kept whole there (replicate_experts); default: replicate with "
-                         "--grad-checkpointing, else shard")
     ap.add_argument("--grad-checkpointing", action="store_true",
                     help="transformers' activation checkpointing of every decoder layer (non-reentrant)")
     ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
@@ -361,8 +356,6 @@ def main(argv=None):
     if args.ep < 1 or (args.ep > 1 and world == 1):
         raise SystemExit(f"--ep {args.ep}: expert parallelism needs torchrun with a multiple of --ep ranks "
                          "(e.g. torchrun --nproc-per-node 4 examples/train.py --ep 2)")
-    if args.ep_experts is None:
-        args.ep_experts = "replicate" if args.grad_checkpointing else "shard"
     if args.inductor is None:
         args.inductor = device.type == "cuda"
     if args.stock is None:
@@ -373,7 +366,7 @@ def main(argv=None):
     cfg = make_config(args)
     data = PermutationData(vocab=cfg.vocab_size, seq=args.seq, noise=args.noise, seed=args.seed + 1234)
     if rank == 0:
-        experts = f" (experts: {args.ep_experts})" if args.ep > 1 and world > args.ep else ""
+        experts = " (experts replicated over dp)" if args.ep > 1 and world > args.ep else ""
         print(f"{cfg.model_type}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}; "
               f"{world} rank(s) on {device.type}, {dtype}{' under autocast(bfloat16)' if args.amp else ''}, "
               f"ep {args.ep}{experts}, compile {args.compile}, "

@@ -51,14 +51,16 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from moe_compile.kernels import ep as _ep_ops  # noqa: F401  (registers torch.ops.moe_compile.ep_*)
 from moe_compile.ep_containers import (_check_not_tied, _module_list_experts, expert_parameters,  # noqa: F401
                                        find_expert_containers)
-from moe_compile.ep_info import _MESHES, LOCAL_PREFIX, EPInfo, ep_info, ep_infos  # noqa: F401  (re-exported)
+from moe_compile.ep_info import (_MESHES, _ROOTS, LOCAL_PREFIX, EPInfo, _global_view, _viewed, ep_info,  # noqa: F401
+                                 ep_infos)                                         # (ep_info, ep_infos: re-exported)
+from moe_compile.ep_fsdp import (check_fsdp_composition, fsdp_ignored_params, fully_shard_experts,  # noqa: F401
+                                 replicate_experts)                                # (re-exported)
 from moe_compile.grad_norm import clip_grad_norm_  # noqa: F401  (re-exported: moe_compile.parallel.clip_grad_norm_)
 from moe_compile.stacking import StackedExperts, stack_experts  # noqa: F401  (re-exported: the EP recipe's first step)
 
 __all__ = ["EPInfo", "ExpertParallel", "StackedExperts", "check_fsdp_composition", "clip_grad_norm_", "ep_info", "ep_infos",
            "fsdp_ignored_params", "fully_shard_experts", "parallelize_experts", "replicate_experts", "stack_experts"]
 
-_ROOTS: dict[str, "weakref.WeakSet"] = {}  # group_name -> models given to parallelize_experts with it
 _EP_CLASSES: dict[tuple, type] = {}
 
 
@@ -160,13 +162,6 @@ def _ep_class(cls: type, names: tuple[str, ...], num_experts: int, group_name: s
     return _EP_CLASSES[key]
 
 
-def _global_view(rows: torch.Tensor, info: EPInfo) -> DTensor:
-    """This rank's expert rows as the Shard(0) DTensor of the global [E, ...] tensor over the ep mesh."""
-    shape = torch.Size((info.num_experts, *rows.shape[1:]))
-    return DTensor.from_local(rows, info.mesh, [Shard(0)], run_check=False, shape=shape,
-                              stride=torch.empty(shape, device="meta").stride())
-
-
 def _state_dict_post_hook(module, state_dict, prefix, local_metadata):
     info = module._moe_ep_info
     for name in info.names:
@@ -265,207 +260,21 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, max_tokens: int |
                              f"({', '.join(sorted(p or '<root>' for p in done))} sharded); call it once per model")
         raise ValueError(f"parallelize_experts: {type(model).__name__} has no expert container (a module whose "
                          f"3-D parameters are stacked per expert, [E, ...])")
-    for path, module, num_experts, _ in found:   # every container checked before any is sharded
+    for path, module, num_experts, names in found:   # every container checked before any is sharded
+        where = f"parallelize_experts: '{path or type(module).__name__}'"
         if num_experts % mesh.size():
-            raise ValueError(f"parallelize_experts: '{path or type(module).__name__}' has {num_experts} experts, "
-                             f"not divisible by the ep mesh size {mesh.size()}; nothing was sharded")
+            raise ValueError(f"{where} has {num_experts} experts, not divisible by the ep mesh size {mesh.size()}; "
+                             "nothing was sharded")
+        if any(isinstance(module._parameters[n], DTensor) for n in names):   # FSDP's (or a DTensor plan's)
+            raise ValueError(f"{where}: its expert weights are DTensors already (fully_shard, or another "
+                             "DTensor sharding, came first); call parallelize_experts on the plain model, then "
+                             "fully_shard_experts and fully_shard (README, expert parallelism); nothing was sharded")
     _check_not_tied(model, found)
     _MESHES[mesh.get_group().group_name] = mesh
     _ROOTS.setdefault(mesh.get_group().group_name, weakref.WeakSet()).add(model)
     for path, module, num_experts, names in found:
         _shard(path, module, num_experts, names, mesh, max_tokens)
     return model
-
-
-def fully_shard_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> list[nn.Module]:
-    """Compose expert parallelism with FSDP2, for every expert container of ``model`` (after
-    ``parallelize_experts``). ``mesh`` holds the ranks that hold the SAME experts: the data-parallel
-    dimension orthogonal to "ep" (torchtitan's dp_mod_ep), of size 1 when ep spans every rank.
-    Call it before ``fully_shard`` on the blocks and the root, and give those calls
-    ``ignored_params=moe_compile.fsdp_ignored_params(...)``::
-
-        mesh = init_device_mesh("cuda", (dp, ep), mesh_dim_names=("dp", "ep"))
-        flat = mesh._flatten()                                # every rank
-        moe_compile.parallelize_experts(model, mesh["ep"])
-        moe_compile.fully_shard_experts(model, mesh["dp"])
-        for block in model.layers:                            # dense parameters over every rank
-            fully_shard(block, mesh=flat, ignored_params=moe_compile.fsdp_ignored_params(block))
-        fully_shard(model, mesh=flat, ignored_params=moe_compile.fsdp_ignored_params(model))
-        optimizer = torch.optim.AdamW(model.parameters())     # after: the Parameters were replaced
-
-    * ``mesh`` of several ranks: each container becomes its own ``fully_shard`` unit over ``mesh``
-      (``fsdp_kwargs`` go to it); the blocks' calls then leave it alone, and
-      ``fsdp_ignored_params`` returns nothing for it.
-    * ``mesh`` of one rank and no ``mp_policy`` / ``offload_policy`` in ``fsdp_kwargs``: there is
-      nothing to shard, and an FSDP unit would only cost (a copy of every expert weight per step,
-      hooks that break the block's compiled graph: 7-19% of a whole-model step on 2-4 H200,
-      docs/benchmarks.md). The experts stay out of FSDP: ``fsdp_ignored_params`` returns them, for
-      the blocks' and root's ``fully_shard`` to leave alone.
-
-    Either way each rank's expert gradient already sums the tokens of every ep rank (the
-    dispatch's backward), and it is divided by the number of ranks whose tokens reach an expert,
-    ep * dp (FSDP's divide factor; out of FSDP, ``_DivideGrad`` in the traced graph): expert and
-    dense gradients are both means over the global batch. Forgetting ``ignored_params`` at dp = 1 (or a
-    root ``fully_shard`` without this call) would shard each rank's different experts across the
-    ep ranks: the backend refuses to compile that and names the fix (``check_fsdp_composition``)."""
-    done = []
-    local = mesh.size() == 1 and not any(fsdp_kwargs.get(k) is not None for k in ("mp_policy", "offload_policy"))
-    for _, module, info, _ in _ep_containers(model):
-        factor = float(info.ep * mesh.size())
-        module._moe_dp_group = None
-        if local:   # a repeated call keeps the form fsdp_ignored_params gave the Parameters
-            _keep_local(module, factor, view=_viewed(module, info.names[0]))
-        else:
-            from torch.distributed.fsdp import fully_shard
-
-            _keep_local(module, None, view=False)
-            fully_shard(module, mesh=mesh, **fsdp_kwargs)
-            module.set_gradient_divide_factor(factor)
-        done.append(module)
-    if not done:
-        raise ValueError("fully_shard_experts: no expert container sharded by parallelize_experts in "
-                         f"{type(model).__name__}; call parallelize_experts(model, ep_mesh) first")
-    return done
-
-
-def replicate_experts(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
-    """Compose expert parallelism with FSDP2 by keeping each rank's experts whole on every rank of
-    ``mesh`` (the dp ranks that hold the same experts, as for ``fully_shard_experts``) instead of
-    sharding them over it: no FSDP unit on the experts, so no FSDP hooks that break the compiled
-    graph. What that buys: the layer compiles inside activation checkpointing at dp > 1, where an FSDP
-    unit's hooks make Dynamo run the whole checkpointed layer eagerly (an error under expert
-    parallelism), and nothing is copied per step. What it costs: the experts and their optimizer state
-    are not divided over dp (memory ~ E / ep experts per rank, as at dp = 1). Use it in place of
-    ``fully_shard_experts``, before ``fully_shard`` on the blocks and the root, whose calls get
-    ``ignored_params=moe_compile.fsdp_ignored_params(...)``, as in ``fully_shard_experts``' recipe.
-
-    Gradients: summed over the ep ranks by the dispatch's backward, over ``mesh`` by an all-reduce in
-    the traced backward (``_ReduceGrad``: a functional collective the compiler schedules), divided by
-    ep * dp: the mean over the global batch, as FSDP's. The replicas start equal: the rows of ``mesh``'s
-    first rank are broadcast to the others here (not for a model on the meta device: load the same
-    checkpoint on every rank after ``to_empty``), and equal gradients keep them equal."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule
-
-    from moe_compile.kernels.ep_transport import resolve_group
-
-    done = []
-    group = mesh.get_group() if mesh.size() > 1 else None
-    for path, module, info, _ in _ep_containers(model):
-        where = f"replicate_experts: '{path or type(module).__name__}'"
-        if isinstance(module, FSDPModule):
-            raise ValueError(f"{where} is already an FSDP unit (fully_shard_experts over dp > 1, or fully_shard): "
-                             "replicate_experts is the alternative to it, not an addition; build the model again and "
-                             "call one of the two")
-        if group is not None:
-            shared = set(dist.get_process_group_ranks(group)) & set(
-                dist.get_process_group_ranks(resolve_group(info.group_name)))
-            if len(shared) > 1:
-                raise ValueError(f"{where}: the ranks of the given mesh {sorted(dist.get_process_group_ranks(group))} "
-                                 f"hold different experts (ranks {sorted(shared)} are in its expert-parallel group); "
-                                 "give replicate_experts the ranks holding the SAME experts, the dp dimension "
-                                 "orthogonal to 'ep' (mesh['dp'])")
-        module._moe_dp_group = group.group_name if group is not None else None
-        _keep_local(module, float(info.ep * mesh.size()), view=_viewed(module, info.names[0]))
-        if group is not None:
-            src = dist.get_global_rank(group, 0)
-            for p in _local_params(module):
-                rows = p.detach().to_local() if isinstance(p, DTensor) else p.detach()
-                if rows.device.type != "meta":
-                    dist.broadcast(rows, src=src, group=group)
-        done.append(module)
-    if not done:
-        raise ValueError("replicate_experts: no expert container sharded by parallelize_experts in "
-                         f"{type(model).__name__}; call parallelize_experts(model, ep_mesh) first")
-    return done
-
-
-def fsdp_ignored_params(module: nn.Module) -> set[nn.Parameter]:
-    """The expert Parameters under ``module`` that ``fully_shard_experts`` kept out of FSDP (its
-    mesh had one rank): pass them as ``ignored_params`` to every ``fully_shard`` over the dense
-    mesh that encloses them (the blocks and the root). Empty when there are none.
-
-    They become (once; later calls return the same objects) DTensor Parameters of the global
-    [E, ...] shape, Shard(0) over the ep mesh, as FSDP's Parameters are DTensors: optimizers
-    (foreach, fused) and ``clip_grad_norm_`` take one list of DTensors on several meshes, but not
-    DTensors mixed with plain tensors. Like ``fully_shard``, it replaces Parameter objects: build
-    the optimizer after it (one built before holds Parameters that get no gradient)."""
-    found = set()
-    for _, m, _, _ in _ep_containers(module):
-        if m._moe_grad_divisor is not None:
-            _keep_local(m, m._moe_grad_divisor, view=True)
-            found.update(_local_params(m))
-    return found
-
-
-def _keep_local(module: nn.Module, factor: float | None, view: bool) -> None:
-    """Keep ``module``'s expert Parameters out of FSDP, their gradients divided by ``factor`` (in the
-    traced graph: the marker property's ``_DivideGrad``), as local rows or (view) as the DTensor of the
-    global tensor; or undo that (factor None). The marker property reads the local rows either way."""
-    info = module._moe_ep_info
-    for name in info.names:
-        held = module._parameters[LOCAL_PREFIX + name]
-        viewed = _viewed(module, name)
-        if viewed != (view and factor is not None):
-            value = held.detach().to_local() if viewed else _global_view(held.detach(), info)
-            param = nn.Parameter(value, requires_grad=held.requires_grad)
-            param.__dict__.update(held.__dict__)    # _moe_ep_info, HF's flags
-            module._parameters[LOCAL_PREFIX + name] = param
-    module._moe_grad_divisor = factor
-
-
-def _viewed(module: nn.Module, name: str) -> bool:
-    """Whether the Parameter of ``name`` is the DTensor view that fsdp_ignored_params makes."""
-    held = module._parameters[LOCAL_PREFIX + name]
-    return isinstance(held, DTensor) and held.device_mesh == module._moe_ep_info.mesh
-
-
-def _local_params(module: nn.Module) -> list[nn.Parameter]:
-    info = module._moe_ep_info
-    return [module._parameters[LOCAL_PREFIX + name] for name in info.names]
-
-
-def _ep_containers(model: nn.Module):
-    for path, module in model.named_modules():
-        info = getattr(module, "_moe_ep_info", None)
-        if isinstance(info, EPInfo):
-            yield path, module, info, info.names
-
-
-_COMPOSITION_FIX = ("Call moe_compile.fully_shard_experts(model, mesh['dp']) before fully_shard on the blocks "
-                    "and the root, and give those calls ignored_params=moe_compile.fsdp_ignored_params(module), "
-                    "so that each expert container is sharded only over ranks holding the same experts")
-
-
-def check_fsdp_composition(group_name: str) -> None:
-    """Raise if an FSDP2 unit shards experts sharded over ``group_name`` across ranks that hold other
-    experts (a ``fully_shard`` over every rank without ``fully_shard_experts``, or without
-    ``ignored_params=fsdp_ignored_params(...)`` where that kept the experts local): its all-gather
-    would mix the experts of different ranks. Reads FSDP2's private state of the models
-    given to ``parallelize_experts``; skipped where that state has another layout (torch versions)."""
-    import torch.distributed as dist
-
-    group = dist.distributed_c10d._resolve_process_group(group_name)
-    ep_ranks = set(dist.get_process_group_ranks(group))
-    for root in list(_ROOTS.get(group_name, ())):
-        for module in root.modules():
-            get_state = getattr(module, "_get_fsdp_state", None)
-            group_state = getattr(get_state(), "_fsdp_param_group", None) if get_state else None
-            for fsdp_param in getattr(group_state, "fsdp_params", ()):
-                owner = getattr(getattr(fsdp_param, "_module_info", None), "module", None)
-                info = getattr(owner, "_moe_ep_info", None)
-                if not isinstance(info, EPInfo) or info.group_name != group_name:
-                    continue
-                try:
-                    ranks = set(fsdp_param.mesh_info.mesh.mesh.flatten().tolist())
-                except AttributeError:  # another torch layout: no check
-                    continue
-                if len(ranks & ep_ranks) > 1:
-                    raise ValueError(
-                        f"parallelize_experts: the experts of '{info.path or type(owner).__name__}' (sharded over "
-                        f"the expert-parallel ranks {sorted(ep_ranks)}) are also sharded by FSDP over ranks "
-                        f"{sorted(ranks)}, which hold different experts: its all-gather would mix them. "
-                        + _COMPOSITION_FIX)
 
 
 class ExpertParallel(ParallelStyle):

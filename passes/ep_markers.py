@@ -152,12 +152,19 @@ def error_message(leftovers: tuple[LeftoverMarker, ...], refused, cause: BaseExc
         text += " Not rewritten in this graph: " + "; ".join(
             f"'{r.module}' at {r.where}: {r.reason} (fix: {r.fix})" for r in refused) + "."
     ids = next((m.ids_input for m in leftovers if m.ids_input), "")
-    if ids and not refused:
+    units = _fsdp_unit_containers()
+    if ids:
         text += (f" This graph holds no router: its expert ids are an input of the graph (`{ids}`), computed in "
                  "another one, which happens when a graph break splits the MoE layer between the router and the "
                  "experts (logged above with its fix; moe_compile.explain(model, *inputs) lists it). The "
                  "expert-parallel rewrite needs the router and the expert code in one graph: fix: remove the graph "
                  "break (move the code Dynamo cannot trace out of the MoE layer).")
+    if units:
+        text += (f" The expert containers {', '.join(units)} are FSDP units (fully_shard on them): FSDP2 runs a unit's "
+                 "hooks outside Dynamo, a graph break at each call of such a container; keep the experts out of "
+                 "FSDP (moe_compile.fully_shard_experts(model, mesh['dp']) at dp = 1, or "
+                 "moe_compile.replicate_experts(model, mesh['dp']) over dp > 1, before fully_shard on the blocks "
+                 "and the root with ignored_params=moe_compile.fsdp_ignored_params(module)).")
     if not any(m.where for m in leftovers):
         text += (" No code of yours reads them in this graph: Dynamo compiled the expert-parallel property on its "
                  "own, which happens when a graph break splits the MoE layer between the router and the experts "
@@ -167,3 +174,15 @@ def error_message(leftovers: tuple[LeftoverMarker, ...], refused, cause: BaseExc
              "bias; keep the router in a module of its own (e.g. a child nn.Linear(H, E)), as Hugging Face "
              "models do, and call parallelize_experts on a freshly built model.")
     return text
+
+
+def _fsdp_unit_containers() -> list[str]:
+    """Paths of the expert containers sharded by parallelize_experts that are FSDP2 units."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        from moe_compile.ep_info import _ROOTS, _ep_containers
+    except ImportError:
+        return []
+    return [f"'{path or type(module).__name__}'" for roots in list(_ROOTS.values()) for root in list(roots)
+            for path, module, _, _ in _ep_containers(root) if isinstance(module, FSDPModule)]

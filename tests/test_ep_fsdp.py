@@ -99,15 +99,13 @@ def _sharded(model, mesh, every_rank):
 
     import moe_compile
 
-    dp = mesh["dp"].size()
     moe_compile.parallelize_experts(model, mesh["ep"])
     moe_compile.fully_shard_experts(model, mesh["dp"])
-    if dp == 1:
-        moe_compile.fully_shard_experts(model, mesh["dp"])  # a second call does not divide twice
+    moe_compile.fully_shard_experts(model, mesh["dp"])  # a second call does not divide twice
     ignored = moe_compile.fsdp_ignored_params(model)
     # one dp rank: nothing to shard, so no FSDP unit (its copies and graph-breaking hooks) on the experts
-    assert isinstance(model.experts, FSDPModule) == (dp > 1)
-    assert ignored == (set(model.experts.parameters()) if dp == 1 else set())
+    assert not isinstance(model.experts, FSDPModule)
+    assert ignored == set(model.experts.parameters())
     for module in (model.inp, model.router, model.out):
         fully_shard(module, mesh=every_rank)
     fully_shard(model, mesh=every_rank, ignored_params=ignored)
@@ -115,8 +113,8 @@ def _sharded(model, mesh, every_rank):
 
 
 def body_train(rank, ws, dp=1, device="cpu", rel=FSDP_REL, meta=False, cpu_built=False, loop=False):
-    """dp=1 here (FSDP over dp ranks divides with PREMUL_SUM, which gloo lacks); tests/gpu/test_ep_cuda.py
-    runs dp=1 and dp=2 on NCCL. ``cpu_built``: the model to shard is on the CPU and the recipe moves it
+    """dp=1 (fully_shard_experts raises over dp > 1: body_fsdp_unit_on_experts_raises; replicate_experts
+    is the layout there, body_replicated_over_dp). ``cpu_built``: the model to shard is on the CPU and the recipe moves it
     to ``device`` (fully_shard what it manages, fsdp_ignored_params' DTensors the experts it ignores)."""
     import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
     from torch.distributed.device_mesh import init_device_mesh
@@ -185,26 +183,30 @@ def _train(compiled, model, opt, ref, ref_opt, rank, ws, parallel, device, rel):
         assert _rel(norm, ref_norm) <= rel, f"step {step}: clipped norm {norm} vs {ref_norm}"
 
 
-def body_state_dict_over_dp(rank, ws):
-    """dp=2 x ep=2: each expert container is an FSDP unit over its 2 dp ranks. state_dict() shows
-    every parameter at its global shape (the experts as Shard(0) over ep), and load_state_dict takes
-    such a state_dict into a model with other weights (what torch.distributed.checkpoint does).
-    (Training needs FSDP's PREMUL_SUM reduce-scatter, which gloo lacks.)"""
+def body_fsdp_unit_on_experts_raises(rank, ws, how):
+    """An FSDP unit on the experts (fully_shard_experts over dp > 1 or with an mp_policy; fully_shard
+    on the container by hand): FSDP2 runs its hooks outside Dynamo, a graph break between the router
+    and the experts. fully_shard_experts raises before it changes anything, naming replicate_experts;
+    a hand-made unit fails the compile with an error naming the FSDP unit and the fix."""
     import transformers.integrations.moe  # noqa: F401
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("dp", "ep"))
-    every_rank = init_device_mesh("cpu", (ws,), mesh_dim_names=("all",))
-    full = Model(e=4)
-    want = full.state_dict()
-    saved = _sharded(copy.deepcopy(full), mesh, every_rank).state_dict()
-    other = _sharded(Model(e=4, seed=1), mesh, every_rank)
-    assert not torch.equal(_full(other.state_dict()["experts.down_proj"]), want["experts.down_proj"])
-    other.load_state_dict(saved)
-    for got in (saved, other.state_dict()):
-        assert got.keys() == want.keys()
-        for name, value in got.items():
-            assert torch.equal(_full(value), want[name]), f"state_dict()['{name}']"
+    import moe_compile
+
+    dp = 2 if how == "dp2" else 1
+    mesh = init_device_mesh("cpu", (dp, ws // dp), mesh_dim_names=("dp", "ep"))
+    model = moe_compile.parallelize_experts(Model(e=4), mesh["ep"])
+    if how == "by_hand":
+        fully_shard(model.experts, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh._flatten(), ignored_params=set(model.experts.parameters()))
+        with pytest.raises(Exception, match="are FSDP units .*replicate_experts"):
+            torch.compile(model, backend="moe", options={"moe.inductor": False})(torch.randn(6, 8))
+        return
+    kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)} if how == "mp_policy" else {}
+    with pytest.raises(ValueError, match="FSDP unit.*replicate_experts.*torch.autocast"):
+        moe_compile.fully_shard_experts(model, mesh["dp"], **kwargs)
+    assert model.experts._moe_grad_divisor is None and not moe_compile.fsdp_ignored_params(model)
 
 
 def body_root_only(rank, ws, strict, experts_call):
@@ -216,11 +218,17 @@ def body_root_only(rank, ws, strict, experts_call):
 
     mesh = init_device_mesh("cpu", (1, ws), mesh_dim_names=("dp", "ep"))
     model = moe_compile.parallelize_experts(Model(), mesh["ep"])
-    if experts_call:                       # kept local at dp = 1 ...
-        moe_compile.fully_shard_experts(model, mesh["dp"])
-    fully_shard(model, mesh=mesh._flatten())  # ... but no ignored_params: sharded across ranks with other experts
+    if experts_call == "own_ignored_params":   # left out of FSDP by hand: nothing divides their gradients
+        fully_shard(model, mesh=mesh._flatten(), ignored_params={p for n, p in model.named_parameters()
+                                                                 if "_ep_local_" in n})
+        expected = "ep times too large"
+    else:
+        if experts_call:                       # kept local at dp = 1 ...
+            moe_compile.fully_shard_experts(model, mesh["dp"])
+        fully_shard(model, mesh=mesh._flatten())  # ... but no ignored_params: sharded across ranks with other experts
+        expected = "sharded"
     compiled = torch.compile(model, backend="moe", options={"moe.inductor": False, "moe.strict": strict})
-    with pytest.raises(Exception, match="fsdp_ignored_params" if strict else "sharded"):
+    with pytest.raises(Exception, match="fsdp_ignored_params" if strict else expected):
         compiled(torch.randn(6, 8))
     report = moe_compile.explain(model, torch.randn(6, 8))   # the same error, and the layer it stopped
     assert len(report.errors) == 1 and "fsdp_ignored_params" in report.errors[0], str(report)
@@ -234,13 +242,14 @@ def test_fsdp2_and_expert_parallel_train_like_unsharded(meta, loop):
     run_distributed(body_train, 2, 1, "cpu", FSDP_REL, meta, False, loop)
 
 
-@pytest.mark.slow
-def test_state_dict_with_experts_sharded_over_dp_ranks():
+@pytest.mark.parametrize("how", ["dp2", "mp_policy", "by_hand"])
+def test_fsdp_unit_on_the_experts_raises_naming_the_fix(how):
     pytest.importorskip("transformers")
-    run_distributed(body_state_dict_over_dp, 4)
+    run_distributed(body_fsdp_unit_on_experts_raises, 2, how)
 
 
-@pytest.mark.parametrize("experts_call", [False, True], ids=["no_fully_shard_experts", "no_ignored_params"])
+@pytest.mark.parametrize("experts_call", [False, True, "own_ignored_params"],
+                         ids=["no_fully_shard_experts", "no_ignored_params", "own_ignored_params"])
 @pytest.mark.parametrize("strict", [True, False])
 def test_root_fully_shard_over_sharded_experts_raises(strict, experts_call):
     pytest.importorskip("transformers")
@@ -330,13 +339,15 @@ def body_replicated_over_dp(rank, ws, dp, loop, device="cpu", rel=FSDP_REL):
     if ep > 1:   # the ep mesh given for dp: it would average different experts
         with pytest.raises(ValueError, match=r"replicate_experts: 'experts': the ranks of the given mesh .*hold different experts"):
             moe_compile.replicate_experts(misused, mesh["ep"])
-    moe_compile.fully_shard_experts(misused, mesh["dp"])    # the FSDP unit, then replicate as well
+    with pytest.raises(ValueError, match="FSDP unit.*replicate_experts"):   # over dp > 1: never an FSDP unit
+        moe_compile.fully_shard_experts(misused, mesh["dp"])
+    fully_shard(misused.experts, mesh=mesh["dp"])           # one made by hand, then replicate as well
     with pytest.raises(ValueError, match="already an FSDP unit .*not an addition"):
         moe_compile.replicate_experts(misused, mesh["dp"])
 
     other = moe_compile.parallelize_experts(copy.deepcopy(full), mesh["ep"])
-    moe_compile.fully_shard_experts(other, mesh["dp"])
-    fully_shard(other, mesh=every_rank, ignored_params=moe_compile.fsdp_ignored_params(other))
+    fully_shard(other.experts, mesh=mesh["dp"])             # an FSDP unit on the experts, by hand
+    fully_shard(other, mesh=every_rank, ignored_params=set(other.experts.parameters()))
     torch._dynamo.reset()
     with pytest.raises(RuntimeError, match="ep_experts: .*activation checkpointing"):
         torch.compile(other, backend="moe", options={"moe.inductor": False})(torch.randn(6, 8, device=device))
@@ -384,3 +395,23 @@ def test_to_local_of_torch_2_11_is_one_trace_per_argument_set():
     assert _same_trace(a, b) and _same_trace(m1, m2)
     assert not _same_trace(a, c) and not _same_trace(a, m1)
     assert param_of(a, {p}) is p and param_of(m1, {p}) is p
+
+
+def body_parallelize_after_fully_shard(rank, ws):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import moe_compile
+
+    mesh = init_device_mesh("cpu", (1, ws), mesh_dim_names=("dp", "ep"))
+    model = Model()
+    fully_shard(model, mesh=mesh._flatten())
+    with pytest.raises(ValueError, match="DTensors already .* call parallelize_experts on the plain model"):
+        moe_compile.parallelize_experts(model, mesh["ep"])
+    assert not moe_compile.parallel.ep_infos(model)     # nothing sharded
+
+
+def test_parallelize_experts_after_fully_shard_raises():
+    """In the other order parallelize_experts would cut FSDP's DTensor Parameters, and the compile
+    failed later with errors that named neither."""
+    run_distributed(body_parallelize_after_fully_shard, 2)
