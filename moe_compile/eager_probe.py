@@ -74,10 +74,8 @@ def probes(model):
     handles = []
     if isinstance(model, nn.Module):
         for path, module, what in _experts(model):
-            def hook(_module, _args, path=path, what=what):
-                if not torch.compiler.is_compiling():
-                    eager[path] = what
-            handles.append(module.register_forward_pre_hook(hook))
+            listed = module is not (model.get_submodule(path) if path else model)   # one expert of a ModuleList
+            handles.append(module.register_forward_pre_hook((_expert_hook if listed else _hook)(eager, path, what)))
     try:
         yield eager
     finally:
@@ -85,12 +83,43 @@ def probes(model):
             h.remove()
 
 
+def _hook(eager: dict, path: str, what: str):
+    """A forward pre-hook that records ``path`` when it runs eagerly. Where the module's call is traced it is
+    traced too and does nothing; where the call is not (its caller runs eagerly) Dynamo compiles the hook as a
+    frame of its own, also doing nothing: the container's forward is then compiled as a frame of its own,
+    and may be rewritten there (its loop and the ids it is given are in it). Only Dynamo off records it."""
+    def hook(_module, _args):
+        if not torch.compiler.is_compiling():
+            eager[path] = what
+    return hook
+
+
+def _expert_hook(eager: dict, path: str, what: str):
+    """``_hook`` for one expert of an nn.ModuleList, run eagerly also where Dynamo is on but does not trace the
+    call (its caller is a frame Dynamo gave up on, or a break left the call outside every graph): that expert
+    is outside its router's graph whatever Dynamo does next (its forward compiled as a frame of its own is
+    one expert without a router: never rewritten). Dynamo still inlines the hook into a frame it traces."""
+    def hook(_module, _args):
+        if not torch.compiler.is_compiling():
+            eager[path] = what
+    try:
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:  # pragma: no cover - torch without per-code frame strategies
+        return hook
+    skip_code(hook.__code__)   # never a frame of its own: run eagerly there
+    return hook
+
+
 def records(model: nn.Module, eager: dict[str, str], breaks) -> list[RegionRecord]:
     """A refused record per module of ``eager``, unless a graph break record (``breaks``) sits in the
     source of its class or of a module holding it (the MoE block whose loop calls ModuleList experts):
-    that record already names the cause and the fix."""
+    that record already names the cause and the fix. A record of a frame Dynamo gave up on counts also at
+    the frame's first line, in the class of the module holding the experts (the MoE block whose frame it is):
+    its failing line may be in torch (a BatchNorm's data-dependent check inside an expert)."""
     from .passes import reasons
+    from .skipped_frames import _skipped
 
+    frames = [f"{file.rsplit('/', 1)[-1]}:{line}" for (file, line, _), r in list(_skipped.values()) if r in breaks]
     out = []
     for path, what in eager.items():
         module = model.get_submodule(path) if path else model
@@ -98,7 +127,8 @@ def records(model: nn.Module, eager: dict[str, str], breaks) -> list[RegionRecor
         parts = path.split(".") if path else []
         holders = [model.get_submodule(".".join(parts[:i])) if i else model for i in range(len(parts))]
         spans = [_span(c) for c in dict.fromkeys([cls, *(type(m) for m in holders)])]
-        if any(_in(b.where, file, span) for b in breaks for file, span in spans):
+        if any(_in(b.where, file, span) for b in breaks for file, span in spans) \
+                or any(_in(site, *_span(type(holders[-1]))) for site in frames if holders):
             continue
         file, span = spans[0]
         where = f"{file.rsplit('/', 1)[-1]}:{span.start}" if file else "?"

@@ -103,7 +103,9 @@ def _routes_then_selects(filename: str, lineno: int, limit: int = 120) -> bool:
             break
     text = "".join(reversed(lines))
     routed = _ROUTES.search(text)
-    if not routed or not _SELECTS.search(text, routed.end()):
+    if not routed:   # the router may be a gate module or a helper: a per-expert loop around the line says it
+        return _in_per_expert_loop(filename, lineno)
+    if not _SELECTS.search(text, routed.end()):
         return False
     # and computes with experts somewhere in the function (a top-k, nonzero and .item() of a beam search,
     # a kNN monitor or a top-5 accuracy computes with none)
@@ -136,10 +138,8 @@ _LOOP = re.compile(r"\bfor\s+\(?\s*(\w+)(?:\s*,\s*(\w+))?\s*\)?\s+in\b")
 
 def _per_expert_loop(text: str, calls: bool = False) -> bool:
     """A ``for`` loop in ``text`` whose variable both selects tokens (``ids == e``, ``ids.eq(e)``,
-    ``where(mask[e])``; not a Python branch ``if i == ...``) and picks an expert (``self.w1[e]``,
-    ``experts[e](...)``, or the loop's element called: ``for e, expert in enumerate(self.experts): ...
-    expert(x[tok])``; with ``calls`` only a module called, not a weight indexed). A per-class metric
-    (``labels == c``) selects but picks nothing; a class-weighted loss (``self.cw[c] * ...``) picks no call."""
+    ``where(mask[e])``; not a Python branch ``if i == ...``) and picks an expert (``_picks``). A per-class
+    metric (``labels == c``) selects but picks nothing; a class-weighted loss (``self.cw[c] * ...``) picks no call."""
     for m in _LOOP.finditer(text):
         rest = text[m.end():]
         index, element = m.groups()
@@ -147,12 +147,38 @@ def _per_expert_loop(text: str, calls: bool = False) -> bool:
         kept = "\n".join(line for line in rest.splitlines() if not line.lstrip().startswith(("if ", "elif ", "while ")))
         selects = any(re.search(rf"==\s*{v}\b|\b{v}\s*==|\.eq\(\s*{v}\s*\)|\bwhere\(\s*[\w.]+\[\s*{v}\s*\]", kept)
                       for v in names)
-        weight = "" if calls else rf"\bself\.[\w.]+\[\s*{{v}}\s*\]|"
-        picks = any(re.search(weight.format(v=v) + rf"\w\[\s*{v}\s*\]\s*\(", rest) for v in names) \
-            or (element is not None and re.search(rf"\b{element}\s*\(", rest) is not None)
-        if selects and picks:
+        if selects and _picks(rest, index, element, calls):
             return True
     return False
+
+
+def _picks(rest: str, index: str, element: str | None, calls: bool) -> bool:
+    """The loop body ``rest`` picks an expert with its variable: a weight indexed (``self.w1[e]``; not
+    with ``calls``: only a module called counts), an indexed module called (``experts[e](...)``), or bound
+    first and then called (``expert = self.experts[e]`` ... ``expert(x[tok])``, Mixtral's loop), the loop's
+    element called (``for e, expert in enumerate(self.experts): ... expert(x[tok])``), or an expert
+    container given the variable (``self.experts.fwd(e, x[tok])``)."""
+    names = [v for v in (index, element) if v]
+    weight = "" if calls else rf"\bself\.[\w.]+\[\s*{{v}}\s*\]|"
+    if any(re.search(weight.format(v=v) + rf"\w\[\s*{v}\s*\]\s*\(|\b[\w.]*[eE]xpert\w*(\.\w+)*\(\s*{v}\s*[,)]", rest)
+           for v in names):
+        return True
+    bound = [a for v in names for a in re.findall(rf"^\s*(\w+)\s*=\s*[\w.]+\[\s*{v}\s*\]\s*$", rest, re.M)]
+    return any(re.search(rf"\b{a}\s*\(", rest) for a in [*bound, *([element] if element else [])])
+
+
+def _in_per_expert_loop(filename: str, lineno: int) -> bool:
+    """``filename:lineno`` lies in a ``for`` loop that is a ``_per_expert_loop`` (a module called: the
+    loop alone must say it, with no router in sight): a break inside Mixtral's loop whose router is a gate
+    module (``w, ids = self.gate(x)``), as a ``fullgraph=True`` error names it (its line, not the def)."""
+    lines = linecache.getlines(filename)
+    try:
+        tree = ast.parse("".join(lines))
+    except (SyntaxError, ValueError):
+        return False
+    return any(isinstance(node, (ast.For, ast.AsyncFor)) and node.lineno <= lineno <= (node.end_lineno or 0)
+               and _per_expert_loop("".join(lines[node.lineno - 1:node.end_lineno]), calls=True)
+               for node in ast.walk(tree))
 
 
 def _function_body(filename: str, lineno: int) -> str | None:

@@ -1670,3 +1670,111 @@ def test_break_after_a_topk_in_code_without_experts_is_not_moe_code():
     torch._dynamo.reset()
     rep = moe_compile.explain(_top5_accuracy, torch.randn(8, 10), torch.randint(0, 10, (8,)))
     assert not rep.graph_breaks and not rep.refused, str(rep)
+
+
+# ------------------------------------- Mixtral's loop with the expert bound first, router in a gate module
+class SparseMLP(nn.Module):
+    """Hugging Face Mixtral's per-expert loop: the expert bound first (``expert = self.experts[e]``), the
+    router a gate module, and in the loop an empty-expert skip, a host sync or a graph break: Dynamo gives up
+    on the whole forward, then compiles each expert's forward as a frame of its own, with no router. No name
+    says MoE."""
+
+    def __init__(self, skip, h=16, e=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.skip, self.e = skip, e
+        self.gate = _GateModule(h, e)
+        self.experts = nn.ModuleList(SwiGLU(h, 32) for _ in range(e))
+
+    def forward(self, x):
+        w, ids = self.gate(x)
+        out = torch.zeros_like(x)
+        for e in range(self.e):
+            tok, slot = torch.where(ids == e)
+            if self.skip == "numel" and tok.numel() == 0:
+                continue
+            if self.skip == "item" and w[tok, slot].sum().item() == 0:
+                continue
+            if self.skip == "graph_break":
+                torch._dynamo.graph_break()
+            expert = self.experts[e]
+            out.index_add_(0, tok, expert(x[tok]) * w[tok, slot, None])
+        return out
+
+
+class _BesideRewritten(nn.Module):
+    def __init__(self, skip):
+        super().__init__()
+        self.a, self.b = make_model(spelling="index_add", e=4, k=2), SparseMLP(skip)
+
+    def forward(self, x):
+        x = x + self.a(x)
+        return x + self.b(x)
+
+
+_SKIPS = {"numel": "break_data_dependent", "item": "break_item", "graph_break": "break_other"}
+
+
+def _moe_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("moe_compile")]
+
+
+@pytest.mark.parametrize("beside", [False, True], ids=["alone", "beside_rewritten"])
+@pytest.mark.parametrize("skip", list(_SKIPS))
+def test_loop_that_binds_the_expert_first_is_listed_and_warned_once(skip, beside, caplog):
+    """Was silent: explain() listed nothing (no region, no break, no ran_eagerly), the compile warned nothing
+    beside a rewritten layer and, alone, only that no MoE layer was found. The loop binds the expert before
+    calling it (``expert = self.experts[e]``), which the source check did not read as picking an expert."""
+    model, code = (_BesideRewritten(skip) if beside else SparseMLP(skip)), _SKIPS[skip]
+    x = make_input((24, 16))
+    torch._dynamo.reset()
+    rep = moe_compile.explain(model, x)
+    # beside a layer, the outer frame's graph break at that line is listed too (as with a top-k in the function)
+    breaks = rep.graph_breaks
+    assert {b.reason_code for b in breaks} == {code} and len({b.where for b in breaks}) == 1, str(rep)
+    assert any("Dynamo gave up on the frame `SparseMLP.forward`" in b.reason for b in breaks), str(rep)
+    assert all(b.fix and b.where.startswith("test_never_silent.py:") for b in breaks) and not rep.refused, str(rep)
+    assert [r.module for r in rep.rewritten] == (["a"] if beside else []), str(rep)
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        compiled = torch.compile(model, backend="moe", options=OPTS)
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x), model(x))
+    assert len(_warnings(caplog, code)) == 1 and "fix:" in _warnings(caplog, code)[0], caplog.text
+    assert len(_moe_warnings(caplog)) == (1 if beside else 2), caplog.text   # alone: and nothing rewritten
+    assert not any("no MoE layer was found" in m for m in _nothing(caplog)), caplog.text
+
+
+@pytest.mark.parametrize("skip", ["numel", "graph_break"])
+def test_fullgraph_break_in_a_loop_that_binds_the_expert_first_says_how_to_fix(skip):
+    """``fullgraph=True`` names only the failing line: the per-expert loop around it says it is MoE code."""
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:
+        torch.compile(SparseMLP(skip), backend="moe", fullgraph=True, options=OPTS)(make_input((24, 16)))
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert f"moe_compile [{_SKIPS[skip]}]" in notes and "fix: " in notes, notes
+
+
+def test_experts_called_from_a_frame_dynamo_gave_up_on_are_listed_by_the_probe(monkeypatch):
+    """The eager probe is the backstop where the source checks miss MoE code: its hooks ran as frames Dynamo
+    compiled on their own (``is_compiling()`` True there), so experts called from a frame Dynamo gave up on
+    were never recorded. With the source checks blind, those experts are still listed as ran_eagerly."""
+    import moe_compile.passes.moe_source as moe_source
+
+    monkeypatch.setattr(moe_source, "_per_expert_loop", lambda *a, **k: False)
+    torch._dynamo.reset()
+    rep = moe_compile.explain(SparseMLP("numel"), make_input((24, 16)))
+    assert not rep.graph_breaks and [(r.module, r.code) for r in rep.refused] == [("experts", "ran_eagerly")], str(rep)
+
+
+def test_moe_source_reads_a_loop_that_binds_the_expert_first():
+    """``expert = self.experts[e]`` then ``expert(...)`` (Mixtral), or the experts given the loop variable,
+    pick an expert; a weight bound from the loop variable and never called does not."""
+    from moe_compile.passes.moe_source import _per_expert_loop
+
+    head = "for e in range(4):\n    tok, slot = torch.where(ids == e)\n"
+    bound = head + "    expert_layer = self.experts[e]\n    out.index_add_(0, tok, expert_layer(x[tok]))\n"
+    method = head + "    out.index_add_(0, tok, self.experts.fwd(e, x[tok]))\n"
+    weight = "for c in range(3):\n    m = y == c\n    cw = self.cw[c]\n    loss = loss + cw * x[m].mean()\n"
+    assert _per_expert_loop(bound, calls=True) and _per_expert_loop(method, calls=True)
+    assert not _per_expert_loop(weight, calls=True)
