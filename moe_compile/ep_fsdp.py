@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from moe_compile.ep_info import _ROOTS, EPInfo, _ep_containers, _global_view, _local_params, _viewed, LOCAL_PREFIX
+from moe_compile.ep_info import _ROOTS, EPInfo, _ep_containers, _global_view, _local_params, _viewed
 
 
 def fully_shard_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> list[nn.Module]:
@@ -139,13 +139,13 @@ def _keep_local(module: nn.Module, factor: float | None, view: bool) -> None:
     global tensor; or undo that (factor None). The marker property reads the local rows either way."""
     info = module._moe_ep_info
     for name in info.names:
-        held = module._parameters[LOCAL_PREFIX + name]
+        held = module._parameters[name]
         viewed = _viewed(module, name)
         if viewed != (view and factor is not None):
             value = held.detach().to_local() if viewed else _global_view(held.detach(), info)
             param = nn.Parameter(value, requires_grad=held.requires_grad)
             param.__dict__.update(held.__dict__)    # _moe_ep_info, HF's flags
-            module._parameters[LOCAL_PREFIX + name] = param
+            module._parameters[name] = param
     module._moe_grad_divisor = factor
 
 

@@ -11,7 +11,6 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-LOCAL_PREFIX = "_ep_local_"
 _MESHES: dict[str, DeviceMesh] = {}        # group_name -> the mesh it came from (for state_dict)
 _ROOTS: dict[str, "weakref.WeakSet"] = {}  # group_name -> models given to parallelize_experts with it
 
@@ -35,10 +34,6 @@ class EPInfo:
     def expert_range(self) -> range:
         """The global expert ids this rank owns."""
         return range(self.rank * self.experts_per_rank, (self.rank + 1) * self.experts_per_rank)
-
-    @staticmethod
-    def local_name(name: str) -> str:
-        return LOCAL_PREFIX + name
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -65,13 +60,13 @@ def _global_view(rows: torch.Tensor, info: EPInfo) -> DTensor:
 
 def _viewed(module: nn.Module, name: str) -> bool:
     """Whether the Parameter of ``name`` is the DTensor view that fsdp_ignored_params makes."""
-    held = module._parameters[LOCAL_PREFIX + name]
+    held = module._parameters[name]
     return isinstance(held, DTensor) and held.device_mesh == module._moe_ep_info.mesh
 
 
 def _local_params(module: nn.Module) -> list[nn.Parameter]:
     info = module._moe_ep_info
-    return [module._parameters[LOCAL_PREFIX + name] for name in info.names]
+    return [module._parameters[name] for name in info.names]
 
 
 def _ep_containers(model: nn.Module):

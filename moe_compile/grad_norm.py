@@ -16,7 +16,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from .ep_info import LOCAL_PREFIX, EPInfo
+    from .ep_info import EPInfo
 
     groups: dict = {}
     for name, p in model.named_parameters():
@@ -24,7 +24,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
             continue
         info = getattr(_owner(model, name), "_moe_ep_info", None)
         # a Parameter the container holds beside its expert shards is the same on every ep rank: counted once
-        sharded = isinstance(info, EPInfo) and name.rpartition(".")[2].startswith(LOCAL_PREFIX)
+        sharded = isinstance(info, EPInfo) and name.rpartition(".")[2] in info.names
         key = (getattr(p.grad, "device_mesh", None), info.group_name if sharded else None)
         groups.setdefault(key, []).append(p)
     if not groups:

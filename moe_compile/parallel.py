@@ -18,13 +18,15 @@ must live in another module, as in every HF model; one that does not fails the
 compile, named: passes/ep_markers.py). For each container, in place:
 
 * each sharded Parameter ``name`` keeps only rows [rank*E_local, (rank+1)*E_local): the same
-  Parameter object (its ``.data``, and a ``.grad`` if any, cut to those rows), registered as
-  ``_ep_local_<name>``; ``name`` leaves ``_parameters``. An optimizer built before therefore still
+  Parameter object (its ``.data``, and a ``.grad`` if any, cut to those rows), still registered
+  as ``name`` (its FQN unchanged: optimizer state dicts and torch.distributed.checkpoint's
+  ``state_dict`` utilities key it as the unsharded model does). An optimizer built before therefore still
   steps the experts, unless it already holds state for them (Adam's full-size ``exp_avg`` after a
   step: its next step fails on the shapes): build optimizers after ``parallelize_experts``. A
   Parameter also held by a module outside the expert containers (tied) raises: it would read the rows;
-* the module's class becomes a subclass whose *property* ``name`` returns
-  ``torch.ops.moe_compile.ep_experts(self._ep_local_<name>, E, group_name)``: Dynamo traces it, so
+* the module's class becomes a subclass whose *property* ``name`` (which attribute reads find before
+  the Parameter: ``module.name`` is the property, ``module._parameters[name]`` the shard) returns
+  ``torch.ops.moe_compile.ep_experts(self._parameters[name], E, group_name)``: Dynamo traces it, so
   the graph holds the marker with the local shard as its input, and the backend's lowering turns
   the layer into plan / dispatch / grouped GEMMs on the shard / combine (kernels/ep_traceable.py;
   the same movement as the ops of kernels/ep.py). Eager code that reads the property raises (the
@@ -40,6 +42,7 @@ change). Dynamically created classes: ``copy.deepcopy`` works, pickling the whol
 """
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
@@ -51,7 +54,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from moe_compile.kernels import ep as _ep_ops  # noqa: F401  (registers torch.ops.moe_compile.ep_*)
 from moe_compile.ep_containers import (_check_not_tied, _module_list_experts, expert_parameters,  # noqa: F401
                                        find_expert_containers)
-from moe_compile.ep_info import (_MESHES, _ROOTS, LOCAL_PREFIX, EPInfo, _global_view, _viewed, ep_info,  # noqa: F401
+from moe_compile.ep_info import (_MESHES, _ROOTS, EPInfo, _global_view, _viewed, ep_info,  # noqa: F401
                                  ep_infos)                                         # (ep_info, ep_infos: re-exported)
 from moe_compile.ep_fsdp import (check_fsdp_composition, fsdp_ignored_params, fully_shard_experts,  # noqa: F401
                                  replicate_experts)                                # (re-exported)
@@ -139,12 +142,10 @@ def _ep_class(cls: type, names: tuple[str, ...], num_experts: int, group_name: s
     key = (cls, names, num_experts, group_name, max_tokens)
     if key not in _EP_CLASSES:
         def marker(name):
-            local = LOCAL_PREFIX + name
-
             def get(self):
                 if not torch.compiler.is_dynamo_compiling():   # eager code, or Dynamo's guards (hasattr): no op
-                    return OUTSIDE_COMPILE
-                rows = getattr(self, local)
+                    return self._parameters[name] if _from_torch_distributed() else OUTSIDE_COMPILE
+                rows = self._parameters[name]   # the Parameter, under the name the property shadows
                 rows = rows.to_local() if isinstance(rows, DTensor) else rows   # kept out of FSDP: _keep_local
                 divisor = self._moe_grad_divisor
                 if divisor is not None and torch.is_grad_enabled():  # kept out of FSDP: FSDP's division, traced
@@ -152,7 +153,7 @@ def _ep_class(cls: type, names: tuple[str, ...], num_experts: int, group_name: s
                     rows = _ReduceGrad.apply(rows, divisor, dp_group) if dp_group else _DivideGrad.apply(rows, divisor)
                 return torch.ops.moe_compile.ep_experts(rows, num_experts, group_name, max_tokens)
             get.__name__ = name
-            return property(get, doc=f"[E={num_experts}, ...] expert-parallel view of {local} (marker op)")
+            return property(get, doc=f"[E={num_experts}, ...] expert-parallel view of _parameters[{name!r}] (marker op)")
 
         ns = {n: marker(n) for n in names}
         ns["__module__"] = cls.__module__
@@ -162,10 +163,17 @@ def _ep_class(cls: type, names: tuple[str, ...], num_experts: int, group_name: s
     return _EP_CLASSES[key]
 
 
+def _from_torch_distributed() -> bool:
+    """The property's caller is torch.distributed's own code: FSDP2 reads ``getattr(module, name)`` to
+    find the Parameter it manages (``reset_sharded_param``; experts it must not shard, which the compile
+    then refuses, naming the fix), DCP's ``_get_fqns`` walks names with getattr. They get the Parameter."""
+    return sys._getframe(2).f_globals.get("__name__", "").startswith("torch.distributed.")
+
+
 def _state_dict_post_hook(module, state_dict, prefix, local_metadata):
     info = module._moe_ep_info
     for name in info.names:
-        local = state_dict.pop(prefix + LOCAL_PREFIX + name, None)
+        local = state_dict.pop(prefix + name, None)
         if local is None:
             continue
         if _viewed(module, name):        # kept out of FSDP: already the view
@@ -199,12 +207,12 @@ def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict
         if isinstance(rows, str):
             error_msgs.append(rows)
             continue
-        held = module._parameters[LOCAL_PREFIX + name]
+        held = module._parameters[name]
         if _viewed(module, name):        # kept out of FSDP
             rows = _global_view(rows.to(held.device), info)
         elif isinstance(held, DTensor):  # FSDP-sharded over dp ranks, which all hold these rows
             rows = distribute_tensor(rows.to(held.device), held.device_mesh, held.placements)
-        state_dict[prefix + LOCAL_PREFIX + name] = rows
+        state_dict[prefix + name] = rows
 
 
 def _shard(path: str, module: nn.Module, num_experts: int, names: tuple[str, ...], mesh: DeviceMesh,
@@ -225,7 +233,7 @@ def _shard(path: str, module: nn.Module, num_experts: int, names: tuple[str, ...
             if param.grad is not None:
                 param.grad = param.grad[r.start:r.stop].clone()
             param._moe_ep_info = info
-        module.register_parameter(LOCAL_PREFIX + name, param)
+        module.register_parameter(name, param)
     module.__class__ = _ep_class(type(module), names, num_experts, group_name, max_tokens or 0)
     module._moe_ep_info = info
     module.register_state_dict_post_hook(_state_dict_post_hook)

@@ -81,21 +81,19 @@ def _live(marker: fx.Node) -> bool:
 
 def _owner(marker: fx.Node) -> tuple[str, str]:
     """(module path, attribute name) of the sharded Parameter behind the marker."""
-    from moe_compile.parallel import LOCAL_PREFIX
-
     local = marker.args[0]
     if isinstance(local, fx.Node):   # back through the property's own steps (to_local, the gradient division)
         local = param_of(local, set(local.graph.find_nodes(op="placeholder"))) or local
     name = source_name(local) if isinstance(local, fx.Node) else ""
-    hit = re.search(r"^(.*?)\.?_parameters\['" + LOCAL_PREFIX + r"([^']+)'\]$", name)
+    hit = re.search(r"^(.*?)\.?_parameters\['([^']+)'\]$", name)
     if hit:
         from .normalize import _clean_module_path
 
         return _clean_module_path(hit.group(1)), hit.group(2)
     # an input of a nested body (a checkpoint) has no Dynamo source: its name spells the path,
-    # l_self_modules_experts_parameters__ep_local_gate_up_
+    # l_self_modules_experts_parameters_gate_up_
     name = getattr(local, "name", str(local))
-    hit = re.search(r"^l_(?:self_)?(.*?)_?parameters_+ep_local_(.+?)_?$", name)
+    hit = re.search(r"^l_(?:self_)?(.*?)_?parameters_(.+?)_?$", name)
     if hit:
         return ".".join(p for p in hit.group(1).split("modules_") if p).replace("_.", ".").strip("_"), hit.group(2)
     return module_path(marker), name

@@ -50,6 +50,15 @@ def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
     return (got.double() - ref.double()).norm().item() / max(ref.double().norm().item(), 1e-12)
 
 
+def _sharded(model, pname: str) -> bool:
+    """``pname`` is a Parameter parallelize_experts sharded (it keeps its name; its container's EPInfo lists it)."""
+    from moe_compile.parallel import ep_info
+
+    path, _, attr = pname.rpartition(".")
+    info = ep_info(model.get_submodule(path) if path else model)
+    return info is not None and attr in info.names
+
+
 def assert_close(got, ref, what, bound=EP_REL):
     assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
     assert rel(got, ref) <= bound or (ref.norm() < 1e-9 and got.norm() < 1e-9), f"{what}: rel {rel(got, ref):.3g}"
@@ -278,7 +287,7 @@ def check_case(case, rank, ep, mesh, chunks=1, autocast=False, max_tokens=None):
     for name, p in model.experts.named_parameters():
         shards = [torch.empty_like(p) for _ in range(ep)]
         dist.all_gather(shards, _grad_of(p).contiguous())
-        orig = name.removeprefix("_ep_local_")
+        orig = name
         assert_close(torch.cat(shards), _grad_of(ref_experts[orig]), f"{case}: experts.{orig} gradient (gathered)",
                      EP_AUTOCAST_BIAS_GRAD_REL if autocast and orig.endswith("_bias") else grad_bound)
 
@@ -372,11 +381,10 @@ def check_hf(name, rank, ep, mesh, impl=None, autocast=False):
     (own_out.float() * cot[rank]).sum().backward()
     own_params = dict(own.named_parameters())
     for pname, p in model.named_parameters():
-        if "_ep_local_" in pname:
+        if _sharded(model, pname):
             shards = [torch.empty_like(p) for _ in range(ep)]
             dist.all_gather(shards, _grad_of(p).contiguous())
-            orig = pname.replace("_ep_local_", "")
-            assert_close(torch.cat(shards), _grad_of(ref_params[orig]), f"{name}: {orig} gradient (gathered)",
+            assert_close(torch.cat(shards), _grad_of(ref_params[pname]), f"{name}: {pname} gradient (gathered)",
                          grad_bound)
         else:
             assert_close(_grad_of(p), _grad_of(own_params[pname]), f"{name}: rank {rank} gradient of {pname}",
@@ -475,7 +483,7 @@ def body_stacked_module_list(rank, ep):
     for name, p in model.experts.experts.named_parameters():
         shards = [torch.empty_like(p) for _ in range(ep)]
         dist.all_gather(shards, _grad_of(p).contiguous())
-        linear, _, kind = name.removeprefix("_ep_local_").partition("_")
+        linear, _, kind = name.partition("_")
         ref = torch.stack([_grad_of(getattr(getattr(full.experts.experts[e], linear), kind))
                            for e in range(2 * ep)])
         assert_close(torch.cat(shards), ref, f"stacked ModuleList: {name} gradient (gathered)")
@@ -804,7 +812,7 @@ def body_uneven_steps(rank, ep):
         for name, p in model.experts.named_parameters():
             shards = [torch.empty_like(p) for _ in range(ep)]
             dist.all_gather(shards, _grad_of(p).contiguous())
-            orig = name.removeprefix("_ep_local_")
+            orig = name
             assert_close(torch.cat(shards), _grad_of(ref_experts[orig]), f"step {step}: experts.{orig} gradient")
         own = copy.deepcopy(full)
         x_own = xs[rank].clone().requires_grad_()
@@ -858,11 +866,10 @@ def body_hf_uneven(rank, ep, name):
     assert_close(out.detach().float(), own_out.detach().float(), f"{name}: rank {rank} logits")
     ref_params, own_params = dict(ref.named_parameters()), dict(own.named_parameters())
     for pname, p in model.named_parameters():
-        if "_ep_local_" in pname:
+        if _sharded(model, pname):
             shards = [torch.empty_like(p) for _ in range(ep)]
             dist.all_gather(shards, _grad_of(p).contiguous())
-            orig = pname.replace("_ep_local_", "")
-            assert_close(torch.cat(shards), _grad_of(ref_params[orig]), f"{name}: {orig} gradient (gathered)")
+            assert_close(torch.cat(shards), _grad_of(ref_params[pname]), f"{name}: {pname} gradient (gathered)")
         else:
             assert_close(_grad_of(p), _grad_of(own_params[pname]), f"{name}: rank {rank} gradient of {pname}")
 
@@ -1013,7 +1020,7 @@ def _body_optimizer_before(rank, ep):
     params = {n: p for n, p in model.experts.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)          # built before parallelize_experts
     moe_compile.parallelize_experts(model, mesh)
-    assert all(getattr(model.experts, "_ep_local_" + n) is p for n, p in params.items()), "Parameter objects replaced"
+    assert all(model.experts._parameters[n] is p for n, p in params.items()), "Parameter objects replaced"
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
     xs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(r)) for r in range(ep)]
@@ -1059,7 +1066,7 @@ def _body_review_forms(rank, ep):
     assert _rel(out.detach(), ref_out.detach()[rank * 2:rank * 2 + 2]) < EP_REL
     rows = slice(rank * 2, rank * 2 + 2)
     for n in ("gate_up", "down"):
-        got = getattr(model.experts, "_ep_local_" + n).grad
+        got = model.experts._parameters[n].grad
         assert _rel(got, getattr(ref.experts, n).grad[rows]) < EP_REL, n
     # forms the expert-parallel rewrite cannot take: the compile error names the reason and the fix
     for mode, match in (("reversed", r"expert_parallel: .*reads expert 0's weight .* as W\[3\], not as W\[0\].*Fix"),

@@ -150,7 +150,7 @@ def body_train(rank, ws, dp=1, device="cpu", rel=FSDP_REL, meta=False, cpu_built
     assert not [r for r in found if r.status != "rewritten"], f"FSDP2's hook graph breaks reported: {found}"
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
-        value, name = _full(p.detach()), name.replace("_ep_local_", "")
+        value = _full(p.detach())
         if value.shape != ref_params[name].shape:   # this rank's expert rows (dp > 1: FSDP's DTensor over dp)
             shards = [torch.empty_like(value) for _ in range(ep)]
             dist.all_gather(shards, value.contiguous(), group=mesh["ep"].get_group())
@@ -219,8 +219,7 @@ def body_root_only(rank, ws, strict, experts_call):
     mesh = init_device_mesh("cpu", (1, ws), mesh_dim_names=("dp", "ep"))
     model = moe_compile.parallelize_experts(Model(), mesh["ep"])
     if experts_call == "own_ignored_params":   # left out of FSDP by hand: nothing divides their gradients
-        fully_shard(model, mesh=mesh._flatten(), ignored_params={p for n, p in model.named_parameters()
-                                                                 if "_ep_local_" in n})
+        fully_shard(model, mesh=mesh._flatten(), ignored_params=set(model.experts.parameters()))
         expected = "ep times too large"
     else:
         if experts_call:                       # kept local at dp = 1 ...
@@ -275,7 +274,7 @@ def body_clip_counts_replicated_once(rank, ws):
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     # every expert row once (ws ranks' shards) and the replicated scale once
-    want = math.sqrt(sum(p.numel() for n, p in model.named_parameters() if "_ep_local_" in n) * ws + 8)
+    want = math.sqrt(sum(model._parameters[n].numel() for n in parallel.ep_info(model).names) * ws + 8)
     norm = parallel.clip_grad_norm_(model, 1e9)
     assert abs(float(norm) - want) <= 1e-5 * want, (float(norm), want)
 
@@ -332,7 +331,6 @@ def body_replicated_over_dp(rank, ws, dp, loop, device="cpu", rel=FSDP_REL):
     assert any(r.status == "rewritten" for r in found) and all(r.status == "rewritten" for r in found), found
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
-        name = name.replace("_ep_local_", "")
         assert _rel(_full(p.detach()), ref_params[name].detach()) <= rel, f"{name} after {STEPS} steps"
 
     misused = moe_compile.parallelize_experts(copy.deepcopy(full), mesh["ep"])
@@ -385,7 +383,7 @@ def test_to_local_of_torch_2_11_is_one_trace_per_argument_set():
     from moe_compile.passes.token_paths import param_of
 
     g = torch.fx.Graph()
-    p = g.placeholder("l_self_experts_ep_local_gate_up_proj_")
+    p = g.placeholder("l_self_experts_parameters_gate_up_proj_")
     a, b = (g.call_function(_prim_to_local(None), (p,)) for _ in range(2))
     c = g.call_function(_prim_to_local(("replicate",)), (p,))
     m1, m2 = (g.call_method("to_local", (p,)) for _ in range(2))
@@ -415,3 +413,53 @@ def test_parallelize_experts_after_fully_shard_raises():
     """In the other order parallelize_experts would cut FSDP's DTensor Parameters, and the compile
     failed later with errors that named neither."""
     run_distributed(body_parallelize_after_fully_shard, 2)
+
+
+def body_checkpoint_keys_match_the_unsharded_model(rank, ws, path):
+    """Sharded Parameters keep their names: the optimizer state torch.distributed.checkpoint's
+    ``get_state_dict`` returns is keyed as the unsharded model's, so a checkpoint saved under expert
+    parallelism loads into the unsharded model, optimizer included (it was keyed ``_ep_local_<name>``
+    and failed: "Missing key in checkpoint state_dict: optim.state.experts.gate_up_proj.step"); and
+    ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`` loads (ranks other than
+    0 raised on the names while rank 0 went on, into a hang)."""
+    import transformers.integrations.moe  # noqa: F401
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                         set_state_dict)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moe_compile import parallel
+
+    mesh = init_device_mesh("cpu", (1, ws), mesh_dim_names=("dp", "ep"))
+    every_rank = init_device_mesh("cpu", (ws,), mesh_dim_names=("all",))
+    full = Model(e=4)
+    model = _sharded(copy.deepcopy(full), mesh, every_rank)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    ref = copy.deepcopy(full)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    _train(torch.compile(model, backend="moe", options={"moe.inductor": False}), model, opt, ref, ref_opt, rank, ws,
+           parallel, "cpu", FSDP_REL)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    assert set(optim_sd["state"]) == set(dict(ref.named_parameters())), sorted(optim_sd["state"])
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+    plain = Model(e=4, seed=1)                                # unsharded, on every rank
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR)
+    plain_sd, plain_optim_sd = get_state_dict(plain, plain_opt)
+    state = {"model": plain_sd, "optim": plain_optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(plain, plain_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for (name, p), q in zip(plain.named_parameters(), ref.parameters()):
+        assert _rel(p.detach(), q.detach()) <= FSDP_REL, f"{name} loaded from the expert-parallel checkpoint"
+        assert _rel(plain_opt.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"]) <= FSDP_REL, f"exp_avg of {name}"
+
+    fresh = _sharded(Model(e=4, seed=2), mesh, every_rank)
+    set_model_state_dict(fresh, ref.state_dict() if rank == 0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name, value in fresh.state_dict().items():
+        assert _rel(_full(value), ref.state_dict()[name]) <= FSDP_REL, f"{name} broadcast from rank 0"
+
+
+def test_checkpoint_keys_match_the_unsharded_model(tmp_path):
+    pytest.importorskip("transformers")
+    run_distributed(body_checkpoint_keys_match_the_unsharded_model, 2, str(tmp_path / "ckpt"))

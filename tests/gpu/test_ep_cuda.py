@@ -88,7 +88,7 @@ def _body(rank, world, init_file, cudagraphs, chunks):
         for name, p in model.experts.named_parameters():
             shards = [torch.empty_like(p.grad) for _ in range(world)]
             dist.all_gather(shards, p.grad.contiguous())
-            want = dict(ref.experts.named_parameters())[name.removeprefix("_ep_local_")].grad
+            want = dict(ref.experts.named_parameters())[name].grad
             assert _rel(torch.cat(shards).float(), want.float()) <= EP_BF16_GRAD_REL, name
 
 
@@ -150,7 +150,7 @@ def _uneven_body(rank, world, init_file):
         for name, p in model.experts.named_parameters():
             shards = [torch.empty_like(p.grad) for _ in range(world)]
             dist.all_gather(shards, p.grad.contiguous())
-            want = dict(ref.experts.named_parameters())[name.removeprefix("_ep_local_")].grad
+            want = dict(ref.experts.named_parameters())[name].grad
             assert _rel(torch.cat(shards).float(), want.float()) <= EP_BF16_GRAD_REL, name
 
 
