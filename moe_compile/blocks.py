@@ -42,6 +42,7 @@ own buffer.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from typing import Iterable
@@ -140,8 +141,9 @@ def compile_blocks(model: nn.Module, backend="moe", *, blocks: Iterable[nn.Modul
         raise ValueError("compile_blocks: no blocks to compile")
     names = {id(m): n for n, m in model.named_modules()}
     _COMPILED[model] = tuple(names[id(b)] for b in blocks if id(b) in names)
+    shared = _BlocksBackend(model) if _is_moe(backend) else backend
     for block in blocks:
-        block.compile(backend=backend, **compile_kwargs)
+        block.compile(backend=shared, **compile_kwargs)
     if loss:
         compile_loss(model, backend, **compile_kwargs)
     by_class: dict[type, list[nn.Module]] = {}
@@ -151,6 +153,51 @@ def compile_blocks(model: nn.Module, backend="moe", *, blocks: Iterable[nn.Modul
     if groups:
         _MirrorOnce(model, groups)
     return blocks
+
+
+def _is_moe(backend) -> bool:
+    from .backend import moe_backend
+
+    return isinstance(backend, str) and backend == "moe" or backend is moe_backend
+
+
+class _BlocksBackend:
+    """The moe backend of one ``compile_blocks`` call: one ``records.Session`` for all its blocks, whose
+    records are placed at module paths from the model's root (``layers.2.mlp``), as explain places a
+    nested frame's. Each ``block.compile`` would otherwise report to a session of its own, while a graph
+    one block compiled serves every block of its class: a refused region was warned once per session
+    that compiled a graph (twice for four blocks where block 1 recompiles: its input requires grad),
+    named from the block's frame (``mlp``). Now: once per block, with its path, and the
+    nothing-rewritten warning once per model. Pickled or deep-copied it is ``moe_backend``."""
+
+    def __init__(self, model: nn.Module):
+        from .records import Session, place
+
+        names: dict = {}   # id -> every name of the tensor (tied parameters have several)
+        for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+            names.setdefault(id(t), []).append(name)
+        self.session = Session()
+        self.session.place = functools.partial(place, names)
+
+    def __call__(self, gm, example_inputs, mode=None, options=None):
+        from .backend import moe_backend
+
+        return moe_backend(gm, example_inputs, mode=mode, options=options)
+
+    def moe_capture_ctx(self, options=None, mode=None):
+        """The capture scope of every block (``backend._install_ctx_shim`` forwards it), with the shared session."""
+        from .backend import capture_ctx
+
+        return capture_ctx(options, mode, session=self.session)
+
+    def __reduce__(self):
+        return _moe_backend, ()
+
+
+def _moe_backend():
+    from .backend import moe_backend
+
+    return moe_backend
 
 
 def explain_notes(model, regions) -> tuple[str, ...]:

@@ -141,7 +141,8 @@ class PublishOnFirstCall:
     rewritten only once the code that runs contains it (never for a graph Dynamo compiled and then
     dropped, e.g. when it failed after the backend returned). In explain's session (``place``) the
     records are published for every call whose inputs place them at other module paths: one graph
-    of a nested frame serves every layer that runs it."""
+    of a nested frame serves every layer that runs it (compile_blocks' session too: one graph serves
+    every block of its class)."""
 
     def __init__(self, fn, records, session, gm):
         from .passes.normalize import attribute_path
@@ -149,7 +150,8 @@ class PublishOnFirstCall:
         self.fn, self.records, self.session = fn, tuple(records), session
         if getattr(fn, "_boxed_call", False):
             self._boxed_call = True
-        self.placed: set = set()   # explain: the placed records already published
+        self.placed: set = set()   # explain, compile_blocks: the placed records already published
+        self.inputs_seen: set = set()   # and the inputs (ids of the attribute inputs) already placed
         self.attributes = () if session.place is None else tuple(
             (i, path) for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
             if (path := attribute_path(n)))
@@ -165,6 +167,12 @@ class PublishOnFirstCall:
             records, self.records = self.records, None
             publish(records, self.session)
             return
+        # placed already: each later call of a compiled block skips place(); up to 8 of its attribute
+        # inputs tell the blocks apart (a per-step cost: a layer of 128 ModuleList experts has ~400)
+        key = tuple(id(inputs[i]) for i, _ in self.attributes[::max(1, len(self.attributes) // 8)] if i < len(inputs))
+        if key in self.inputs_seen:
+            return
+        self.inputs_seen.add(key)
         records = self.session.place(self.records, self.attributes, inputs)
         if records not in self.placed:
             self.placed.add(records)
@@ -172,6 +180,55 @@ class PublishOnFirstCall:
 
     def __getattr__(self, name):  # anything else Dynamo or Inductor read from the compiled function
         return getattr(self.__dict__["fn"], name)
+
+
+def place(names: dict, records, attributes, inputs) -> tuple[RegionRecord, ...]:
+    """``records`` with module paths from the model's root, for one call of their graph (``Session.place``
+    of explain and of compile_blocks, with ``functools.partial(place, names)``).
+
+    A graph Dynamo compiled for a nested frame (a decoder layer's forward after a graph break) names
+    modules from that frame (``mlp``, or ``block.mlp`` for a local ``block``) and runs for every layer.
+    Each parameter or buffer input, at ``path`` from the frame (``attributes``: (input index, path)) and
+    named ``name`` in the model (``names``: every name of each tensor, tied ones included), places the
+    frame's root: the common dotted tail of the two is the same attribute, and what precedes it in
+    ``name`` stands for what precedes it in ``path``. An input with several names allows the prefixes of
+    those with the longest common tail (its own name alone, at the top level); the root takes the first
+    prefix, in the model's order, that every input of that root allows (a weight tied across layers
+    allows each layer, the layer's own weights only it; a module with two names, either). A module
+    under no placed root, or under one whose inputs disagree, keeps its path."""
+    options: dict = {}   # the frame's root (leading parts of its paths) -> per input, the prefixes it allows
+    for i, path in attributes:
+        if i >= len(inputs) or id(inputs[i]) not in names:
+            continue
+        parts = path.split(".")
+        by_tail: dict = {}
+        for name in names[id(inputs[i])]:   # in the model's order
+            name = name.split(".")
+            tail = 0
+            while tail < min(len(parts), len(name)) and parts[-1 - tail] == name[-1 - tail]:
+                tail += 1
+            by_tail.setdefault(tail, []).append((tuple(parts[:len(parts) - tail]), tuple(name[:len(name) - tail])))
+        allowed: dict = {}
+        for root, prefix in by_tail[max(by_tail)]:
+            allowed.setdefault(root, []).append(prefix)
+        for root, prefixes in allowed.items():
+            options.setdefault(root, []).append(prefixes)
+    votes: dict = {}   # root -> the first prefix (in the model's order) that every input of the root allows
+    for root, allowed in options.items():
+        common = set.intersection(*map(set, allowed))
+        first = next((p for p in allowed[0] if p in common), None)
+        if first is not None:
+            votes[root] = first
+
+    def placed_path(module: str) -> str:
+        parts = tuple(module.split(".")) if module else ()
+        roots = [r for r in votes if parts[:len(r)] == r]
+        if not roots:
+            return module
+        root = max(roots, key=len)
+        return ".".join(votes[root] + parts[len(root):])
+
+    return tuple(dataclasses.replace(r, module=placed_path(r.module)) for r in records)
 
 
 @contextlib.contextmanager

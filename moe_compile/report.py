@@ -26,7 +26,7 @@ import torch
 from . import eager_probe
 from .config import MoEConfig
 from .debug import format_records
-from .records import REFUSED, REWRITTEN, RegionRecord, Session, recording
+from .records import REFUSED, REWRITTEN, RegionRecord, Session, place as _place, recording
 
 # explain's backend: AOTAutograd with eager kernels (quick), and nothing that touches the user's
 # tensors (re-homing ModuleList weights moves them into a new buffer: the compile does that)
@@ -132,54 +132,6 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
 
     return Report(regions, breaks, graphs[0], errors=(str(failure),) if failure is not None else (),
                   notes=explain_notes(fn, regions))
-
-
-def _place(names: dict, records, attributes, inputs) -> tuple[RegionRecord, ...]:
-    """``records`` with module paths from the model's root, for one call of their graph.
-
-    A graph Dynamo compiled for a nested frame (a decoder layer's forward after a graph break) names
-    modules from that frame (``mlp``, or ``block.mlp`` for a local ``block``) and runs for every layer.
-    Each parameter or buffer input, at ``path`` from the frame (``attributes``: (input index, path)) and
-    named ``name`` in the model (``names``: every name of each tensor, tied ones included), places the
-    frame's root: the common dotted tail of the two is the same attribute, and what precedes it in
-    ``name`` stands for what precedes it in ``path``. An input with several names allows the prefixes of
-    those with the longest common tail (its own name alone, at the top level); the root takes the first
-    prefix, in the model's order, that every input of that root allows (a weight tied across layers
-    allows each layer, the layer's own weights only it; a module with two names, either). A module
-    under no placed root, or under one whose inputs disagree, keeps its path."""
-    options: dict = {}   # the frame's root (leading parts of its paths) -> per input, the prefixes it allows
-    for i, path in attributes:
-        if i >= len(inputs) or id(inputs[i]) not in names:
-            continue
-        parts = path.split(".")
-        by_tail: dict = {}
-        for name in names[id(inputs[i])]:   # in the model's order
-            name = name.split(".")
-            tail = 0
-            while tail < min(len(parts), len(name)) and parts[-1 - tail] == name[-1 - tail]:
-                tail += 1
-            by_tail.setdefault(tail, []).append((tuple(parts[:len(parts) - tail]), tuple(name[:len(name) - tail])))
-        allowed: dict = {}
-        for root, prefix in by_tail[max(by_tail)]:
-            allowed.setdefault(root, []).append(prefix)
-        for root, prefixes in allowed.items():
-            options.setdefault(root, []).append(prefixes)
-    votes: dict = {}   # root -> the first prefix (in the model's order) that every input of the root allows
-    for root, allowed in options.items():
-        common = set.intersection(*map(set, allowed))
-        first = next((p for p in allowed[0] if p in common), None)
-        if first is not None:
-            votes[root] = first
-
-    def placed_path(module: str) -> str:
-        parts = tuple(module.split(".")) if module else ()
-        roots = [r for r in votes if parts[:len(r)] == r]
-        if not roots:
-            return module
-        root = max(roots, key=len)
-        return ".".join(votes[root] + parts[len(root):])
-
-    return tuple(dataclasses.replace(r, module=placed_path(r.module)) for r in records)
 
 
 def _setup_error(exc: BaseException):

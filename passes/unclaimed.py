@@ -65,7 +65,7 @@ from .moe_source import Frame, declares_experts_implementation, enclosing_class,
 from .normalize import (arg, canon, common_module, module_path, source_name, val,
                         where_in_user_code)
 from .token_paths import MATMULS, ep_experts_of, graph_params, param_of, router_params, token_values
-from .unclaimed_base import _GATHERS, Unclaimed, _claimed_by, _dims, _near, _same_block
+from .unclaimed_base import _GATHERS, Unclaimed, _claimed_by, _dims, _near, _same_block, sliced_inputs
 from .unrouted import unrouted
 from .writes import basic_index, written
 
@@ -218,7 +218,7 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
     """Routers that look like MoE routers but that no candidate region claims (see the module doc)."""
     routers = list(_routers(gm.graph))
     params = graph_params(gm, example_inputs)
-    weights = _weights(gm, params)
+    weights = _weights(gm, params | sliced_inputs(gm, params))   # and stacked weights passed as arguments
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     tokens: list[set] = []   # token_values(gm.graph, params), computed when first needed
     claimed_roots, claimed_nodes, claimed_modules = set(), set(), []
@@ -229,7 +229,8 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
             if root is not None:
                 claimed_roots.add(root)
             claimed_nodes |= set(region.nodes)
-        claimed_modules.append(c.module)
+        if region is None or c.module:   # a region on the root claims by its nodes and router alone: the root
+            claimed_modules.append(c.module)   # path is every node's in a function (fn(x, w1, w2): one layer per call)
     out = []
     for router, ids, e, k in routers:
         if router in claimed_roots:

@@ -7,8 +7,8 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from .normalize import canon, val
-from .token_paths import MATMULS
+from .normalize import arg, canon, source_name, val
+from .token_paths import MATMULS, PARAM_VIEWS, param_of
 
 _GATHERS = {"getitem", "index_select", "embedding", "take", "gather", "F.embedding"}
 
@@ -39,6 +39,48 @@ def _near(n: fx.Node, is_matmul, hops: int = 4) -> bool:
             return False
         n = ins[0]
         hops -= 1
+    return False
+
+
+def sliced_inputs(gm: fx.GraphModule, params: set) -> set[fx.Node]:
+    """Stacked expert weights passed to the compiled function as arguments (``fn(x, gate_w, w1, w2)``:
+    plain tensors, which ``graph_params`` does not count): graph inputs of 3+ dims, not Parameters or
+    buffers, of which a matmul-class op takes two or more constant slices along dim 0 (``x @ w1[e]`` in
+    a Python loop over the experts). Only that form: an input read whole or gathered by ids may be
+    anything (a KV cache or a kNN bank gathered by top-k ids, an activation), as a buffer may."""
+    inputs = {n for n in gm.graph.nodes if n.op == "placeholder" and n not in params
+              and "_buffers" not in source_name(n) and len(_dims(n)) >= 3}
+    slices: dict = {}
+    for n in gm.graph.nodes:
+        i = _dim0_constant(n)
+        p = param_of(n.args[0], inputs) if i is not None and isinstance(n.args[0], fx.Node) else None
+        if p is not None and _into_matmul(n):
+            slices.setdefault(p, set()).add(i)
+    return {p for p, found in slices.items() if len(found) >= 2}
+
+
+def _dim0_constant(n: fx.Node) -> int | None:
+    """The integer ``i`` of ``t[i]``, ``t[i, ...]`` or ``t.select(0, i)``, else None."""
+    op = canon(n)
+    if op == "getitem" and len(n.args) > 1:
+        i = n.args[1][0] if isinstance(n.args[1], tuple) and n.args[1] else n.args[1]
+    elif op == "select" and arg(n, 1, "dim", None) == 0:
+        i = arg(n, 2, "index", None)
+    else:
+        return None
+    return i if isinstance(i, int) and not isinstance(i, bool) else None
+
+
+def _into_matmul(n: fx.Node, hops: int = 4) -> bool:
+    """``n`` is an operand of a matmul-class op, through at most ``hops`` views and casts."""
+    todo = [(n, 0)]
+    while todo:
+        m, h = todo.pop()
+        for u in m.users:
+            if (canon(u) or "") in MATMULS:
+                return True
+            if (canon(u) or "") in PARAM_VIEWS and h < hops:
+                todo.append((u, h + 1))
     return False
 
 

@@ -16,7 +16,7 @@ import moe_compile
 from moe_compile import records
 from moe_compile.blocks import find_blocks
 from moe_compile.kernels.runtime_ops import count_calls
-from helpers import FP32_REL, HF_FP32_REL, assert_close_rel, tiny_qwen3_moe
+from helpers import FP32_REL, HF_FP32_REL, assert_close_rel, make_model, tiny_qwen3_moe
 
 OPTS = {"moe.inductor": False}
 # three AdamW steps of fp32 training, compiled vs eager: each step's gradients differ by ~1e-7
@@ -348,3 +348,43 @@ def test_mirror_keeps_weights_held_by_another_tensor_where_they_are(tie, caplog)
     for (n, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
         assert_close_rel(p.detach(), q.detach(), TRAIN_REL, f"{n} after 3 steps")
     assert "a weight shares its storage" in caplog.text, caplog.text   # the slower path is named
+
+
+# ----------------------------------------------------------------------------- refused regions
+class _RefusedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = make_model(spelling="assign", e=4, k=2)   # `out[idx] = ...` with top-2: refused overwrite_topk
+
+    def forward(self, x):
+        return x + self.mlp(x)
+
+
+class _RefusedStack(nn.Module):
+    def __init__(self, n=4):
+        super().__init__()
+        self.layers = nn.ModuleList(_RefusedBlock() for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_refused_region_is_warned_once_per_block_with_its_path(caplog):
+    """Was: each block's compile reported to a session of its own and a graph one block compiled serves
+    every block of its class, so four identical blocks holding a refused region warned it twice (block
+    0's graph, and block 1's recompile: its input requires grad), both as ``mlp``, with the
+    nothing-rewritten warning twice. Now, as a whole-model compile: once per block with its path from
+    the model's root, and nothing-rewritten once; a second step warns nothing."""
+    model = _RefusedStack()
+    moe_compile.compile_blocks(model, options=OPTS)
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    x = torch.randn(8, 16)
+    model(x)
+    first = caplog.text
+    model(x)
+    assert caplog.text == first, caplog.text
+    refused = [line for line in first.splitlines() if "[overwrite_topk]" in line]
+    assert [f"MoE region layers.{i}.mlp " in line for line in refused for i in range(4)].count(True) == 4, first
+    assert len(refused) == 4 and first.count("rewrote no MoE region") == 1, first

@@ -894,6 +894,24 @@ class _ClassActivationMap(nn.Module):
         return torch.einsum("bc,bchw->bhw", self.fc.weight[c], f)
 
 
+def _topk_kv_cache_arguments(x, wq, k_cache, v_cache):
+    """_TopkKVCache as a function: the caches [S, heads, dh] are arguments, gathered by the top-k ids."""
+    q = (x @ wq).view(x.shape[0], k_cache.shape[1], -1)
+    _, idx = torch.einsum("thd,shd->ts", q, k_cache).topk(4, dim=-1)
+    att = torch.einsum("thd,tkhd->thk", q, k_cache[idx]).softmax(-1)
+    return torch.einsum("thk,tkhd->thd", att, v_cache[idx]).reshape(x.shape[0], -1)
+
+
+def _per_head_topk_arguments(q, k_cache, v_cache):
+    """Top-k attention per head over caches [heads, S, dh] passed as arguments: constant slices ``k_cache[h]``
+    a matmul reads, as a per-expert loop over stacked weights would take them, but the ids range over S."""
+    out = []
+    for h in range(k_cache.shape[0]):
+        w, i = (q[:, h] @ k_cache[h].t()).topk(4, dim=-1)
+        out.append((w.softmax(-1)[..., None] * v_cache[h][i]).sum(1))
+    return torch.stack(out, 1)
+
+
 def _recall_at_topk(logits, y):                         # named *topk*, syncs: a metric, not a router
     return (logits.topk(2, -1).indices == y[:, None]).any(-1).float().sum().item()
 
@@ -903,7 +921,7 @@ _NOT_MOE = ["accuracy", "sampler", "position_hash", "greedy_until_eos", "knn_vot
             "select_correct", "class_activation_map", "topk_named_metric", "product_key_memory",
             "memory_layer_scaled_topk", "memory_layer_detached_topk", "memory_layer_noisy_topk",
             "memory_layer_masked_topk", "memory_layer_viewed_topk", "memory_layer_clamped_topk",
-            "binary_positives", "beam_eos"]
+            "binary_positives", "beam_eos", "topk_kv_cache_arguments", "per_head_topk_arguments"]
 
 
 @pytest.mark.parametrize("case", _NOT_MOE)
@@ -934,6 +952,10 @@ def test_code_that_is_not_moe_is_not_reported(case):
                 "product_key_memory": (_ProductKeyMemory(), (torch.randn(6, 8),)),
                 **{f"memory_layer_{p}_topk": (_MemoryLayer(all_scores=True, pick=p), (torch.randn(6, 8),))
                    for p in ("scaled", "detached", "noisy", "masked", "viewed", "clamped")},
+                "topk_kv_cache_arguments": (_topk_kv_cache_arguments, (torch.randn(6, 8), torch.randn(8, 8),
+                                                                       torch.randn(32, 2, 4), torch.randn(32, 2, 4))),
+                "per_head_topk_arguments": (_per_head_topk_arguments, (torch.randn(6, 2, 4), torch.randn(2, 32, 4),
+                                                                       torch.randn(2, 32, 4))),
                 "binary_positives": (_PredictionMasks("binary"), (torch.randn(6, 8),)),
                 "beam_eos": (_PredictionMasks("beam_eos"), (torch.randn(6, 8),))}[case]
     rep = moe_compile.explain(fn, *args)
@@ -1778,3 +1800,52 @@ def test_moe_source_reads_a_loop_that_binds_the_expert_first():
     weight = "for c in range(3):\n    m = y == c\n    cw = self.cw[c]\n    loss = loss + cw * x[m].mean()\n"
     assert _per_expert_loop(bound, calls=True) and _per_expert_loop(method, calls=True)
     assert not _per_expert_loop(weight, calls=True)
+
+
+# ------------------------------------------------------------ expert weights passed as arguments
+def _masked_dense_moe(x, gate_w, w1, w2, k=2):
+    """Every expert on every token, kept where the token routed to it: a form no finder knows."""
+    w, ids = (x @ gate_w).softmax(-1).topk(k, dim=-1)
+    out = torch.zeros_like(x)
+    for e in range(w1.shape[0]):
+        mine = (ids == e).any(-1, keepdim=True)
+        we = (w * (ids == e)).sum(-1, keepdim=True)
+        out = out + torch.where(mine, (F.gelu(x @ w1[e]) @ w2[e]) * we, 0)
+    return out
+
+
+def _index_add_moe(x, gate_w, w1, w2, k=2):
+    w, ids = (x @ gate_w).softmax(-1).topk(k, dim=-1)
+    out = torch.zeros_like(x)
+    for e in range(w1.shape[0]):
+        tok, slot = torch.where(ids == e)
+        out.index_add_(0, tok, (F.gelu(x[tok] @ w1[e]) @ w2[e]) * w[tok, slot, None])
+    return out
+
+
+def _two_moe_layers(x, g1, a1, b1, g2, a2, b2):
+    x = x + _index_add_moe(x, g1, a1, b1)          # rewritten
+    return x + _masked_dense_moe(x, g2, a2, b2)     # not: listed
+
+
+@pytest.mark.parametrize("case", ["alone", "alone_grad", "parameters", "beside_rewritten"])
+def test_expert_weights_passed_as_arguments_are_listed(case, caplog):
+    """Was silent: in ``torch.compile(fn)`` with the stacked expert weights passed as arguments (plain
+    tensors: not nn.Parameters, so not expert weights to the unclaimed scan), a masked dense loop over
+    ``W[e]`` was listed nowhere (compiled alone: a false "no MoE layer was found"); beside a rewritten
+    layer in the same function, that layer's region on the root (every node of a function is there)
+    hid it. Arguments sliced per expert by constants (``w1[e]``) now count as stacked weights, and a
+    region on the root claims by its nodes and router alone; each warned once, with its code."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    layer = [torch.randn(16, 4), torch.randn(4, 16, 8), torch.randn(4, 8, 16)]
+    fn, args = (_two_moe_layers, layer + [t.clone() for t in layer]) if case == "beside_rewritten" \
+        else (_masked_dense_moe, layer)
+    args = [nn.Parameter(t) if case == "parameters" else t.requires_grad_(case != "alone") for t in args]
+    rep = moe_compile.explain(fn, x, *args)
+    assert [r.code for r in rep.refused] == ["moe_unmatched"], str(rep)
+    assert len(rep.rewritten) == (case == "beside_rewritten"), str(rep)
+    torch._dynamo.reset()
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    torch.compile(fn, backend="moe", options={"moe.inductor": False})(x, *args)
+    assert caplog.text.count("[moe_unmatched]") == 1 and "no MoE layer was found" not in caplog.text, caplog.text
