@@ -103,7 +103,9 @@ def test_hf_gradient_checkpointing_is_rewritten(how):
     want = eager(input_ids=ids, labels=ids).loss
     want.backward()
     rewritten = [r for g in graphs for r in g if r.status == records.REWRITTEN]
-    assert len(rewritten) == (2 if how == "whole" else 1), [(r.status, r.module, r.code) for g in graphs for r in g]
+    # compile_blocks: one graph serves both layers, its records published once per layer at its path
+    assert sorted(r.module for r in rewritten) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"], \
+        [(r.status, r.module, r.code) for g in graphs for r in g]
     assert_close_rel(out.detach(), want.detach(), HF_FP32_REL, "loss")
     for (n, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
         assert_close_rel(p.grad, q.grad, HF_FP32_REL, f"gradient of {n}")
