@@ -42,7 +42,6 @@ own buffer.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import weakref
 from typing import Iterable
@@ -171,13 +170,10 @@ class _BlocksBackend:
     nothing-rewritten warning once per model. Pickled or deep-copied it is ``moe_backend``."""
 
     def __init__(self, model: nn.Module):
-        from .records import Session, place
+        from .records import Session, placer
 
-        names: dict = {}   # id -> every name of the tensor (tied parameters have several)
-        for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-            names.setdefault(id(t), []).append(name)
         self.session = Session()
-        self.session.place = functools.partial(place, names)
+        self.session.place = placer(model)
 
     def __call__(self, gm, example_inputs, mode=None, options=None):
         from .backend import moe_backend

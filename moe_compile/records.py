@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 
@@ -182,9 +183,18 @@ class PublishOnFirstCall:
         return getattr(self.__dict__["fn"], name)
 
 
+def placer(model) -> "functools.partial":
+    """``Session.place`` for graphs of ``model``'s modules: ``place`` with every name of each of its
+    parameters and buffers (tied ones have several)."""
+    names: dict = {}   # id -> every name of the tensor
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(t), []).append(name)
+    return functools.partial(place, names)
+
+
 def place(names: dict, records, attributes, inputs) -> tuple[RegionRecord, ...]:
     """``records`` with module paths from the model's root, for one call of their graph (``Session.place``
-    of explain and of compile_blocks, with ``functools.partial(place, names)``).
+    of explain and of compile_blocks, made by ``placer``).
 
     A graph Dynamo compiled for a nested frame (a decoder layer's forward after a graph break) names
     modules from that frame (``mlp``, or ``block.mlp`` for a local ``block``) and runs for every layer.

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import inspect
 
 import torch
@@ -26,7 +25,7 @@ import torch
 from . import eager_probe
 from .config import MoEConfig
 from .debug import format_records
-from .records import REFUSED, REWRITTEN, RegionRecord, Session, place as _place, recording
+from .records import REFUSED, REWRITTEN, RegionRecord, Session, placer, recording
 
 # explain's backend: AOTAutograd with eager kernels (quick), and nothing that touches the user's
 # tensors (re-homing ModuleList weights moves them into a new buffer: the compile does that)
@@ -96,15 +95,12 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
         raise TypeError(f"moe_compile.explain: expected a model (an nn.Module instance) or a function, got {what}; "
                         "call moe_compile.explain(model, *inputs) with the inputs of one forward call")
     fn = _unwrap(model_or_fn)
-    options = _explain_options(_compiled_options(model_or_fn, moe_backend))
+    options, inductor = _explain_options(_compiled_options(model_or_fn, moe_backend))
     session = Session(quiet=True)
     session.explaining = True
-    session.explain_inductor = options.pop(_INDUCTOR_KEY)
+    session.explain_inductor = inductor
     if isinstance(fn, torch.nn.Module):
-        names: dict = {}   # id -> every name of the tensor (tied parameters have several)
-        for name, t in [*fn.named_parameters(remove_duplicate=False), *fn.named_buffers(remove_duplicate=False)]:
-            names.setdefault(id(t), []).append(name)
-        session.place = functools.partial(_place, names)
+        session.place = placer(fn)
     graphs = [0]
 
     def backend(gm, example_inputs):  # a fresh callable per call: a fresh trace, not a cache hit
@@ -160,9 +156,6 @@ def _causes(exc: BaseException):
         exc = getattr(exc, "inner_exception", None) or exc.__cause__
 
 
-_INDUCTOR_KEY = "explain: moe.inductor"
-
-
 def _compiled_options(obj, moe_backend) -> dict:
     """The options of ``torch.compile(obj, backend="moe", options=...)`` when ``obj`` is what that
     returns, else {}: explain() then reports what that compile does, not the default one."""
@@ -183,13 +176,12 @@ def _compiled_options(obj, moe_backend) -> dict:
     return {}
 
 
-def _explain_options(user: dict) -> dict:
-    """The compile's options as explain runs them: without Inductor (its moe.inductor kept under
-    _INDUCTOR_KEY), weights left where they are, quiet."""
+def _explain_options(user: dict) -> tuple[dict, bool]:
+    """(the compile's options as explain runs them: without Inductor, weights left where they are,
+    quiet; the compile's moe.inductor)."""
     config, _ = MoEConfig.from_options(None, user)
     return {**{k: v for k, v in user.items() if k != "moe.debug"}, **_EXPLAIN_OPTIONS,
-            "moe.disable": tuple(dict.fromkeys((*config.disable, *_EXPLAIN_OPTIONS["moe.disable"]))),
-            _INDUCTOR_KEY: config.inductor}
+            "moe.disable": tuple(dict.fromkeys((*config.disable, *_EXPLAIN_OPTIONS["moe.disable"])))}, config.inductor
 
 
 def _unwrap(fn):

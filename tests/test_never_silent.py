@@ -1695,18 +1695,15 @@ def test_break_after_a_topk_in_code_without_experts_is_not_moe_code():
 
 
 # ------------------------------------- Mixtral's loop with the expert bound first, router in a gate module
-class SparseMLP(nn.Module):
+class SparseMLP(SparseFFN):
     """Hugging Face Mixtral's per-expert loop: the expert bound first (``expert = self.experts[e]``), the
     router a gate module, and in the loop an empty-expert skip, a host sync or a graph break: Dynamo gives up
     on the whole forward, then compiles each expert's forward as a frame of its own, with no router. No name
-    says MoE."""
+    says MoE. (SparseFFN's gate module and experts, its own forward.)"""
 
     def __init__(self, skip, h=16, e=4):
-        super().__init__()
-        torch.manual_seed(0)
-        self.skip, self.e = skip, e
-        self.gate = _GateModule(h, e)
-        self.experts = nn.ModuleList(SwiGLU(h, 32) for _ in range(e))
+        super().__init__("gate_module", h, e)
+        self.skip = skip
 
     def forward(self, x):
         w, ids = self.gate(x)
