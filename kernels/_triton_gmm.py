@@ -78,24 +78,24 @@ def _gmm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, offs_ptr, idx_ptr, wtab_ptr,
             src = tl.load(idx_ptr + rows, mask=rmask, other=0) // TOP_K
         else:
             src = rows
-        ks = tl.arange(0, BK)
-        a_ptrs = x_ptr + src.to(tl.int64)[:, None] * sxm + ks[None, :] * sxk
+        # offsets in int64 (k * stride passes 2^31 elements for a column-major x or an N-strided w)
+        ks = tl.arange(0, BK).to(tl.int64)
+        a_rows = x_ptr + src.to(tl.int64)[:, None] * sxm
         if W_TABLE:  # element offset of expert e from w_ptr, 16-byte aligned (checked on the host)
             w_base = w_ptr + tl.multiple_of(tl.load(wtab_ptr + e), 8)
         else:
             w_base = w_ptr + e.to(tl.int64) * swe
-        b_ptrs = w_base + ks[:, None] * swk + cols[None, :] * swn
+        b_cols = w_base + cols.to(tl.int64)[None, :] * swn
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
-            kmask = (k0 + ks) < K
-            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+            kk = k0 + ks
+            kmask = kk < K
+            a = tl.load(a_rows + kk[None, :] * sxk, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(b_cols + kk[:, None] * swk, mask=kmask[:, None] & cmask[None, :], other=0.0)
             if IS_FP32:
                 acc = tl.dot(a, b, acc, input_precision=PRECISION)
             else:
                 acc = tl.dot(a, b, acc)
-            a_ptrs += BK * sxk
-            b_ptrs += BK * swk
         if HAS_BIAS:
             bias = tl.load(b_ptr + e.to(tl.int64) * sbe + cols, mask=cmask, other=0.0)
             acc += bias.to(tl.float32)[None, :]
@@ -114,8 +114,8 @@ def _wgrad_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, M, K, N,
     n_tiles = tl.cdiv(N, BN)
     e = pid // (k_tiles * n_tiles)
     rem = pid % (k_tiles * n_tiles)
-    ks = (rem // n_tiles) * BK + tl.arange(0, BK)
-    ns = (rem % n_tiles) * BN + tl.arange(0, BN)
+    ks = ((rem // n_tiles) * BK + tl.arange(0, BK)).to(tl.int64)  # int64 products: a column-major x or dy
+    ns = ((rem % n_tiles) * BN + tl.arange(0, BN)).to(tl.int64)   # may pass 2^31 elements
     kmask = ks < K
     nmask = ns < N
     end = tl.minimum(tl.load(offs_ptr + e), M)

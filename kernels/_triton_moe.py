@@ -143,11 +143,12 @@ def _rows_fixup_kernel(y_ptr, offs_ptr, b_ptr, M, N, E, sym, sbe,
 
 @lean
 @triton.jit
-def _wgrad_finish_kernel(src_ptr, dst_ptr, offs_ptr, KN, s_se, BLOCK: tl.constexpr):
+def _wgrad_finish_kernel(src_ptr, dst_ptr, offs_ptr, KN, s_se, BLOCKS, BLOCK: tl.constexpr):
     """dst[e] = float(src[e]) if group e has rows else 0 (the CUTLASS 2Dx2D output for an empty
-    group is not guaranteed to be written). src/dst [E, K*N] with contiguous rows of K*N."""
-    e = tl.program_id(0)
-    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    group is not guaranteed to be written). src/dst [E, K*N] with contiguous rows of K*N; program
+    e * BLOCKS + b does block b of expert e."""
+    e = tl.program_id(0) // BLOCKS
+    i = (tl.program_id(0) % BLOCKS).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < KN
     end = tl.load(offs_ptr + e)
     start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
@@ -268,6 +269,7 @@ def route_permute(expert_ids: torch.Tensor, num_experts: int):
 # ------------------------------------------------------------------------------------ wrappers
 def permute_rows(x: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, top_k: int) -> torch.Tensor:
     x = x if x.stride(1) == 1 else x.contiguous()
+    perm, offsets = perm.contiguous(), offsets.contiguous()  # the kernels index them as flat arrays
     nr, h = perm.numel(), x.shape[1]
     xp = torch.empty(nr, h, dtype=x.dtype, device=x.device)
     if xp.numel() == 0:
@@ -294,6 +296,7 @@ def unpermute_sum(y: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor, offset
 def _combine(y, inv, weights, offsets, t: int, k: int, out_dtype: torch.dtype):
     """The sum is fp32 whatever the dtypes (y's rows widened exactly on load), rounded once to out_dtype."""
     y = y if y.stride(1) == 1 else y.contiguous()
+    inv, offsets = inv.contiguous(), offsets.contiguous()
     h = y.shape[1]
     out = torch.empty(t, h, dtype=out_dtype, device=y.device)
     if out.numel() == 0:
@@ -313,7 +316,7 @@ def unpermute_combine_backward(dout, y, inv, weights, offsets):
     y = y if y.stride(1) == 1 else y.contiguous()
     t, k = weights.shape
     nq, h = y.shape
-    weights = weights.contiguous()
+    weights, inv, offsets = weights.contiguous(), inv.contiguous(), offsets.contiguous()
     dy = torch.empty(nq, h, dtype=y.dtype, device=y.device)
     dw = torch.empty(t, k, dtype=weights.dtype, device=y.device)
     if nq == 0:
@@ -329,6 +332,7 @@ def unpermute_combine_backward(dout, y, inv, weights, offsets):
 def grouped_bias_grad(dy: torch.Tensor, offsets: torch.Tensor, num_experts: int) -> torch.Tensor:
     m, n = dy.shape
     dy = dy if dy.stride(1) == 1 else dy.contiguous()
+    offsets = offsets.contiguous()
     db = torch.empty(num_experts, n, dtype=torch.float32, device=dy.device)
     if db.numel() == 0:
         return db
@@ -372,8 +376,8 @@ def wgrad_finish(src: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtyp
     if dst.numel() == 0:
         return dst
     block = 4096
-    _wgrad_finish_kernel[(e, triton.cdiv(k * n, block))](src, dst, offsets, k * n, src.stride(0), BLOCK=block,
-                                                        num_warps=8)
+    blocks = triton.cdiv(k * n, block)  # one grid dim (the second is capped at 65535: K*N <= 268M)
+    _wgrad_finish_kernel[(e * blocks,)](src, dst, offsets, k * n, src.stride(0), blocks, BLOCK=block, num_warps=8)
     return dst
 
 

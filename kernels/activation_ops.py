@@ -49,7 +49,7 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
 
 @swiglu_backward.register_fake
 def _(h, da):
-    return torch.empty_like(h)
+    return h.new_empty(h.shape)  # contiguous, as every implementation
 
 
 def _swiglu_setup(ctx, inputs, output):
@@ -97,7 +97,7 @@ def weighted_swiglu_backward(h: torch.Tensor, weights: torch.Tensor, perm: torch
 
 @weighted_swiglu_backward.register_fake
 def _(h, weights, perm, offsets, da):
-    return torch.empty_like(h), weights.new_empty(weights.shape)   # contiguous, as every implementation
+    return h.new_empty(h.shape), weights.new_empty(weights.shape)   # contiguous, as every implementation
 
 
 def _weighted_setup(ctx, inputs, output):

@@ -21,7 +21,8 @@ What runs where (all sync-free: no .item()/.tolist()/nonzero, static launch shap
                                torch.get_float32_matmul_precision()), bias in the epilogue
     grouped_mm_list            one strided view + the grouped_mm path when the weights are evenly
                                spaced views of one buffer; else Triton reading each expert in place
-                               through a cached table of offsets in pinned host memory (no copy)
+                               through a cached table of offsets in pinned host memory (no copy;
+                               weight_tables: a table is freed only once no launch can read it)
     grouped_mm_wgrad  bf16,    quack-kernels' warp-specialised varlen GEMM (_quack, optional extra
                 sm90, aligned  "quack"; 1.07-1.27x CUTLASS on the benchmark layers' weight gradients,
                                examples/benchmark/quack_ab.py), fp32 or bf16 out directly
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import torch
 
+from . import weight_tables
 from .layout import even_step
 
 try:  # Triton is optional: without it the references stay in place.
@@ -111,10 +113,12 @@ def _tma_device(t: torch.Tensor) -> bool:
 
 
 def _tma_ok_2d(t: torch.Tensor) -> bool:
-    """One of the last two strides is 1 and the other a multiple of 16 bytes; 16-byte aligned base."""
+    """One of the last two strides is 1 and the other a multiple of 16 bytes that spans a whole row
+    (column): no broadcast (stride 0) or overlapping rows; 16-byte aligned base."""
     es = t.element_size()
     s0, s1 = t.stride(-2), t.stride(-1)
-    ok = (s1 == 1 and (s0 * es) % 16 == 0) or (s0 == 1 and (s1 * es) % 16 == 0)
+    ok = ((s1 == 1 and (s0 * es) % 16 == 0 and s0 >= max(1, t.shape[-1]))
+          or (s0 == 1 and (s1 * es) % 16 == 0 and s1 >= max(1, t.shape[-2])))
     if t.dim() == 3:
         ok = ok and (t.stride(0) * es) % 16 == 0
     return ok and t.data_ptr() % 16 == 0
@@ -163,7 +167,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: to
     """
     from . import _triton_gmm, _triton_moe
 
-    offsets = offsets.to(torch.int32) if offsets.dtype != torch.int32 else offsets
+    offsets = offsets.to(torch.int32) if offsets.dtype != torch.int32 else offsets.contiguous()
     large = GMM_BACKEND == "cutlass" or x.shape[0] > AUTO_TRITON_MAX_ROWS_PER_GROUP * w.shape[0]
     if GMM_BACKEND in ("auto", "tma") and x.shape[0] > 0 and _tma_device(x):
         from . import _triton_tma
@@ -179,40 +183,31 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: to
     return _triton_moe.rows_fixup(y, offsets, None)
 
 
-_LIST_PLANS: dict[tuple, tuple] = {}
-
-
 def _list_plan(ws: list[torch.Tensor]) -> tuple:
-    """How to read per-expert weights, cached on the experts' addresses plus expert 0's shape,
-    strides and dtype (the other experts are assumed to keep the layout they had when the plan
-    was made, as module parameters do). The per-call host cost is one pass of data_ptr() instead
-    of several passes of shape/stride/storage checks over E tensors (~250 us for 128 experts):
-
-        ("view", step)           evenly spaced views of one buffer: one strided [E, K, N] view
-        ("table", host)          int64 element offsets from expert 0 (16-byte aligned) in pinned
-                                 host memory, read by the kernel through unified addressing (one
-                                 8-byte load per tile). Nothing is allocated on the device, so a
-                                 table made during a CUDA-graph warm-up is not a stray allocation
-                                 of the graph pool, and there is no host-to-device copy to order.
-        ("stack",)               anything else: torch.stack (a copy per call)
+    """How to read per-expert weights (``weight_tables``: the plans, and when a table may be freed),
+    cached on the experts' addresses plus expert 0's shape, strides and dtype (the other experts are
+    assumed to keep the layout they had when the plan was made, as module parameters do). The per-call
+    host cost is one pass of data_ptr() instead of several passes of shape/stride/storage checks over
+    E tensors (~250 us for 128 experts). A table's offsets are 16-byte aligned; nothing is allocated
+    on the device, so a table made during a CUDA-graph warm-up is not a stray allocation of the graph
+    pool, and there is no host-to-device copy to order.
     """
     w0 = ws[0]
     ptrs = tuple(map(torch.Tensor.data_ptr, ws))
     key = (ptrs, tuple(w0.shape), w0.stride(), w0.dtype, w0.device.index)
-    plan = _LIST_PLANS.get(key)
+    plan = weight_tables.get(key)
     if plan is None:
         es = w0.element_size()
-        uniform = all(w.shape == w0.shape and w.stride() == w0.stride() and w.dtype == w0.dtype for w in ws)
+        uniform = all(w.shape == w0.shape and w.stride() == w0.stride() and w.dtype == w0.dtype
+                      and w.device == w0.device for w in ws)
         step = even_step(ws) if len(ws) > 1 else 0
         if uniform and (len(ws) == 1 or step):
             plan = ("view", step)
         elif uniform and not any(p % 16 for p in ptrs):
-            plan = ("table", torch.tensor([(p - ptrs[0]) // es for p in ptrs], dtype=torch.int64).pin_memory())
+            plan = weight_tables.new_table([(p - ptrs[0]) // es for p in ptrs])
         else:
             plan = ("stack",)
-        if len(_LIST_PLANS) >= 256:
-            _LIST_PLANS.clear()
-        _LIST_PLANS[key] = plan
+        weight_tables.put(key, plan, torch.cuda.is_current_stream_capturing())
     return plan
 
 
@@ -234,7 +229,8 @@ def grouped_mm_list(x: torch.Tensor, ws: list[torch.Tensor], offsets: torch.Tens
         return grouped_mm(x, w3, offsets, bias)
     if plan[0] == "stack":
         return grouped_mm(x, torch.stack(ws), offsets, bias)
-    offsets = offsets.to(torch.int32) if offsets.dtype != torch.int32 else offsets
+    offsets = offsets.to(torch.int32) if offsets.dtype != torch.int32 else offsets.contiguous()
+    weight_tables.note_read(plan, torch.cuda.current_stream(x.device), torch.cuda.is_current_stream_capturing())
     y = _triton_gmm.grouped_mm(x, w0, offsets, bias, w_table=plan[1])
     return _triton_moe.rows_fixup(y, offsets, None)
 
@@ -252,7 +248,7 @@ def grouped_mm_wgrad_lowp(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tens
 def _wgrad(x, dy, offsets, num_experts, out_dtype):
     from . import _quack, _triton_gmm, _triton_moe
 
-    offsets = offsets.to(torch.int32) if offsets.dtype != torch.int32 else offsets
+    offsets = offsets.to(torch.int32) if offsets.dtype != torch.int32 else offsets.contiguous()
     if WGRAD_BACKEND != "cutlass" and GMM_BACKEND != "triton" and _tma_device(x):
         if WGRAD_BACKEND not in WGRAD_BACKENDS:
             raise ValueError(f"moe_compile.kernels.cuda.WGRAD_BACKEND is {WGRAD_BACKEND!r}; use one of {WGRAD_BACKENDS}")

@@ -6,6 +6,8 @@
     grouped_mm_list_cat(x, ws_a, ws_b, offsets)          -> [M,Na+Nb] (sibling linears, e.g. w1|w3)
     grouped_mm_wgrad(x, dy, offsets, E)      -> fp32 [E,K,N];  grouped_mm_wgrad_lowp -> x.dtype
     grouped_bias_grad(dy, offsets, E)        -> fp32 [E,N]
+    (float64 inputs: every op computes in float64, with its reference on every device; the others
+    accumulate in float32)
 
 Rows past offsets[-1] are zero in every output. Autograd formulas are built from these ops.
 
@@ -36,13 +38,25 @@ def check_gmm(op, x, w_shape, w_dtype, offsets, num_groups):
     check(x.dim() == 2, op, f"x must be 2-D [M, K], got {tuple(x.shape)}")
     check(x.shape[1] == w_shape[0], op, f"x has K={x.shape[1]} but the expert weight has K={w_shape[0]}")
     check(x.dtype == w_dtype, op, f"x is {x.dtype} but the expert weights are {w_dtype}; cast one of them")
-    check(offsets.numel() == num_groups, op, f"offsets has {offsets.numel()} groups, weights have {num_groups}")
+    check(offsets.dim() == 1 and offsets.numel() == num_groups, op,
+          f"offsets has shape {tuple(offsets.shape)}, the weights have {num_groups} groups: it must be [{num_groups}]")
+
+
+def check_wgrad(op, x, dy, offsets, num_experts):
+    check(x.dim() == 2 and dy.dim() == 2 and x.shape[0] == dy.shape[0], op,
+          f"x {tuple(x.shape)} and dy {tuple(dy.shape)} must be 2-D with the same number of rows")
+    check(x.dtype == dy.dtype, op, f"x is {x.dtype} but dy is {dy.dtype}")
+    check(offsets.dim() == 1 and offsets.numel() == num_experts, op,
+          f"offsets has shape {tuple(offsets.shape)}, num_experts is {num_experts}: it must be [num_experts]")
 
 
 @torch.library.custom_op("moe_compile::grouped_mm", mutates_args=())
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     check(w.dim() == 3, "grouped_mm", f"w must be 3-D [E, K, N], got {tuple(w.shape)}")
     check_gmm("grouped_mm", x, w.shape[1:], w.dtype, offsets, w.shape[0])
+    if bias is not None:
+        check(tuple(bias.shape) == (w.shape[0], w.shape[2]), "grouped_mm",
+              f"bias must be [E, N] = {(w.shape[0], w.shape[2])} (one row per expert), got {tuple(bias.shape)}")
     return implementation("grouped_mm", x)(x, w, offsets, bias)
 
 
@@ -79,22 +93,26 @@ grouped_mm.register_autograd(_grouped_mm_bwd, setup_context=_grouped_mm_setup)
 
 @torch.library.custom_op("moe_compile::grouped_mm_wgrad", mutates_args=())
 def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, num_experts: int) -> torch.Tensor:
+    check_wgrad("grouped_mm_wgrad", x, dy, offsets, num_experts)
     return implementation("grouped_mm_wgrad", x)(x, dy, offsets, num_experts)
 
 
 @grouped_mm_wgrad.register_fake
 def _(x, dy, offsets, num_experts):
-    return x.new_empty(num_experts, x.shape[1], dy.shape[1], dtype=torch.float32)
+    return x.new_empty(num_experts, x.shape[1], dy.shape[1], dtype=torch.promote_types(x.dtype, torch.float32))
 
 
 @torch.library.custom_op("moe_compile::grouped_bias_grad", mutates_args=())
 def grouped_bias_grad(dy: torch.Tensor, offsets: torch.Tensor, num_experts: int) -> torch.Tensor:
+    check(dy.dim() == 2, "grouped_bias_grad", f"dy must be 2-D [M, N], got {tuple(dy.shape)}")
+    check(offsets.dim() == 1 and offsets.numel() == num_experts, "grouped_bias_grad",
+          f"offsets must be [num_experts={num_experts}], got {tuple(offsets.shape)}")
     return implementation("grouped_bias_grad", dy)(dy, offsets, num_experts)
 
 
 @grouped_bias_grad.register_fake
 def _(dy, offsets, num_experts):
-    return dy.new_empty(num_experts, dy.shape[1], dtype=torch.float32)
+    return dy.new_empty(num_experts, dy.shape[1], dtype=torch.promote_types(dy.dtype, torch.float32))
 
 
 def _match_inputs(ctx, grads: tuple) -> tuple:
@@ -239,11 +257,7 @@ grouped_mm_list_cat.register_autograd(_list_cat_bwd, setup_context=_list_cat_set
 # --------------------------------------------------------------------------- weight gradients
 @torch.library.custom_op("moe_compile::grouped_mm_wgrad_lowp", mutates_args=())
 def grouped_mm_wgrad_lowp(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, num_experts: int) -> torch.Tensor:
-    check(x.dim() == 2 and dy.dim() == 2 and x.shape[0] == dy.shape[0], "grouped_mm_wgrad_lowp",
-               f"x {tuple(x.shape)} and dy {tuple(dy.shape)} must be 2-D with the same number of rows")
-    check(x.dtype == dy.dtype, "grouped_mm_wgrad_lowp", f"x is {x.dtype} but dy is {dy.dtype}")
-    check(offsets.numel() == num_experts, "grouped_mm_wgrad_lowp",
-               f"offsets has {offsets.numel()} groups, num_experts is {num_experts}")
+    check_wgrad("grouped_mm_wgrad_lowp", x, dy, offsets, num_experts)
     return implementation("grouped_mm_wgrad_lowp", x)(x, dy, offsets, num_experts)
 
 

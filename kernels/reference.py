@@ -60,11 +60,12 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: to
     """out[rows of group e] = x[rows] @ w[e] (+ bias[e]); x [M, K], w [E, K, N]; rows past the
     last group are 0. Accumulates in fp32."""
     out = torch.zeros(x.shape[0], w.shape[-1], dtype=x.dtype, device=x.device)
+    ct = torch.promote_types(x.dtype, torch.float32)
     for e, (s, t) in enumerate(_bounds(offsets)):
         if t > s:
-            acc = x[s:t].float() @ w[e].float()
+            acc = x[s:t].to(ct) @ w[e].to(ct)
             if bias is not None:
-                acc = acc + bias[e].float()
+                acc = acc + bias[e].to(ct)
             out[s:t] = acc.to(x.dtype)
     return out
 
@@ -74,21 +75,23 @@ def grouped_mm_list(x: torch.Tensor, ws: list[torch.Tensor], offsets: torch.Tens
     """grouped_mm with per-expert weight tensors ws[e] [K, N] (e.g. ModuleList weights, viewed
     transposed): each expert's weight is read in place, never stacked into a copy."""
     out = torch.zeros(x.shape[0], ws[0].shape[-1], dtype=x.dtype, device=x.device)
+    ct = torch.promote_types(x.dtype, torch.float32)
     for e, (s, t) in enumerate(_bounds(offsets)):
         if t > s:
-            acc = x[s:t].float() @ ws[e].float()
+            acc = x[s:t].to(ct) @ ws[e].to(ct)
             if biases:
-                acc = acc + biases[e].float()
+                acc = acc + biases[e].to(ct)
             out[s:t] = acc.to(x.dtype)
     return out
 
 
 def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, num_experts: int):
     """dw[e] = x[rows e].T @ dy[rows e] -> [E, K, N] (zeros for empty groups)."""
-    dw = torch.zeros(num_experts, x.shape[1], dy.shape[1], dtype=torch.float32, device=x.device)
+    ct = torch.promote_types(x.dtype, torch.float32)
+    dw = torch.zeros(num_experts, x.shape[1], dy.shape[1], dtype=ct, device=x.device)
     for e, (s, t) in enumerate(_bounds(offsets)):
         if t > s:
-            dw[e] = x[s:t].float().t() @ dy[s:t].float()
+            dw[e] = x[s:t].to(ct).t() @ dy[s:t].to(ct)
     return dw
 
 
@@ -98,11 +101,12 @@ def grouped_mm_wgrad_lowp(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tens
 
 
 def grouped_bias_grad(dy: torch.Tensor, offsets: torch.Tensor, num_experts: int):
-    """db[e] = sum of dy over the rows of group e -> [E, N] (fp32)."""
-    db = torch.zeros(num_experts, dy.shape[1], dtype=torch.float32, device=dy.device)
+    """db[e] = sum of dy over the rows of group e -> [E, N] (fp32; fp64 for fp64)."""
+    ct = torch.promote_types(dy.dtype, torch.float32)
+    db = torch.zeros(num_experts, dy.shape[1], dtype=ct, device=dy.device)
     for e, (s, t) in enumerate(_bounds(offsets)):
         if t > s:
-            db[e] = dy[s:t].float().sum(0)
+            db[e] = dy[s:t].to(ct).sum(0)
     return db
 
 
@@ -112,21 +116,23 @@ def unpermute_combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor,
     deterministic (a gather-reduce, no atomics). y [N, H], weights [T, K] -> out [T, H] (out_dtype,
     default y.dtype)."""
     t, k = weights.shape
-    keep = (inv < (offsets[-1].long() if offsets.numel() else 0)).to(torch.float32)
-    rows = y.float().index_select(0, inv)  # [N, H]
-    w = weights.float().reshape(-1) * keep
+    ct = torch.promote_types(out_dtype or y.dtype, torch.float32)  # fp64 for fp64
+    keep = (inv < (offsets[-1].long() if offsets.numel() else 0)).to(ct)
+    rows = y.to(ct).index_select(0, inv)  # [N, H]
+    w = weights.to(ct).reshape(-1) * keep
     return (rows * w.unsqueeze(-1)).view(t, k, y.shape[1]).sum(1).to(out_dtype or y.dtype)  # T may be 0
 
 
 def unpermute_combine_backward(dout, y, inv, weights, offsets):
     """Gradients of unpermute_combine: (dy [N, H], dweights [T, K])."""
     t, k = weights.shape
-    keep = (inv < (offsets[-1].long() if offsets.numel() else 0)).to(torch.float32)
-    dout_rows = dout.float().repeat_interleave(k, dim=0)  # [N, H], row q = token q // K
-    w = weights.float().reshape(-1) * keep
-    dy = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
+    ct = torch.promote_types(dout.dtype, torch.float32)  # fp64 for fp64
+    keep = (inv < (offsets[-1].long() if offsets.numel() else 0)).to(ct)
+    dout_rows = dout.to(ct).repeat_interleave(k, dim=0)  # [N, H], row q = token q // K
+    w = weights.to(ct).reshape(-1) * keep
+    dy = torch.zeros(y.shape, dtype=ct, device=y.device)
     dy.index_copy_(0, inv, dout_rows * w.unsqueeze(-1))
-    dw = (dout_rows * y.float().index_select(0, inv)).sum(-1) * keep
+    dw = (dout_rows * y.to(ct).index_select(0, inv)).sum(-1) * keep
     return dy.to(y.dtype), dw.view(t, k).to(weights.dtype)
 
 

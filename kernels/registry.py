@@ -52,11 +52,12 @@ def register(op: str, device_type: str, fn: Callable) -> None:
 
 
 def implementation(op: str, t: torch.Tensor) -> Callable:
-    """The implementation of ``op`` for tensors on ``t``'s device."""
+    """The implementation of ``op`` for tensors on ``t``'s device; float64 runs the reference on every
+    device (the kernels compute in 16/32-bit)."""
     device_type = t.device.type
     if device_type not in _LOADED:
         _load(device_type)
-    if _REFERENCE_ONLY[0]:
+    if _REFERENCE_ONLY[0] or t.dtype == torch.float64:
         return getattr(reference, op)
     return _IMPLS.get((op, device_type)) or getattr(reference, op)
 

@@ -20,6 +20,12 @@ import torch
 from .common import check
 from .registry import implementation
 
+
+def _check_offsets(op: str, offsets: torch.Tensor) -> None:
+    check(offsets.dim() == 1 and offsets.numel() >= 1 and not offsets.is_floating_point(), op,
+          f"offsets must be route_permute's [E] integer group ends with E >= 1, got {offsets.dtype} "
+          f"{tuple(offsets.shape)}")
+
 # --------------------------------------------------------------------------- route_permute
 @torch.library.custom_op("moe_compile::route_permute", mutates_args=())
 def route_permute(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -42,6 +48,7 @@ def permute_rows(x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor, offsets
     check(x.dim() == 2, "permute_rows", f"x must be [T, H], got {tuple(x.shape)}")
     check(perm.numel() == x.shape[0] * top_k, "permute_rows",
            f"perm has {perm.numel()} rows but x has {x.shape[0]} tokens x top_k {top_k}")
+    _check_offsets("permute_rows", offsets)
     return implementation("permute_rows", x)(x, perm, offsets, top_k)
 
 
@@ -79,6 +86,7 @@ def unpermute_combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor,
     check(y.shape[0] == weights.numel() == inv.numel(), "unpermute_combine",
            f"y has {y.shape[0]} rows, inv {inv.numel()}, weights {weights.numel()}: all must be T*K")
     _check_out_dtype("unpermute_combine", y, out_dtype)
+    _check_offsets("unpermute_combine", offsets)
     return implementation("unpermute_combine", y)(y, inv, weights, offsets, out_dtype)
 
 
@@ -105,12 +113,13 @@ unpermute_combine.register_autograd(_combine_bwd, setup_context=_combine_setup)
 @torch.library.custom_op("moe_compile::unpermute_combine_backward", mutates_args=())
 def unpermute_combine_backward(dout: torch.Tensor, y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor,
                                offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_offsets("unpermute_combine_backward", offsets)
     return implementation("unpermute_combine_backward", y)(dout, y, inv, weights, offsets)
 
 
 @unpermute_combine_backward.register_fake
 def _(dout, y, inv, weights, offsets):
-    return torch.empty_like(y), weights.new_empty(weights.shape)   # contiguous, as every implementation
+    return y.new_empty(y.shape), weights.new_empty(weights.shape)   # contiguous, as every implementation
 
 
 # --------------------------------------------------------------------------- unpermute_sum
@@ -123,6 +132,7 @@ def unpermute_sum(y: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor, offset
           and y.shape[0] % top_k == 0, "unpermute_sum",
           f"y {tuple(y.shape)}, perm {perm.numel()}, inv {inv.numel()}: y must have T*K rows (K={top_k})")
     _check_out_dtype("unpermute_sum", y, out_dtype)
+    _check_offsets("unpermute_sum", offsets)
     return implementation("unpermute_sum", y)(y, perm, inv, offsets, top_k, out_dtype)
 
 
