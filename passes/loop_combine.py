@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .loop_roles import STOP, AccRead, AccSum, Contrib, Index, Rows, ScatterIndex, Storage, TokMask, as_contrib
+from .loop_roles import (STOP, AccRead, AccSum, Contrib, Index, Rows, ScatterIndex, Storage, TokMask, as_contrib,
+                         expert_key)
 from .normalize import arg, canon, where_in_user_code
 from .region import Finding
 from .writes import storage_base
@@ -122,7 +123,7 @@ def _edits_expert_input(a, s: Storage, c: Contrib) -> bool:
 def _unsupported(a, s: Storage, n: fx.Node, c, ri, op: str):
     """A write the rewrite cannot reproduce; when its value is no expert output because of an op on
     that expert's rows (``x[tok].detach()``), that op is the reason, not the write."""
-    found = a.row_findings.get(getattr(ri, "e", None)) if c is None else None
+    found = a.row_findings.get(expert_key(ri)) if c is None else None
     if found:
         s.findings.append(found[0])
         return STOP

@@ -30,7 +30,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .loop_combine import acc_read, acc_sum, combine, expert_rows
 from .loop_roles import (STOP, Contrib, Ids, Index, OneHot, PendingScatter, RowFn, Rows, RowW, ScatterIndex, Sel,
-                         Storage, TokMask, Weighted, WhereOf)
+                         Storage, TokMask, Weighted, WhereOf, expert_key)
+from .checkpoint_bodies import HOPS as CHECKPOINT_HOPS
 from .id_range import holds_ids
 from .normalize import arg, canon, id_bound, shape, val, where_in_user_code
 from .region import Finding
@@ -58,11 +59,6 @@ def _is_last_dim(dim, n) -> bool:
     return dim == -1 or (nd is not None and dim == nd - 1)
 
 
-def _expert_of(role) -> int | None:
-    if isinstance(role, (RowFn, Contrib)):
-        return role.rows.e
-    return getattr(role, "e", None)
-
 
 class Analysis:
     """Roles of nodes and the accumulators found in one graph."""
@@ -74,7 +70,7 @@ class Analysis:
         self.storages: list[Storage] = []
         self.linears: dict[fx.Node, tuple] = {}   # expert-function linear -> (weight node, bias node, layout)
         self.pattern: set[fx.Node] = set()        # nodes consumed by a recognised combine pattern
-        self.row_findings: dict[int, list[Finding]] = {}  # expert e -> unsupported ops on its rows
+        self.row_findings: dict[tuple, list[Finding]] = {}  # expert_key -> unsupported ops on its rows
         self.bias_adds: dict[fx.Node, tuple] = {}  # linear(rows) + b_e -> (the linear, b_e)
         self.refused_writes: dict[Storage, fx.Node] = {}  # an expert's output written in a refused way
 
@@ -126,16 +122,17 @@ class Analysis:
                     return role
         return rowwise(self, n, op, r0)
 
-    def _row_finding(self, e: int, node: fx.Node, why: str = ""):
-        self.row_findings.setdefault(e, []).append(
-            Finding.of("unsupported_row_op", node, op=canon(node) or node.op, at=where_in_user_code(node) or "?",
-                       why=why))
+    def _row_finding(self, key: tuple, node: fx.Node, why: str = ""):
+        op = canon(node) or node.op
+        code = "expert_checkpointed" if op in CHECKPOINT_HOPS else "unsupported_row_op"
+        self.row_findings.setdefault(key, []).append(
+            Finding.of(code, node, op=op, at=where_in_user_code(node) or "?", why=why))
 
     def _note_unhandled(self, node, why):
         for a in node.all_input_nodes:
-            e = _expert_of(self.r(a))
-            if e is not None:
-                self._row_finding(e, node, why)
+            key = expert_key(self.r(a))
+            if key is not None:
+                self._row_finding(key, node, why)
 
     def _note_reads(self, node: fx.Node):
         """Record reads of accumulators and ops that consumed row values unsupportedly."""
@@ -147,7 +144,7 @@ class Analysis:
                 s.readers.append((node, s.version))
             ra = self.r(a)
             if isinstance(ra, (RowFn, Rows, Contrib, RowW)) and node.op != "output":
-                self._row_finding(_expert_of(ra), node)
+                self._row_finding(expert_key(ra), node)
 
     def refuse_write(self, s: Storage, n: fx.Node, code: str, contrib, **detail):
         s.findings.append(Finding.of(code, n, at=where_in_user_code(n), **detail))

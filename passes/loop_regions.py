@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from .loop_dataflow import Analysis, analyze
-from .loop_roles import Contrib, RowFn, Rows, Storage, TokMask
+from .loop_roles import Contrib, RowFn, Rows, Storage, TokMask, expert_key
 from .normalize import canon, common_module, dtype_of, module_path, val, where_in_user_code
 from .region import AccumulateInPlace, Candidate, ExpertMLP, Finding, Region, Router, Step
 from .writes import storage_base
@@ -113,9 +113,9 @@ def _findings(a: Analysis, s: Storage, functions: dict, order: dict) -> list[Fin
         return [Finding.of("two_inputs")]
     if len({c.w for c in cs}) != 1:
         return [Finding.of("mixed_weights")]
-    for e in experts:
-        if a.row_findings.get(e):
-            return a.row_findings[e][:1]
+    for c in cs:
+        if a.row_findings.get(expert_key(c)):
+            return a.row_findings[expert_key(c)][:1]
     partial = [n for n, v in s.readers if 0 < v < s.version]
     if partial:
         return [Finding.of("partial_read", partial[0], reader=partial[0].name, at=where_in_user_code(partial[0]))]
@@ -146,6 +146,10 @@ def _early_views(a: Analysis, s: Storage, order: dict) -> list[fx.Node]:
             and storage_base(u, {}) is s.alloc]
 
 
+# row findings (ops on an expert's rows) that, found on a write into an accumulator, make it an MoE layer's
+EXPERT_ROW_CODES = ("unsupported_row_op", "expert_checkpointed")
+
+
 def find_loop_regions(gm: fx.GraphModule, analysis: Analysis | None = None) -> list[Candidate]:
     a = analysis or analyze(gm)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -155,6 +159,11 @@ def find_loop_regions(gm: fx.GraphModule, analysis: Analysis | None = None) -> l
             n = a.refused_writes[s]
             found.append(Candidate(module_path(n) or module_path(s.alloc), f"loop/?+{canon(n)}",
                                    where_in_user_code(n), None, tuple(s.findings[:1])))
+            continue
+        if not s.contribs and s.findings and s.findings[0].code in EXPERT_ROW_CODES:
+            f = s.findings[0]  # expert outputs made by an op the rewrite does not take: say which
+            found.append(Candidate(module_path(f.node) or module_path(s.alloc), "loop/?",
+                                   where_in_user_code(f.node), None, (f,)))
             continue
         if not s.contribs or s.forked:
             continue  # nothing added, or an intermediate of a functional index_add chain

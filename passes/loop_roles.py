@@ -111,6 +111,15 @@ class Contrib:
     w: fx.Node | None
 
 
+def expert_key(role) -> tuple | None:
+    """(the router's ids node, expert e) of a role that belongs to one expert of one router, else None:
+    what an op on an expert's rows is recorded under, so that it refuses that layer's loop only."""
+    if isinstance(role, (RowFn, Contrib)):
+        role = role.rows
+    e, ids = getattr(role, "e", None), getattr(role, "ids", None)
+    return None if e is None or ids is None else (ids.root, e)
+
+
 @dataclass(frozen=True)
 class AccRead:
     """acc[index] read as the left side of ``acc[index] += contrib``."""

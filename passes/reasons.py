@@ -63,6 +63,12 @@ REASONS: dict[str, Reason] = {
         "the expert intermediate `{node}` is also used outside the MoE region (by `{user}`)",
         "use only the combined output outside the expert loop"),
     "unsupported_row_op": Reason("unsupported op `{op}` on the expert rows at {at}{why}", _FIX_UNSUPPORTED),
+    "expert_checkpointed": Reason(
+        "each expert is called through activation checkpointing inside the expert loop (`{op}` at {at}): the "
+        "backend does not rewrite an expert function inside a checkpointed call, so the layer is compiled as "
+        "written",
+        "checkpoint the whole MoE layer or decoder block instead (checkpoint(moe_layer, x), or "
+        "gradient_checkpointing_enable()), which is rewritten"),
     "random_in_experts": Reason(
         "the expert function draws random numbers (`{node}` at {at}, e.g. dropout in training): eager draws them "
         "per expert call, the rewrite once over the rows grouped by expert, which gives other numbers than "
