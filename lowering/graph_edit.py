@@ -11,6 +11,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from moe_compile.passes.loop_dataflow import SIZE_QUERIES
 from moe_compile.passes.normalize import canon, is_inplace_method, val
 from moe_compile.passes.writes import storage_base, writes_in_place, written
 
@@ -92,14 +93,17 @@ def _kept_write(node: fx.Node) -> bool:
     ``torch._foreach_add_``, ``torch.index_put_``, ``operator.iadd``; they record a tensor value like
     pure calls) into storage that outlives it: an input's, or a tensor something else reads. A write
     into a temporary nothing else reads is dead: ``out[tok] += y`` leaves ``iadd(out[tok], y)`` (a
-    copy, by advanced indexing) once the rewrite has erased the ``setitem`` that read it."""
+    copy, by advanced indexing) once the rewrite has erased the ``setitem`` that read it; so is one whose
+    other readers only ask its sizes (Dynamo's runtime asserts on ``out[mask]``'s data-dependent length:
+    kept, they kept the write, the expert code feeding it and a nonzero per expert)."""
     if not writes_in_place(node):
         return False
     target = written(node)
     memo: dict = {}
     for t in [target] if target is not None else node.all_input_nodes:   # a list or a tuple out=: any input
         base = storage_base(t, memo)
-        if base.op in ("placeholder", "get_attr") or any(u is not node for u in base.users):
+        if base.op in ("placeholder", "get_attr") or any(u is not node and canon(u) not in SIZE_QUERIES
+                                                         for u in base.users):
             return True
     return False
 

@@ -59,7 +59,6 @@ def _is_last_dim(dim, n) -> bool:
     return dim == -1 or (nd is not None and dim == nd - 1)
 
 
-
 class Analysis:
     """Roles of nodes and the accumulators found in one graph."""
 

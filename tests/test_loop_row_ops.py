@@ -3,12 +3,13 @@ refuse their own layer only, and a loop whose every expert output comes out of s
 through activation checkpointing) is refused with that reason, never left unlisted."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import moe_compile
-from helpers import LoopMoE, check_compiled, make_input, make_model
+from helpers import SPELLINGS, LoopMoE, check_compiled, make_input, make_model
 
 
 class Stack(nn.Module):
@@ -63,3 +64,15 @@ def test_experts_checkpointed_inside_the_loop_are_refused_with_the_reason():
     report = moe_compile.explain(CheckpointedExperts(h=16, i=12, e=4, k=2), x)
     assert [r.code for r in report.regions] == ["expert_checkpointed"]
     assert "checkpoint the whole MoE layer" in str(report)
+
+
+@pytest.mark.parametrize("spelling", [s for s in SPELLINGS if s not in ("assign", "assign_mask", "where_flat")])
+def test_rewritten_loops_leave_no_host_sync(spelling):
+    """The boolean-mask spelling (`out[m] += ...`) kept, after the rewrite, one `out[m]` index (a nonzero)
+    per expert with the expert code feeding it: Dynamo's size asserts on `out[m]` read its length, and a
+    write into a copy that something else reads was kept. Values were right; every forward synced."""
+    model = make_model(spelling=spelling, e=4, k=2, h=16, i=12)
+    report = moe_compile.explain(model, make_input((10, 16)))
+    assert [r.status for r in report.regions] == ["rewritten"]
+    notes = [n for r in report.regions for n in r.notes]
+    assert not any("host syncs" in n for n in notes), notes
