@@ -105,6 +105,9 @@ def make_config(args):
             small["head_dim"] = small["qk_rope_head_dim"]
         cfg = transformers.AutoConfig.for_model(args.model_type, **small)
     for key, value in args.set:
+        if not hasattr(cfg, key):
+            raise SystemExit(f"train.py: --set {key}=...: {type(cfg).__name__} has no field '{key}' (a typo?); "
+                             f"its fields: {', '.join(sorted(k for k in cfg.to_dict() if not k.startswith('_')))}")
         setattr(cfg, key, value)
     if args.layers:
         cfg.num_hidden_layers = args.layers
@@ -339,7 +342,23 @@ def parse_args(argv=None):
     ap.add_argument("--out", default="train_out", help="directory for loss.csv / loss.png")
     ap.add_argument("--device", default=None)
     args = ap.parse_args(argv)
-    args.set = [(k, ast.literal_eval(v)) for k, v in (s.split("=", 1) for s in args.set)]
+    pairs = []
+    for item in args.set:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            ap.error(f"--set takes KEY=VALUE (a config field and a Python literal), got {item!r}")
+        try:
+            pairs.append((key, ast.literal_eval(value)))
+        except (ValueError, SyntaxError):
+            ap.error(f"--set {key}=...: {value!r} is not a Python literal (a number, True/False, a quoted string, "
+                     "a list)")
+    args.set = pairs
+    if args.layers is not None and args.layers < 1:
+        ap.error(f"--layers must be at least 1, got {args.layers}")
+    if args.steps is not None and args.steps < 1:
+        ap.error(f"--steps must be at least 1, got {args.steps}")
+    if not 0 <= args.noise <= 1:
+        ap.error(f"--noise is a fraction of tokens, in [0, 1]; got {args.noise}")
     return args
 
 

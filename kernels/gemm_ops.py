@@ -38,6 +38,7 @@ def check_gmm(op, x, w_shape, w_dtype, offsets, num_groups):
     check(x.dim() == 2, op, f"x must be 2-D [M, K], got {tuple(x.shape)}")
     check(x.shape[1] == w_shape[0], op, f"x has K={x.shape[1]} but the expert weight has K={w_shape[0]}")
     check(x.dtype == w_dtype, op, f"x is {x.dtype} but the expert weights are {w_dtype}; cast one of them")
+    check(not offsets.is_floating_point(), op, f"offsets must be integer group ends (route_permute's), got {offsets.dtype}")
     check(offsets.dim() == 1 and offsets.numel() == num_groups, op,
           f"offsets has shape {tuple(offsets.shape)}, the weights have {num_groups} groups: it must be [{num_groups}]")
 
@@ -136,6 +137,8 @@ def grouped_mm_list(x: torch.Tensor, ws: list[torch.Tensor], offsets: torch.Tens
     time on every step: 384 of them for a 128-expert SwiGLU layer)."""
     check(len(ws) > 0 and all(w.dim() == 2 for w in ws), "grouped_mm_list", "ws must be a non-empty list of 2-D [K, N]")
     check_gmm("grouped_mm_list", x, ws[0].shape[::-1] if transposed else ws[0].shape, ws[0].dtype, offsets, len(ws))
+    check(len(biases) in (0, len(ws)), "grouped_mm_list", f"{len(biases)} biases for {len(ws)} experts: give one per "
+          "expert, or none")
     if transposed and not biases:
         view = strided_stack(ws)  # [E, N, K] -> one zero-copy grouped GEMM on its transpose
         if view is not None:

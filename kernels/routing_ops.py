@@ -82,7 +82,8 @@ def _check_out_dtype(op: str, y: torch.Tensor, out_dtype: torch.dtype | None) ->
 @torch.library.custom_op("moe_compile::unpermute_combine", mutates_args=())
 def unpermute_combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    check(weights.dim() == 2, "unpermute_combine", f"weights must be [T, K], got {tuple(weights.shape)}")
+    check(weights.dim() == 2 and y.dim() == 2, "unpermute_combine",
+          f"y must be [T*K, H] and weights [T, K], got {tuple(y.shape)} and {tuple(weights.shape)}")
     check(y.shape[0] == weights.numel() == inv.numel(), "unpermute_combine",
            f"y has {y.shape[0]} rows, inv {inv.numel()}, weights {weights.numel()}: all must be T*K")
     _check_out_dtype("unpermute_combine", y, out_dtype)

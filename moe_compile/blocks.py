@@ -102,6 +102,13 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     blocks = _items(best)
     if isinstance(best, nn.Sequential):   # nn.Sequential(embedding, *layers, head): the layers, not torch.nn's own
         blocks = [m for m in blocks if not type(m).__module__.startswith("torch.nn.")] or blocks
+    router = _router_of(model, blocks)
+    if router:
+        raise ValueError(
+            f"compile_blocks: the items of '{best_name or '<model>'}' look like the experts of an MoE layer ("
+            f"'{router}' outside them has one output per item): compiled one by one, the router and the routing "
+            f"would run eagerly and nothing would be rewritten; compile the layer whole with "
+            f"torch.compile(model, backend=\"moe\"), or pass blocks=[...]")
     inside = {id(m) for b in blocks for m in b.modules()} | {id(best)}
     outside = [n for n, m in mods.items() if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m) > 1
                and id(m) not in inside and not any(c is best for c in m.modules())]   # nor around best
@@ -110,6 +117,28 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
                     "layer there is not rewritten): pass every block, compile_blocks(model, blocks=[...])",
                     best_name or "<model>", ", ".join(outside[:4]))
     return blocks
+
+
+def _router_of(model: nn.Module, blocks: list[nn.Module]) -> str:
+    """The name of a weight outside ``blocks`` with one row (column) per block, as a router over experts
+    has (nn.Linear(H, E), or a raw [E, H] / [H, E] Parameter); "" where there is none."""
+    inside = {id(p) for b in blocks for p in b.parameters()}
+    n = len(blocks)
+    for name, p in model.named_parameters():
+        if id(p) not in inside and p.dim() == 2 and n in p.shape and n > 1:
+            return name
+    return ""
+
+
+def _check_blocks(model: nn.Module, blocks: list) -> None:
+    subs = {id(m) for m in model.modules()}
+    for b in blocks:
+        if not isinstance(b, nn.Module):
+            raise TypeError(f"compile_blocks: blocks must be modules of the model (or a dotted path to a ModuleList, "
+                            f"ModuleDict or Sequential in it), got a {type(b).__name__}")
+        if id(b) not in subs:
+            raise ValueError(f"compile_blocks: block {type(b).__name__} is not a submodule of the model: compiling "
+                             f"it would not change how the model runs; pass the model's own modules")
 
 
 def compile_blocks(model: nn.Module, backend="moe", *, blocks: Iterable[nn.Module] | str | None = None,
@@ -134,15 +163,23 @@ def compile_blocks(model: nn.Module, backend="moe", *, blocks: Iterable[nn.Modul
         raise TypeError(f"compile_blocks: expected an nn.Module (e.g. a Hugging Face model), got "
                         f"{type(model).__name__}; for a function use torch.compile(fn, backend=\"moe\")")
     if isinstance(blocks, str):
-        blocks = _items(model.get_submodule(blocks))
+        container = model.get_submodule(blocks)
+        if not isinstance(container, _CONTAINERS):
+            raise TypeError(f"compile_blocks: blocks='{blocks}' is {type(container).__name__}, not a ModuleList, "
+                            f"ModuleDict or Sequential; pass the path of the container of the blocks, or "
+                            f"blocks=[...] (modules)")
+        blocks = _items(container)
+    if isinstance(blocks, nn.Module) and not isinstance(blocks, _CONTAINERS):
+        blocks = [blocks]
     blocks = find_blocks(model) if blocks is None else list(blocks)
     if not blocks:
         raise ValueError("compile_blocks: no blocks to compile")
+    _check_blocks(model, blocks)
     names = {id(m): n for n, m in model.named_modules()}
-    _COMPILED[model] = tuple(names[id(b)] for b in blocks if id(b) in names)
     shared = _BlocksBackend(model) if _is_moe(backend) else backend
     for block in blocks:
         block.compile(backend=shared, **compile_kwargs)
+    _COMPILED[model] = tuple(names[id(b)] for b in blocks if id(b) in names)
     if loss:
         compile_loss(model, backend, **compile_kwargs)
     by_class: dict[type, list[nn.Module]] = {}

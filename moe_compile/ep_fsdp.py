@@ -12,6 +12,15 @@ from torch.distributed.tensor import DTensor
 from moe_compile.ep_info import _ROOTS, EPInfo, _ep_containers, _global_view, _local_params, _viewed
 
 
+def _check_args(op: str, model, mesh) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{op}: expected the model (an nn.Module) first, got {type(model).__name__}")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{op}: expected a DeviceMesh of the ranks that hold the same experts (e.g. "
+                        f"mesh[\"dp\"] of init_device_mesh(..., mesh_dim_names=(\"dp\", \"ep\"))), got "
+                        f"{type(mesh).__name__}")
+
+
 def fully_shard_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> list[nn.Module]:
     """Compose expert parallelism with FSDP2, for every expert container of ``model`` (after
     ``parallelize_experts``). ``mesh`` holds the ranks that hold the SAME experts: the data-parallel
@@ -43,6 +52,7 @@ def fully_shard_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> li
     dense gradients are both means over the global batch. Forgetting ``ignored_params`` (or a
     root ``fully_shard`` without this call) would shard each rank's different experts across the
     ep ranks: the backend refuses to compile that and names the fix (``check_fsdp_composition``)."""
+    _check_args("fully_shard_experts", model, mesh)
     policies = [k for k in ("mp_policy", "offload_policy") if fsdp_kwargs.get(k) is not None]
     if mesh.size() > 1 or policies:
         why = f"a mesh of {mesh.size()} ranks" if mesh.size() > 1 else f"{' and '.join(policies)}"
@@ -84,6 +94,7 @@ def replicate_experts(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
 
     from moe_compile.kernels.ep_transport import resolve_group
 
+    _check_args("replicate_experts", model, mesh)
     done = []
     group = mesh.get_group() if mesh.size() > 1 else None
     for path, module, info, _ in _ep_containers(model):
@@ -125,6 +136,8 @@ def fsdp_ignored_params(module: nn.Module) -> set[nn.Parameter]:
     (foreach, fused) and ``clip_grad_norm_`` take one list of DTensors on several meshes, but not
     DTensors mixed with plain tensors. Like ``fully_shard``, it replaces Parameter objects: build
     the optimizer after it (one built before holds Parameters that get no gradient)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fsdp_ignored_params: expected a module (a block or the model), got {type(module).__name__}")
     found = set()
     for _, m, _, _ in _ep_containers(module):
         if m._moe_grad_divisor is not None:

@@ -253,6 +253,8 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, max_tokens: int |
     Raises ValueError when no container is found, when E is not divisible by the mesh size, and for
     experts held as an nn.ModuleList (convert them with ``stack_experts`` first). Parameters stay on
     their device (move the model to the mesh's device type before or after)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"parallelize_experts: expected the model (an nn.Module) first, got {type(model).__name__}")
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"parallelize_experts: expected a DeviceMesh, got {type(mesh).__name__}; e.g. "
                         f"torch.distributed.device_mesh.init_device_mesh('cuda', (world_size,), mesh_dim_names=('ep',))")

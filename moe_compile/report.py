@@ -95,7 +95,8 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
         raise TypeError(f"moe_compile.explain: expected a model (an nn.Module instance) or a function, got {what}; "
                         "call moe_compile.explain(model, *inputs) with the inputs of one forward call")
     fn = _unwrap(model_or_fn)
-    options, inductor = _explain_options(_compiled_options(model_or_fn, moe_backend))
+    in_place = getattr(fn, "_compiled_call_impl", None) if isinstance(fn, torch.nn.Module) else None
+    options, inductor = _explain_options(_compiled_options(in_place or model_or_fn, moe_backend))
     session = Session(quiet=True)
     session.explaining = True
     session.explain_inductor = inductor
@@ -111,11 +112,16 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
     failure = None
     with _no_side_effects(fn, args, kwargs) as tried, recording() as published, eager_probe.probes(fn) as eager:
         try:
+            if in_place is not None:   # model.compile(...): trace the module, not the user's compiled call
+                fn._compiled_call_impl = None
             torch.compile(fn, backend=backend, **_isolated())(*args, **kwargs)
         except Exception as exc:
             failure = _setup_error(exc) or (_eager_ep_error(exc) if eager else None)
             if failure is None:
                 raise
+        finally:
+            if in_place is not None:
+                fn._compiled_call_impl = in_place
     records = list(dict.fromkeys([r for g in published for r in g] + list(getattr(failure, "records", ()))))
     seen = {r.where for r in records if r.is_break}
     records += [r for r in _earlier_skips(fn, tried) if r.where not in seen]

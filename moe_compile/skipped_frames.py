@@ -11,10 +11,40 @@ for ``explain()``, which reports them for a model whose frames an earlier compil
 from __future__ import annotations
 
 
-def report_skipped_frames(session, since_us: int) -> tuple[str, ...]:
+# Dynamo's fail type for a frame whose fake-tensor run raised (a shape or dtype the user's inputs get wrong):
+# if the call then raises too, eager raised it, and with Dynamo's suppress_errors (the capture scope) the
+# frame would also be left to run eagerly for good, rewrite included; stock torch.compile raises instead
+# and compiles the frame on the next call
+INPUT_ERROR_FAIL_TYPES = ("TorchRuntimeError",)
+
+
+def lift_input_error_skips(since_us: int) -> set[tuple]:
+    """After a call that raised: lift Dynamo's run-eagerly mark from each frame whose compile failed on
+    the call's inputs since ``since_us`` (the next call compiles it, as stock torch.compile would), and
+    return them as (file, first line, name): not a frame Dynamo gave up on, an error the user sees."""
+    try:
+        import torch._C._dynamo.eval_frame as ef
+        from torch._dynamo.convert_frame import input_codes
+        from torch._dynamo.utils import get_compilation_metrics
+    except ImportError:  # pragma: no cover - torch without these
+        return set()
+    failed = {(m.co_filename, m.co_firstlineno, m.co_name) for m in get_compilation_metrics()
+              if getattr(m, "fail_type", None) in INPUT_ERROR_FAIL_TYPES and getattr(m, "co_filename", None)
+              and (getattr(m, "start_time_us", None) or since_us) >= since_us}
+    if failed and hasattr(ef, "set_code_exec_strategy") and hasattr(ef, "_FrameExecStrategy"):
+        for ref in list(input_codes.seen):
+            code = ref()
+            if code is not None and (code.co_filename, code.co_firstlineno, code.co_name) in failed:
+                ef.set_code_exec_strategy(code, ef._FrameExecStrategy(ef._FrameAction.DEFAULT,
+                                                                      ef._FrameAction.DEFAULT))
+    return failed
+
+
+def report_skipped_frames(session, since_us: int, exclude: set = frozenset()) -> tuple[str, ...]:
     """Publish a record for each frame in MoE code that Dynamo gave up on since ``since_us`` (from
-    Dynamo's compilation metrics: the frame then ran eagerly, MoE layer included). Returns the other
-    frames it gave up on, as `Class.method` (file:line) and the reason's first line."""
+    Dynamo's compilation metrics: the frame then ran eagerly, MoE layer included), except the frames in
+    ``exclude`` ((file, first line, name)). Returns the other frames it gave up on, as `Class.method`
+    (file:line) and the reason's first line."""
     try:
         from torch._dynamo.utils import get_compilation_metrics
     except ImportError:  # pragma: no cover - torch without compilation metrics
@@ -37,6 +67,8 @@ def report_skipped_frames(session, since_us: int) -> tuple[str, ...]:
         file, line = getattr(m, "fail_user_frame_filename", None), getattr(m, "fail_user_frame_lineno", None)
         frame_id = str(getattr(m, "compile_id", "") or "").partition("/")[0]
         co = (m.co_filename, m.co_firstlineno, m.co_name) if m.co_filename else codes.get(frame_id, (None, None, None))
+        if co in exclude:
+            continue
         skipped = Frame(co[0] or "?", co[1] or 0, co[2] or "?")
         frames = [skipped] + ([Frame(file, line, "")] if file and line else [])
         moe_frame = "recompile limit" in (m.fail_reason or "").lower() and _holds_moe(frame_id, co, codes, session)

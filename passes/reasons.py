@@ -300,6 +300,8 @@ REASONS: dict[str, Reason] = {
         "MoE layer included (not rewritten)",
         "let the varying size be symbolic instead of recompiling per value: torch.compile(..., dynamic=True) or "
         "torch._dynamo.mark_dynamic(x, dim) on the inputs (TORCH_LOGS=\"recompiles\" names the guard that failed); "
+        "where the sizes include 0 or 1 (which Dynamo specialises even when dynamic), "
+        "torch._dynamo.decorators.mark_unbacked(x, dim); "
         "compile each block with moe_compile.compile_blocks(model) (one graph serves every block of a class); "
         "or raise torch._dynamo.config.{limit}"),
     "break_other": Reason(

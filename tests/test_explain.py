@@ -2,6 +2,7 @@
 once per region, and no side effects on the user's model or compiled model."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -335,3 +336,21 @@ def test_explain_of_a_compiled_model_uses_its_options():
         assert [r.code for r in rep.refused] == ["random_in_experts"], (options, str(rep))
     rep = moe_compile.explain(torch.compile(dropout, backend="inductor"), x)   # not ours: the default's
     assert len(rep.rewritten) == 1, str(rep)
+
+
+@pytest.mark.parametrize("called,disable", [(False, ()), (True, ("loop_regions",))])
+def test_explain_of_a_model_compiled_in_place(called, disable):
+    """model.compile(backend="moe", options=...): explain ran the user's compiled call before its first
+    call (Inductor and the weights' re-homing included: the expert weights moved), and reported 0 graphs
+    after it; it now traces the module with that compile's options, changing nothing."""
+    torch._dynamo.reset()
+    model = make_model(spelling="index_add", e=4, k=2, h=16, i=12)
+    model.compile(backend="moe", options={"moe.disable": disable})
+    x = make_input((10, 16))
+    if called:
+        model(x)
+    where = [p.data_ptr() for p in model.experts.parameters()]
+    report = moe_compile.explain(model, x)
+    expected = [("refused", "moe_unmatched")] if disable else [("rewritten", "")]
+    assert [(r.status, r.code) for r in report.regions] == expected, str(report)
+    assert where == [p.data_ptr() for p in model.experts.parameters()]
