@@ -299,6 +299,8 @@ def _drop_new_entries(before: dict, failed: set) -> None:
     invalidated (never matched again; torch >= 2.13) and a skip mark explain caused is lifted."""
     import torch._C._dynamo.eval_frame as ef
 
+    from .skipped_frames import compile_again
+
     after = _dynamo_entries()
     for key, (code, entries) in after.items():
         old = before[key][1] if key in before and before[key][0] is code else []
@@ -311,8 +313,8 @@ def _drop_new_entries(before: dict, failed: set) -> None:
             continue
         for e in new:
             _invalidate(e)
-        if tried and hasattr(ef, "set_code_exec_strategy") and hasattr(ef, "_FrameExecStrategy"):
-            ef.set_code_exec_strategy(code, ef._FrameExecStrategy(ef._FrameAction.DEFAULT, ef._FrameAction.DEFAULT))
+        if tried:
+            compile_again(code)
 
 
 def _invalidate(entry) -> None:

@@ -23,7 +23,6 @@ def lift_input_error_skips(since_us: int) -> set[tuple]:
     the call's inputs since ``since_us`` (the next call compiles it, as stock torch.compile would), and
     return them as (file, first line, name): not a frame Dynamo gave up on, an error the user sees."""
     try:
-        import torch._C._dynamo.eval_frame as ef
         from torch._dynamo.convert_frame import input_codes
         from torch._dynamo.utils import get_compilation_metrics
     except ImportError:  # pragma: no cover - torch without these
@@ -31,13 +30,20 @@ def lift_input_error_skips(since_us: int) -> set[tuple]:
     failed = {(m.co_filename, m.co_firstlineno, m.co_name) for m in get_compilation_metrics()
               if getattr(m, "fail_type", None) in INPUT_ERROR_FAIL_TYPES and getattr(m, "co_filename", None)
               and (getattr(m, "start_time_us", None) or since_us) >= since_us}
-    if failed and hasattr(ef, "set_code_exec_strategy") and hasattr(ef, "_FrameExecStrategy"):
+    if failed:
         for ref in list(input_codes.seen):
             code = ref()
             if code is not None and (code.co_filename, code.co_firstlineno, code.co_name) in failed:
-                ef.set_code_exec_strategy(code, ef._FrameExecStrategy(ef._FrameAction.DEFAULT,
-                                                                      ef._FrameAction.DEFAULT))
+                compile_again(code)
     return failed
+
+
+def compile_again(code) -> None:
+    """Lift Dynamo's run-eagerly mark from ``code``: its next call is compiled (its cache entries stay)."""
+    import torch._C._dynamo.eval_frame as ef
+
+    if hasattr(ef, "set_code_exec_strategy") and hasattr(ef, "_FrameExecStrategy"):
+        ef.set_code_exec_strategy(code, ef._FrameExecStrategy(ef._FrameAction.DEFAULT, ef._FrameAction.DEFAULT))
 
 
 def report_skipped_frames(session, since_us: int, exclude: set = frozenset()) -> tuple[str, ...]:
