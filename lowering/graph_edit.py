@@ -11,8 +11,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from moe_compile.passes.loop_dataflow import SIZE_QUERIES
-from moe_compile.passes.normalize import canon, is_inplace_method, val
+from moe_compile.passes.normalize import SIZE_QUERIES, canon, is_inplace_method, val
 from moe_compile.passes.writes import storage_base, writes_in_place, written
 
 _ASSERT_TARGETS = {"_assert_scalar", "sym_constrain_range_for_size", "sym_constrain_range", "_assert_async",

@@ -33,7 +33,7 @@ from .loop_roles import (STOP, Contrib, Ids, Index, OneHot, PendingScatter, RowF
                          Storage, TokMask, Weighted, WhereOf, expert_key)
 from .checkpoint_bodies import HOPS as CHECKPOINT_HOPS
 from .id_range import holds_ids
-from .normalize import arg, canon, id_bound, shape, val, where_in_user_code
+from .normalize import SIZE_QUERIES, arg, canon, id_bound, shape, val, where_in_user_code
 from .region import Finding
 
 # element-wise ops the expert function may contain (with linears, splits and last-dim slices)
@@ -46,7 +46,6 @@ SPLITS = {"chunk", "split", "tensor_split"}
 LINEAR_OPS = {"linear", "matmul", "mm"}
 FRESH_ZEROS = {"zeros_like", "zeros", "new_zeros"}
 BASE_OPS = {"clone", "linear", "add", "mul", "matmul", "sub", "empty_like_zero"}
-SIZE_QUERIES = {"sym_size", "size", "dim", "sym_numel", "numel", "sym_stride"}
 
 
 def _const_int(x):

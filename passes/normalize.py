@@ -55,6 +55,10 @@ def annotate(graph: fx.Graph) -> None:
         node.meta[_META_KEY] = _canon(node)
 
 
+# canonical ops that read only a tensor's metadata (its sizes, strides, rank), never its values
+SIZE_QUERIES = {"sym_size", "size", "dim", "sym_numel", "numel", "sym_stride"}
+
+
 def canon(node: fx.Node) -> str | None:
     """Canonical op name of a call node, else None."""
     name = node.meta.get(_META_KEY, _UNSET)
