@@ -16,6 +16,13 @@ Per call and stack (Dynamo's inputs still include every Parameter, which is what
   stacked with ``torch.stack``, differentiably: each gets its gradient through autograd as usual, at
   the cost of a copy per step; a warning says so once per stack.
 
+A pre-hook on the call's backward node (``_BeforeBackward``) raises as eager does when a Parameter was
+written in place between the forward and the backward: the stack shares the first Parameter's version
+counter only, so autograd's own check of saved tensors would see writes to that one alone (a frozen
+expert's weight, or a backward of the input's gradient alone, used the new values silently before).
+Under compiled autograd (``moe_compile.compiled_backward``) node hooks are traced, so the check runs in
+the hand-over hook instead, i.e. only for stacks that get a gradient.
+
 A backward restricted to named tensors (``torch.autograd.grad``, ``.backward(inputs=...)``) does not
 accumulate into the stack leaf, so it cannot give those Parameters gradients (they are not autograd
 inputs of the graph; an edge per Parameter would cost the per-Parameter engine work this saves,
@@ -57,11 +64,10 @@ def _compiled_autograd() -> bool:
 
 class _HandOver:
     """Post-accumulate-grad hook of one call's stack leaf: its gradient, sliced, to the Parameters.
-    ``versions``: the Parameters' version counters when the forward ran; the stack leaf shares the
-    first one's only, so an in-place write to another one between the forward and the backward (which
-    makes eager's backward raise) is caught here. Hooks a Parameter got after the forward (the feed
-    checks for hooks when it runs) run here as eager runs them: tensor hooks on its gradient, then
-    the accumulation, then post-accumulate-grad hooks."""
+    ``versions``: the Parameters' version counters when the forward ran, checked here (``_check_versions``)
+    unless the call's backward node checks them first (``_BeforeBackward``, which sets them to None).
+    Hooks a Parameter got after the forward (the feed checks for hooks when it runs) run here as eager
+    runs them: tensor hooks on its gradient, then the accumulation, then post-accumulate-grad hooks."""
 
     __slots__ = ("params", "rows", "versions")
 
@@ -79,14 +85,8 @@ class _HandOver:
         if g is None:
             return
         params = self.params
-        if tuple(map(_VERSION, params)) != self.versions:
-            changed = next(i for i, (p, v) in enumerate(zip(params, self.versions)) if p._version != v)
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: weight {changed} (counted over the segments of this stack, expert by expert) of the "
-                f"stacked expert weights {tuple(g.shape)} was written in place "
-                "between the compiled forward and its backward (eager raises the same); write weights after "
-                "the backward (e.g. optimizer.step() after loss.backward())")
+        if self.versions is not None:
+            _check_versions(params, self.versions, tuple(g.shape))
         parts = g.split(self.rows, dim=1) if len(self.rows) > 1 else (g,)
         views = [v for part in parts for v in part.unbind(0)]   # segment-major, as params
         out_of_place = torch.is_grad_enabled()        # create_graph=True: as AccumulateGrad does
@@ -107,6 +107,20 @@ class _HandOver:
                 _accumulate(p, have, v, out_of_place)
         if old:
             torch._foreach_add_(old, new)
+
+
+def _check_versions(params: tuple, versions: tuple, shape: tuple) -> None:
+    """Raise as eager's backward does if a Parameter of a stack was written in place since the forward
+    read it (the stack shares the first Parameter's version counter only, so autograd's own check of
+    saved tensors sees writes to that one alone)."""
+    if tuple(map(_VERSION, params)) != versions:
+        changed = next(i for i, (p, v) in enumerate(zip(params, versions)) if p._version != v)
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: weight {changed} (counted over the segments of this stack, expert by expert) of the "
+            f"stacked expert weights {shape} was written in place between the compiled forward and its "
+            "backward (eager's backward raises the same for a weight it saved); write weights after the "
+            "backward (e.g. optimizer.step() after loss.backward())")
 
 
 @torch._dynamo.disable(recursive=True)
@@ -208,20 +222,24 @@ class _Feed:
             self.warned = True
             log.warning("moe_compile: %s: %s; stacking a copy of them on every step (correct, slower)", self.what, why)
 
-    def __call__(self, args) -> torch.Tensor:
+    def __call__(self, args) -> tuple[torch.Tensor, tuple, tuple, _HandOver | None]:
+        """(the stack, its Parameters, their version counters now, the stack leaf's hand-over hook)."""
         params = self.get(args)
+        versions = tuple(map(_VERSION, params))
         hooked = any(map(_TENSOR_HOOKS, params)) or any(map(_ACC_HOOKS, params))
         if not hooked and self._in_place(params):
             leaf = stack_view(params[0], self.shape)
+            hand_over = None
             if params[0].requires_grad:
                 leaf.requires_grad_()
-                leaf.register_post_accumulate_grad_hook(_HandOver(params, self.rows, tuple(map(_VERSION, params))))
-            return leaf
+                hand_over = _HandOver(params, self.rows, versions)
+                leaf.register_post_accumulate_grad_hook(hand_over)
+            return leaf, params, versions, hand_over
         if hooked:
             self._warn("some have gradient hooks, which must run")
         e = self.experts
         segs = [torch.stack(params[s * e:(s + 1) * e]) for s in range(len(self.rows))]
-        return segs[0] if len(segs) == 1 else torch.cat(segs, dim=1)
+        return (segs[0] if len(segs) == 1 else torch.cat(segs, dim=1)), params, versions, None
 
 
 def _backward_node(outputs):
@@ -249,21 +267,27 @@ def _restricted(acc) -> bool:
         return True
 
 
-class _NamedInputsCheck:
-    """Pre-hook of a call's backward node: warns once per compiled graph when a backward that
-    delivers gradients only to named tensors runs through it. The stacked leaf is the only autograd
-    input of those Parameters here, so such a backward cannot reach them: ``torch.autograd.grad``
-    returns None for them (or raises 'not used in the graph') and ``.backward(inputs=[...])`` leaves
-    their ``.grad`` as it was. The engine does not say which tensors were named, so the warning
-    comes whenever such a backward passes (also when it named none of these Parameters)."""
+class _BeforeBackward:
+    """Pre-hook of a call's backward node. (1) Raises as eager does if a stacked Parameter was written in
+    place since the forward (``fed``: (stack shape, Parameters, versions) per stack): the stacks share the first
+    Parameter's version counter only, and a backward that accumulates into no stack leaf (frozen experts;
+    ``torch.autograd.grad`` of the input alone) runs no hand-over hook that could check. (2) Warns once
+    per compiled graph when a backward that delivers gradients only to named tensors runs through it
+    (``accs``: the stack leaves' AccumulateGrad nodes). The stacked leaf is the only autograd input of
+    those Parameters here, so such a backward cannot reach them: ``torch.autograd.grad`` returns None
+    for them (or raises 'not used in the graph') and ``.backward(inputs=[...])`` leaves their ``.grad`` as
+    it was. The engine does not say which tensors were named, so the warning comes whenever such a
+    backward passes (also when it named none of these Parameters)."""
 
-    __slots__ = ("owner", "accs")
+    __slots__ = ("owner", "fed", "accs")
 
-    def __init__(self, owner, accs):
-        self.owner, self.accs = owner, accs
+    def __init__(self, owner, fed, accs):
+        self.owner, self.fed, self.accs = owner, fed, accs
 
     def __call__(self, grad_outputs):
-        if not self.owner.named_warned and any(map(_restricted, self.accs)):
+        for shape, params, versions in self.fed:
+            _check_versions(params, versions, shape)
+        if self.accs and not self.owner.named_warned and any(map(_restricted, self.accs)):
             self.owner.named_warned = True
             log.warning(
                 "moe_compile: a backward that delivers gradients only to the tensors it names "
@@ -287,15 +311,20 @@ class StackedInputs:
 
     def __call__(self, *args):  # Dynamo calls compiled graphs unboxed (one argument per input)
         new = [args[i] for i in self.keep]
-        stacks = [feed(args) for feed in self.feeds]
+        fed = [feed(args) for feed in self.feeds]
+        stacks = [f[0] for f in fed]
         out = self.fn(*new, *stacks)
-        if not self.named_warned and torch.is_grad_enabled() and not _compiled_autograd():
+        if torch.is_grad_enabled() and not _compiled_autograd():
             node = _backward_node(out)
-            if node is not None:   # the stack leaves' AccumulateGrad nodes are among its next functions
-                leaves = {id(s) for s in stacks if s.is_leaf and s.requires_grad}
-                accs = [n for n, _ in node.next_functions if id(getattr(n, "variable", None)) in leaves]
-                if accs:
-                    node.register_prehook(_NamedInputsCheck(self, accs))
+            if node is not None:
+                accs = ()
+                if not self.named_warned:   # the stack leaves' AccumulateGrad nodes are among its next functions
+                    leaves = {id(s) for s in stacks if s.is_leaf and s.requires_grad}
+                    accs = [n for n, _ in node.next_functions if id(getattr(n, "variable", None)) in leaves]
+                node.register_prehook(_BeforeBackward(self, [(tuple(f[0].shape), f[1], f[2]) for f in fed], accs))
+                for f in fed:   # checked by the pre-hook, which runs before any hand-over
+                    if f[3] is not None:
+                        f[3].versions = None
         return out
 
     def __getattr__(self, name):  # anything else Dynamo or Inductor read from the compiled function
