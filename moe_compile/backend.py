@@ -38,7 +38,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .config import MoEConfig
-from .skipped_frames import lift_input_error_skips, report_skipped_frames
+from .skipped_frames import lift_earlier_skips, lift_input_error_skips, report_skipped_frames
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,9 @@ class _Scope:
         self.frames, self.graphs = _frames_tried(), self.session.graphs
         self.t0 = time.time_ns() // 1000
         self.handling = sys.exc_info()[1]   # a call made inside the caller's own `except` block
+        if not self.session.lifted_earlier_skips:
+            self.session.lifted_earlier_skips = True
+            lift_earlier_skips(self.t0)
         try:
             return self.inner.__enter__()
         except BaseException:

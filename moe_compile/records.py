@@ -75,6 +75,9 @@ class Session:
         # Dynamo frame ids ("3" of compile id "3/1") whose graphs held an MoE region: a recompile limit hit
         # there runs MoE code eagerly whatever the frame's own code looks like (a model's top-level forward)
         self.moe_frames: set = set()
+        # whether this session's first call has lifted the run-eagerly marks an earlier compile left on
+        # frames in MoE code (skipped_frames.lift_earlier_skips)
+        self.lifted_earlier_skips = False
 
     def warn_once(self, key, message: str) -> None:
         with self.lock:

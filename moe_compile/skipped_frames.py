@@ -10,6 +10,8 @@ for ``explain()``, which reports them for a model whose frames an earlier compil
 """
 from __future__ import annotations
 
+import re
+
 
 # Dynamo's fail type for a frame whose fake-tensor run raised (a shape or dtype the user's inputs get wrong):
 # if the call then raises too, eager raised it, and with Dynamo's suppress_errors (the capture scope) the
@@ -36,6 +38,40 @@ def lift_input_error_skips(since_us: int) -> set[tuple]:
             if code is not None and (code.co_filename, code.co_firstlineno, code.co_name) in failed:
                 compile_again(code)
     return failed
+
+
+def lift_earlier_skips(before_us: int) -> set[tuple]:
+    """At a ``backend="moe"`` session's first call: lift Dynamo's run-eagerly mark from each frame in MoE
+    code that an earlier compile gave up on before ``before_us`` (stock torch.compile of the same class
+    graph-breaks on the expert loop's data-dependent shapes, which this backend's capture scope traces;
+    Dynamo's mark is per code object and process-wide, so the MoE layer would run eagerly here too, and
+    the compile would say no MoE layer was found). The frame is traced again under this session; if it
+    fails again, its record is this session's. Not lifted: a backend's own failure, a recompile limit
+    hit (the frame's cache is full whatever the backend). Returns the frames lifted, as (file, first
+    line, name)."""
+    try:
+        from torch._dynamo.convert_frame import input_codes
+        from torch._dynamo.utils import get_compilation_metrics
+    except ImportError:  # pragma: no cover - torch without these
+        return set()
+    from .passes.unclaimed import Frame, in_moe_code
+
+    lifted = set()
+    for m in get_compilation_metrics():
+        kind, reason = getattr(m, "fail_type", None), (getattr(m, "fail_reason", None) or "")
+        if not kind or kind == "BackendCompilerFailed" or "recompile limit" in reason.lower() \
+                or not getattr(m, "co_filename", None) or (getattr(m, "start_time_us", None) or before_us) >= before_us:
+            continue
+        co = (m.co_filename, m.co_firstlineno, m.co_name)
+        file, line = getattr(m, "fail_user_frame_filename", None), getattr(m, "fail_user_frame_lineno", None)
+        if co not in lifted and in_moe_code([Frame(*co)] + ([Frame(file, line, "")] if file and line else [])):
+            lifted.add(co)
+    if lifted:
+        for ref in list(input_codes.seen):
+            code = ref()
+            if code is not None and (code.co_filename, code.co_firstlineno, code.co_name) in lifted:
+                compile_again(code)
+    return lifted
 
 
 def compile_again(code) -> None:
@@ -86,9 +122,14 @@ def report_skipped_frames(session, since_us: int, exclude: set = frozenset()) ->
         if (frames[-1].filename, frames[-1].lineno) in found:
             continue
         code, detail = classify_break(frames, f"{m.fail_type}: {m.fail_reason or ''}")
+        if code == "recompile_limit":
+            guard = _per_layer_guard(co)
+            if guard:
+                code = "recompile_limit_per_layer"
+                detail["guard"] = guard
         detail.update(what="skipped frame", effect=f"; Dynamo gave up on the frame `{_qualname(skipped)}` "
                                                    f"({skipped.at}), which runs eagerly, MoE code included")
-        if code == "recompile_limit":
+        if code.startswith("recompile_limit"):
             detail.update(effect=f" (`{_qualname(skipped)}`, {skipped.at})")
         found[(frames[-1].filename, frames[-1].lineno)] = (
             (skipped.filename, skipped.lineno, skipped.name),
@@ -98,6 +139,29 @@ def report_skipped_frames(session, since_us: int, exclude: set = frozenset()) ->
         records.publish([r for _, r in found.values()], session)
         _skipped.update(found)
     return tuple(others.values())
+
+
+# a guard on per-layer state: a KV cache's layer slot (transformers' DynamicCache.layers[i]), a layer index
+_PER_LAYER_GUARD = re.compile(r"past_key_values|\blayer_idx\b|\.layers\[\d+\]|cache")
+
+
+def _per_layer_guard(code: tuple) -> str:
+    """The last guard that failed for the frame ``code`` ((file, first line, name)), from Dynamo's guard
+    failure log, if it reads per-layer state; else ""."""
+    try:
+        from torch._dynamo.convert_frame import input_codes
+        from torch._dynamo.utils import guard_failures
+    except ImportError:  # pragma: no cover - torch without these
+        return ""
+    for ref in list(input_codes.seen):
+        c = ref()
+        if c is not None and (c.co_filename, c.co_firstlineno, c.co_name) == code:
+            for failure in reversed(guard_failures.get(c, ())):
+                for line in str(failure).splitlines():
+                    guard = line.strip().lstrip("- ").split("  #")[0].strip()
+                    if _PER_LAYER_GUARD.search(guard):
+                        return guard.split(": ", 1)[-1] if re.match(r"\d+/\d+: ", guard) else guard
+    return ""
 
 
 def _holds_moe(frame_id: str, code: tuple, codes: dict, session) -> bool:

@@ -375,6 +375,32 @@ def test_skipped_frame_in_moe_code(caplog):
     assert [b.reason_code for b in rep.graph_breaks] == ["break_tolist"], str(rep)
 
 
+def test_stock_compile_first_leaves_the_moe_compile_rewritten(caplog):
+    """Stock torch.compile of the same class first (a benchmark's order): Dynamo gives up on the expert
+    loop's frame (data-dependent nonzero) and marks its code to run eagerly, process-wide. A later
+    backend="moe" compile of another instance then ran that frame eagerly too and said "no MoE layer
+    was found"; its first call now lifts the mark (skipped_frames.lift_earlier_skips): rewritten, with
+    eager's outputs and gradients."""
+    torch._dynamo.reset()
+    x = make_input((6, 16))
+    stock_model, model = make_model(spelling="index_add"), make_model(spelling="index_add")
+    torch.compile(stock_model, backend="inductor")(x).sum().backward()
+    ours = copy.deepcopy(model)
+    before = dict(records.counters)
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        x1, x2 = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+        out = torch.compile(ours, backend="moe", options=OPTS)(x1)
+        out.sum().backward()
+    assert records.counters["rewritten"] - before.get("rewritten", 0) == 1, caplog.text
+    assert not _nothing(caplog), caplog.text
+    ref = model(x2)
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(x1.grad, x2.grad)
+    for (name, p), q in zip(ours.named_parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
 def test_graph_break_in_moe_code(caplog):
     x = make_input((6, 16))
     model = Block(BreakMoE())
