@@ -235,7 +235,7 @@ def _earlier_skips(fn, tried: set) -> list[RegionRecord]:
         except (OSError, TypeError):
             continue
     return [r for (file, line), (frame, r) in skipped_frames._skipped.items()
-            if (frame not in tried or r.code == "recompile_limit") and any(file == f and lo <= line < hi
+            if (frame not in tried or r.code.startswith("recompile_limit")) and any(file == f and lo <= line < hi
                                                                             for f, lo, hi in spans)]
 
 

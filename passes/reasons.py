@@ -304,6 +304,16 @@ REASONS: dict[str, Reason] = {
         "torch._dynamo.decorators.mark_unbacked(x, dim); "
         "compile each block with moe_compile.compile_blocks(model) (one graph serves every block of a class); "
         "or raise torch._dynamo.config.{limit}"),
+    "recompile_limit_per_layer": Reason(
+        "{what} at {at}: Dynamo hit torch._dynamo.config.{limit} ({value}) for this frame{effect}, on a guard that "
+        "reads per-layer state (`{guard}`): every decoder layer of a class runs this one frame (a per-block compile, "
+        "moe_compile.compile_blocks), and a KV cache indexed by the layer (generate() with a DynamicCache) makes "
+        "each layer compile graphs of its own; past the limit those calls run eagerly, MoE layer included (not "
+        "rewritten)",
+        "for generation compile the whole model in place, model.compile(backend=\"moe\") (generate() then "
+        "runs its compiled forward, whose graphs hold every layer: a few at any depth; generate() of the "
+        "module torch.compile(model) returns runs the uncompiled forward); or raise "
+        "torch._dynamo.config.{limit} to about 3 x the number of layers"),
     "break_other": Reason(
         "{what} at {at}: `{source}`: {reason}{effect}",
         "move the code Dynamo cannot trace out of the MoE layer, or write it with tensor ops; TORCH_LOGS="

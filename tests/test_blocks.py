@@ -388,3 +388,24 @@ def test_refused_region_is_warned_once_per_block_with_its_path(caplog):
     refused = [line for line in first.splitlines() if "[overwrite_topk]" in line]
     assert [f"MoE region layers.{i}.mlp " in line for line in refused for i in range(4)].count(True) == 4, first
     assert len(refused) == 4 and first.count("rewrote no MoE region") == 1, first
+
+
+def test_generate_with_a_kv_cache_names_the_per_layer_guard(caplog):
+    """compile_blocks then generate() with a DynamicCache (a review of inference paths): the cache's layer
+    slot is guarded per layer, so every layer compiles graphs of its own on the one block frame, and past
+    Dynamo's recompile limit the layers run eagerly. The warning named mark_dynamic and compile_blocks
+    (neither helps); it now names the per-layer guard and the whole-model compile. Tokens stay eager's."""
+    torch._dynamo.reset()
+    model = tiny_qwen3_moe(3).eval()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(3, 64, (1, 4), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref.generate(ids, max_new_tokens=3, do_sample=False, use_cache=True)
+    moe_compile.compile_blocks(model, options={"moe.inductor": False})
+    with torch._dynamo.config.patch(recompile_limit=4), caplog.at_level(logging.WARNING, logger="moe_compile"), \
+            torch.no_grad():
+        got = model.generate(ids, max_new_tokens=3, do_sample=False, use_cache=True)
+    assert torch.equal(got, want)
+    warned = [r.getMessage() for r in caplog.records if "[recompile_limit" in r.getMessage()]
+    assert len(warned) == 1 and "[recompile_limit_per_layer]" in warned[0], caplog.text
+    assert "past_key_values" in warned[0] and 'model.compile(backend="moe")' in warned[0], warned[0]
