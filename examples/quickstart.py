@@ -7,6 +7,7 @@ print the explain() report.
 """
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -97,4 +98,5 @@ def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

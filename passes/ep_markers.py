@@ -170,7 +170,12 @@ def error_message(leftovers: tuple[LeftoverMarker, ...], refused, cause: BaseExc
     text += (" If one of them is not an expert weight (a router weight [E, H] kept beside the 3-D expert weights): "
              "parallelize_experts shards every 2-D Parameter with E rows of an expert container as a per-expert "
              "bias; keep the router in a module of its own (e.g. a child nn.Linear(H, E)), as Hugging Face "
-             "models do, and call parallelize_experts on a freshly built model.")
+             "models do, and call parallelize_experts on a freshly built model. If a module listed is no expert "
+             "container at all (a 3-D Parameter for something else, e.g. per-head weights [heads, ...]): "
+             "parallelize_experts shards every module outside torch.nn with 3-D Parameters; name the experts "
+             "instead, torch.distributed.tensor.parallel.parallelize_module(model, mesh, "
+             "{'layers.*.mlp.experts': moe_compile.ExpertParallel()}) with your experts' path, on a "
+             "freshly built model.")
     return text
 
 

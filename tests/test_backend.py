@@ -161,6 +161,18 @@ def test_bad_option_raises_before_tracing(key, value, expect):
     assert torch._dynamo.utils.counters["frames"]["total"] == frames, "Dynamo traced a frame with a bad option"
 
 
+def test_unknown_inductor_option_error_is_short():
+    """An unknown key named Inductor's whole key list (~20,000 characters) after the close matches;
+    the error now points at torch._inductor.list_options()."""
+    from moe_compile.config import MoEConfig
+
+    with pytest.raises(ValueError) as info:
+        MoEConfig.from_options(None, {"epilogue_fusionn": False})
+    text = str(info.value)
+    assert "did you mean 'epilogue_fusion'" in text and "torch._inductor.list_options()" in text
+    assert len(text) < 2000, len(text)
+
+
 @pytest.mark.parametrize("options, expect", [
     ({"moe.disable": None}, "moe.disable must be a pass name or a list of pass names, got None"),
     ({"moe.disable": 5}, "moe.disable must be a pass name or a list of pass names, got 5"),

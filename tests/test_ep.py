@@ -535,6 +535,42 @@ class ExpertsWithRouter(nn.Module):
         return out
 
 
+class PerHeadScale(nn.Module):
+    """Not an expert container: a 3-D Parameter [heads, 1, d] that parallelize_experts shards all the same."""
+
+    def __init__(self, heads=4, d=2):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(heads, 1, d))
+
+    def forward(self, x):
+        return (x.unflatten(-1, (self.scale.shape[0], -1)).transpose(0, 1) * self.scale).transpose(0, 1).flatten(1)
+
+
+class MoEAndHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.moe = ExpertsWithRouter(router_here=False)
+        self.heads = PerHeadScale()
+
+    def forward(self, x):
+        return self.heads(x) + self.moe(x)
+
+
+def test_sharded_non_expert_module_error_names_the_plan_fix(mesh1):
+    """parallelize_experts takes any module outside torch.nn with 3-D Parameters for an expert container;
+    the compile error then names the module and how to shard only the experts (a parallelize_module
+    plan with ExpertParallel), not only the router-beside-experts case."""
+    from moe_compile.parallel import parallelize_experts
+
+    model = parallelize_experts(MoEAndHeads(), mesh1)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="ep_markers: ") as err:
+        torch.compile(model, backend="moe")(torch.randn(5, 8))
+    text = str(err.value)
+    assert "`scale` of module 'heads' (E=4)" in text and "no expert container at all" in text, text
+    assert "moe_compile.ExpertParallel()" in text and "`gate_up`" not in text, text
+
+
 @pytest.mark.parametrize("router_here, alpha, expect", [
     (True, 1.0, r"`router` of module '' \(E=4\), read at test_ep.py:\d+\..*a module of its own"),
     (False, 0.5, r"`gate_up` of module ''.*`down` of module ''.*Not rewritten in this graph: '' at test_ep.py:\d+: "
