@@ -22,6 +22,8 @@ code from ``reasons.REASONS``, the filled message and the fix. The rules::
                         for dense experts, the expert maps the zero rows of unselected pairs to zero
     no_foreign_writes   no in-place write other than the region's own lands, while the region runs, on a
                         tensor it reads or computes (``writes.foreign_write``)
+    outside_transforms  the region does not run inside a torch.func transform Dynamo traced into the graph
+                        (between its ``_grad/_jvp/_vmap_increment_nesting`` and decrement calls)
 
 Under torch.autocast (a product whose output dtype differs from an operand's) there is nothing to
 refuse: the lowering casts the grouped GEMMs' operands as autocast does (``Step.dtype``), with or
@@ -314,5 +316,24 @@ def no_foreign_writes(region: Region) -> Finding | None:
     return Finding.of("written_in_place", n, node=n.name, target=written(n).name)
 
 
+_NESTING = {"_grad_increment_nesting": 1, "_jvp_increment_nesting": 1, "_vmap_increment_nesting": 1,
+            "_grad_decrement_nesting": -1, "_jvp_decrement_nesting": -1, "_vmap_decrement_nesting": -1}
+
+
+def outside_transforms(region: Region) -> Finding | None:
+    """A region inside a torch.func transform (grad, vjp, jvp, vmap) that Dynamo traced into the graph: its
+    tensors are functorch wrappers the lowering cannot rewrite (it failed there on values with no fake
+    tensor), so it is refused by name."""
+    depth, last = 0, ""
+    for n in region.x.graph.nodes:
+        if n is region.x:
+            return Finding.of("func_transform", region.x, transform=last) if depth > 0 else None
+        step = _NESTING.get(getattr(n.target, "__name__", ""), 0) if n.op == "call_function" else 0
+        depth += step
+        if step > 0:
+            last = f"torch._C._functorch.{n.target.__name__}"
+    return None
+
+
 RULES = (expert_operands, input_2d, not_float64, one_dtype_products, accumulator, expert_parallel, weights_path, input_weights,
-         no_foreign_writes)
+         no_foreign_writes, outside_transforms)

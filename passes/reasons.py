@@ -246,6 +246,18 @@ REASONS: dict[str, Reason] = {
         "compute the router (its torch.topk) in the same function as the expert loop: inside the function given to "
         "torch.utils.checkpoint, or checkpoint the whole MoE block; or remove the graph break between the router and "
         "the experts (TORCH_LOGS=\"graph_breaks\" names it; a forward hook on the router can cause one)"),
+    "break_func_transform": Reason(
+        "{what} at {at}: the compiled model is called under a torch.func transform (grad, vjp, jvp, vmap) from "
+        "eager code, which Dynamo does not trace{effect}",
+        "take gradients with loss.backward() or torch.autograd.grad(loss, params) on the compiled model, which "
+        "the rewrite serves; a torch.func transform inside the compiled function traces, but runs the MoE layer "
+        "unrewritten (func_transform)"),
+    "func_transform": Reason(
+        "the MoE layer at {at} runs under a torch.func transform traced into the compiled graph (`{transform}`); "
+        "the backend does not rewrite inside one, so the layer is compiled as written",
+        "take gradients with loss.backward() or torch.autograd.grad(loss, params) on the compiled model, which "
+        "the rewrite serves (functional_call works inside or outside the compile); torch.func.grad / vjp / jvp / "
+        "vmap run this layer unrewritten"),
     "nested_region": Reason(
         "a top-{k} router over {e} experts runs inside `{subgraph}`, a torch.compiler.nested_compile_region "
         "subgraph called at {at}; the backend does not rewrite inside such subgraphs, so it is compiled as written",

@@ -378,6 +378,8 @@ def classify_break(frames, reason: str) -> tuple[str, dict]:
         limit = re.search(r"limit type: (\w+)", low)
         detail["limit"] = limit.group(1) if limit else "recompile_limit"
         detail["value"] = getattr(torch._dynamo.config, detail["limit"], "?")
+    elif "unsupported functorch tracing attempt" in low:
+        code = "break_func_transform"
     elif "expert_hit" in src:
         code = "break_expert_hit_hf" if declares_experts_implementation(f.filename, f.lineno) else "break_expert_hit"
     elif "split" in src and "tolist" in src:

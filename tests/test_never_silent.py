@@ -1872,3 +1872,49 @@ def test_expert_weights_passed_as_arguments_are_listed(case, caplog):
     caplog.set_level(logging.WARNING, logger="moe_compile")
     torch.compile(fn, backend="moe", options={"moe.inductor": False})(x, *args)
     assert caplog.text.count("[moe_unmatched]") == 1 and "no MoE layer was found" not in caplog.text, caplog.text
+
+
+def test_moe_layer_under_a_func_transform_is_refused_by_name(caplog):
+    """torch.func.grad inside the compiled function (what Dynamo's message for grad(compiled) advises): the
+    region was found, the lowering failed on functorch's wrapped values ("`x` has no fake value"), and the
+    record said "a bug in moe_compile: please report it". Now refused as func_transform with a fix; the
+    gradients are eager's."""
+    from torch.func import functional_call, grad
+
+    model = make_model(spelling="index_add", expert="swiglu", e=4, k=2)
+    x = make_input((3, 5, 16), requires_grad=False)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def loss(p, x):
+        return functional_call(model, p, (x,)).square().sum()
+
+    torch._dynamo.reset()
+    before = dict(records.counters)
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        got = torch.compile(lambda p, x: grad(loss)(p, x), backend="moe", options=OPTS)(params, x)
+    want = grad(loss)(params, x)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], msg=name)
+    assert records.counters["refused"] - before.get("refused", 0) == 1, caplog.text
+    (w,) = _warnings(caplog, "func_transform")
+    assert "_grad_increment_nesting" in w and "torch.autograd.grad" in w and "lowering failed" not in caplog.text, w
+
+
+def test_compiled_model_under_a_func_transform_from_eager_names_the_transform(caplog):
+    """torch.func.grad(compiled) from eager code: Dynamo gives up on the frames ("Unsupported functorch
+    tracing attempt") and they run eagerly; the warning was break_other, whose fix (move the code out of the
+    MoE layer) does not apply. Now break_func_transform, naming loss.backward / torch.autograd.grad."""
+    from torch.func import functional_call, grad
+
+    model = make_model(spelling="index_add", expert="swiglu", e=4, k=2)
+    x = make_input((3, 5, 16), requires_grad=False)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="moe", options=OPTS)
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        got = grad(lambda p: functional_call(compiled, p, (x,)).square().sum())(params)
+    want = grad(lambda p: functional_call(model, p, (x,)).square().sum())(params)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], msg=name)
+    warned = _warnings(caplog, "break_func_transform")
+    assert warned and not _warnings(caplog, "break_other") and "torch.autograd.grad" in warned[0], caplog.text
