@@ -280,7 +280,8 @@ REASONS: dict[str, Reason] = {
         "{what} at {at}: `{source}` loops over a data-dependent list of the experts that got tokens{effect}",
         "{cls} has no experts_implementation switch (transformers' @use_experts_implementation is not applied to "
         "it): loop over every expert instead, `for expert_idx in range(num_experts):` (an expert without tokens is "
-        "fine: the rewrite handles empty groups), e.g. in a subclass whose forward replaces the loop"),
+        "fine: the rewrite handles empty groups), e.g. in a subclass whose forward replaces the loop (a router "
+        "that drops tokens over an expert capacity, as Switch Transformers', stays unrewritten even then)"),
     "break_split_sizes": Reason(
         "{what} at {at}: `{source}` needs the group sizes on the host (a sync and a data-dependent Python "
         "list){effect}",
