@@ -16,12 +16,15 @@ Per call and stack (Dynamo's inputs still include every Parameter, which is what
   stacked with ``torch.stack``, differentiably: each gets its gradient through autograd as usual, at
   the cost of a copy per step; a warning says so once per stack.
 
-A pre-hook on the call's backward node (``_BeforeBackward``) raises as eager does when a Parameter was
-written in place between the forward and the backward: the stack shares the first Parameter's version
-counter only, so autograd's own check of saved tensors would see writes to that one alone (a frozen
-expert's weight, or a backward of the input's gradient alone, used the new values silently before).
-Under compiled autograd (``moe_compile.compiled_backward``) node hooks are traced, so the check runs in
-the hand-over hook instead, i.e. only for stacks that get a gradient.
+A Parameter written in place between the forward and the backward: the stack shares the first
+Parameter's version counter only, so autograd's check of saved tensors would see writes to that one
+alone (a frozen expert's weight, or a backward of the input's gradient alone, used the new values
+silently). A pre-hook on the call's backward node (``_BeforeBackward``) compares every Parameter's
+counter with the forward's and, where one moved, moves the stack's: autograd then raises exactly where
+the backward unpacks the saved stack, as eager raises where it unpacks a saved weight (not when the
+backward needs no weight, nor under a non-reentrant checkpoint, which recomputes what it saved). Under
+compiled autograd (``moe_compile.compiled_backward`` around the forward) no pre-hook is registered: the
+hand-over hook raises for stacks that get a gradient, and other stacks are not checked.
 
 A backward restricted to named tensors (``torch.autograd.grad``, ``.backward(inputs=...)``) does not
 accumulate into the stack leaf, so it cannot give those Parameters gradients (they are not autograd
@@ -109,11 +112,24 @@ class _HandOver:
             torch._foreach_add_(old, new)
 
 
+def _moved(params: tuple, versions: tuple) -> bool:
+    return tuple(map(_VERSION, params)) != versions
+
+
+def _bump_version(t: torch.Tensor) -> None:
+    """Move ``t``'s version counter on (its views' too): autograd's check of a saved ``t`` then fails."""
+    try:
+        torch._C._autograd._unsafe_set_version_counter((t,), (t._version + 1,))
+    except (AttributeError, TypeError):  # pragma: no cover - a torch without the sequence form
+        with torch.no_grad():
+            t.mul_(1)
+
+
 def _check_versions(params: tuple, versions: tuple, shape: tuple) -> None:
     """Raise as eager's backward does if a Parameter of a stack was written in place since the forward
     read it (the stack shares the first Parameter's version counter only, so autograd's own check of
     saved tensors sees writes to that one alone)."""
-    if tuple(map(_VERSION, params)) != versions:
+    if _moved(params, versions):
         changed = next(i for i, (p, v) in enumerate(zip(params, versions)) if p._version != v)
         raise RuntimeError(
             "one of the variables needed for gradient computation has been modified by an inplace "
@@ -222,8 +238,9 @@ class _Feed:
             self.warned = True
             log.warning("moe_compile: %s: %s; stacking a copy of them on every step (correct, slower)", self.what, why)
 
-    def __call__(self, args) -> tuple[torch.Tensor, tuple, tuple, _HandOver | None]:
-        """(the stack, its Parameters, their version counters now, the stack leaf's hand-over hook)."""
+    def __call__(self, args) -> tuple[torch.Tensor, tuple, tuple, _HandOver | None, torch.Tensor]:
+        """(the stack, its Parameters, their version counters now, the stack leaf's hand-over hook, the
+        tensor whose version counter the stack shares: the first Parameter, or the stacked copy)."""
         params = self.get(args)
         versions = tuple(map(_VERSION, params))
         hooked = any(map(_TENSOR_HOOKS, params)) or any(map(_ACC_HOOKS, params))
@@ -234,12 +251,13 @@ class _Feed:
                 leaf.requires_grad_()
                 hand_over = _HandOver(params, self.rows, versions)
                 leaf.register_post_accumulate_grad_hook(hand_over)
-            return leaf, params, versions, hand_over
+            return leaf, params, versions, hand_over, params[0]   # a view: the first Parameter's counter
         if hooked:
             self._warn("some have gradient hooks, which must run")
         e = self.experts
         segs = [torch.stack(params[s * e:(s + 1) * e]) for s in range(len(self.rows))]
-        return (segs[0] if len(segs) == 1 else torch.cat(segs, dim=1)), params, versions, None
+        stack = segs[0] if len(segs) == 1 else torch.cat(segs, dim=1)
+        return stack, params, versions, None, stack
 
 
 def _backward_node(outputs):
@@ -268,10 +286,11 @@ def _restricted(acc) -> bool:
 
 
 class _BeforeBackward:
-    """Pre-hook of a call's backward node. (1) Raises as eager does if a stacked Parameter was written in
-    place since the forward (``fed``: (stack shape, Parameters, versions) per stack): the stacks share the first
-    Parameter's version counter only, and a backward that accumulates into no stack leaf (frozen experts;
-    ``torch.autograd.grad`` of the input alone) runs no hand-over hook that could check. (2) Warns once
+    """Pre-hook of a call's backward node. (1) Where a stacked Parameter was written in place since the
+    forward (``fed``: (the tensor whose version counter the stack shares, Parameters, versions) per stack:
+    the first Parameter for a view of their buffer, else the stacked copy), moves that counter on, so that
+    autograd raises where the backward unpacks the saved stack, as eager does for a saved weight (module
+    docstring). (2) Warns once
     per compiled graph when a backward that delivers gradients only to named tensors runs through it
     (``accs``: the stack leaves' AccumulateGrad nodes). The stacked leaf is the only autograd input of
     those Parameters here, so such a backward cannot reach them: ``torch.autograd.grad`` returns None
@@ -285,8 +304,9 @@ class _BeforeBackward:
         self.owner, self.fed, self.accs = owner, fed, accs
 
     def __call__(self, grad_outputs):
-        for shape, params, versions in self.fed:
-            _check_versions(params, versions, shape)
+        for counter, params, versions in self.fed:
+            if _moved(params, versions):
+                _bump_version(counter)
         if self.accs and not self.owner.named_warned and any(map(_restricted, self.accs)):
             self.owner.named_warned = True
             log.warning(
@@ -321,7 +341,7 @@ class StackedInputs:
                 if not self.named_warned:   # the stack leaves' AccumulateGrad nodes are among its next functions
                     leaves = {id(s) for s in stacks if s.is_leaf and s.requires_grad}
                     accs = [n for n, _ in node.next_functions if id(getattr(n, "variable", None)) in leaves]
-                node.register_prehook(_BeforeBackward(self, [(tuple(f[0].shape), f[1], f[2]) for f in fed], accs))
+                node.register_prehook(_BeforeBackward(self, [(f[4], f[1], f[2]) for f in fed], accs))
                 for f in fed:   # checked by the pre-hook, which runs before any hand-over
                     if f[3] is not None:
                         f[3].versions = None

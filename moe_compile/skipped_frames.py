@@ -142,7 +142,8 @@ def report_skipped_frames(session, since_us: int, exclude: set = frozenset()) ->
 
 
 # a guard on per-layer state: a KV cache's layer slot (transformers' DynamicCache.layers[i]), a layer index
-_PER_LAYER_GUARD = re.compile(r"past_key_values|\blayer_idx\b|\.layers\[\d+\]|cache")
+# (not any name with "cache" in it: a rotary `cos_cached` size or `use_cache` is no per-layer state)
+_PER_LAYER_GUARD = re.compile(r"past_key_values|\blayer_idx\b|\.layers\[\d+\]")
 
 
 def _per_layer_guard(code: tuple) -> str:

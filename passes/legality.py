@@ -23,7 +23,7 @@ code from ``reasons.REASONS``, the filled message and the fix. The rules::
     no_foreign_writes   no in-place write other than the region's own lands, while the region runs, on a
                         tensor it reads or computes (``writes.foreign_write``)
     outside_transforms  the region does not run inside a torch.func transform Dynamo traced into the graph
-                        (between its ``_grad/_jvp/_vmap_increment_nesting`` and decrement calls)
+                        (between its ``_grad/_jvp/_vmap/_func_increment_nesting`` and decrement calls)
 
 Under torch.autocast (a product whose output dtype differs from an operand's) there is nothing to
 refuse: the lowering casts the grouped GEMMs' operands as autocast does (``Step.dtype``), with or
@@ -316,8 +316,8 @@ def no_foreign_writes(region: Region) -> Finding | None:
     return Finding.of("written_in_place", n, node=n.name, target=written(n).name)
 
 
-_NESTING = {"_grad_increment_nesting": 1, "_jvp_increment_nesting": 1, "_vmap_increment_nesting": 1,
-            "_grad_decrement_nesting": -1, "_jvp_decrement_nesting": -1, "_vmap_decrement_nesting": -1}
+_NESTING = {f"_{t}_{d}_nesting": (1 if d == "increment" else -1)
+            for t in ("grad", "jvp", "vmap", "func") for d in ("increment", "decrement")}
 
 
 def outside_transforms(region: Region) -> Finding | None:

@@ -297,6 +297,41 @@ def test_weight_written_between_forward_and_backward_raises_as_eager(case):
     assert dict(records.counters) == before   # no recompile: the checked call ran the stacked graph
 
 
+@pytest.mark.parametrize("case", ["checkpointed_frozen", "input_without_grad"])
+def test_weight_written_where_eager_saved_none_trains_as_eager(case):
+    """The other side of the check above: where eager saved no copy of the written weight (a non-reentrant
+    checkpoint recomputes what it saved; an input without grad makes eager save no weight of the first
+    linear), eager's backward runs, and so must ours, with eager's gradients: the stack's version counter is
+    moved only for autograd to check where the backward unpacks it (a review found the first form raising
+    where eager does not)."""
+    import torch.utils.checkpoint as cp
+
+    model = make_model(spelling="index_add", expert="swiglu", e=4, k=2)
+    if case == "checkpointed_frozen":
+        for p in model.experts.experts.parameters():
+            p.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    compiled = _compile(model)
+    x = make_input((3, 5, 16), requires_grad=False)
+    x_grad = case != "input_without_grad"
+    call = (lambda f, a: cp.checkpoint(f, a, use_reentrant=False)) if case == "checkpointed_frozen" else (lambda f, a: f(a))
+    with records.recording() as graphs:
+        call(compiled, x.detach().clone().requires_grad_(x_grad)).sum().backward()
+    assert _stacked(graphs)
+    for m, run in ((ref, ref), (model, compiled)):
+        m.zero_grad(set_to_none=True)
+        out = call(run, x.detach().clone().requires_grad_(x_grad))
+        with torch.no_grad():
+            expert = m.experts.experts[2]
+            (expert.w2.weight if case == "checkpointed_frozen" else expert.w1.weight).mul_(0.5)
+        out.square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            assert_close_rel(p.grad, q.grad, FP32_REL, f"grad of {name}")
+        else:
+            assert p.grad is None, name
+
+
 def test_create_graph_gradients_are_not_views():
     """backward(create_graph=True) gives each expert Parameter a gradient of its own (as AccumulateGrad's
     clone), so a later zero_grad(set_to_none=False) can detach it in place (it raised 'Can't detach
