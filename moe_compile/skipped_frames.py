@@ -25,18 +25,14 @@ def lift_input_error_skips(since_us: int) -> set[tuple]:
     the call's inputs since ``since_us`` (the next call compiles it, as stock torch.compile would), and
     return them as (file, first line, name): not a frame Dynamo gave up on, an error the user sees."""
     try:
-        from torch._dynamo.convert_frame import input_codes
         from torch._dynamo.utils import get_compilation_metrics
     except ImportError:  # pragma: no cover - torch without these
         return set()
     failed = {(m.co_filename, m.co_firstlineno, m.co_name) for m in get_compilation_metrics()
               if getattr(m, "fail_type", None) in INPUT_ERROR_FAIL_TYPES and getattr(m, "co_filename", None)
               and (getattr(m, "start_time_us", None) or since_us) >= since_us}
-    if failed:
-        for ref in list(input_codes.seen):
-            code = ref()
-            if code is not None and (code.co_filename, code.co_firstlineno, code.co_name) in failed:
-                compile_again(code)
+    for code in _codes_at(failed):
+        compile_again(code)
     return failed
 
 
@@ -50,7 +46,6 @@ def lift_earlier_skips(before_us: int) -> set[tuple]:
     hit (the frame's cache is full whatever the backend). Returns the frames lifted, as (file, first
     line, name)."""
     try:
-        from torch._dynamo.convert_frame import input_codes
         from torch._dynamo.utils import get_compilation_metrics
     except ImportError:  # pragma: no cover - torch without these
         return set()
@@ -66,11 +61,8 @@ def lift_earlier_skips(before_us: int) -> set[tuple]:
         file, line = getattr(m, "fail_user_frame_filename", None), getattr(m, "fail_user_frame_lineno", None)
         if co not in lifted and in_moe_code([Frame(*co)] + ([Frame(file, line, "")] if file and line else [])):
             lifted.add(co)
-    if lifted:
-        for ref in list(input_codes.seen):
-            code = ref()
-            if code is not None and (code.co_filename, code.co_firstlineno, code.co_name) in lifted:
-                compile_again(code)
+    for code in _codes_at(lifted):
+        compile_again(code)
     return lifted
 
 
@@ -150,18 +142,15 @@ def _per_layer_guard(code: tuple) -> str:
     """The last guard that failed for the frame ``code`` ((file, first line, name)), from Dynamo's guard
     failure log, if it reads per-layer state; else ""."""
     try:
-        from torch._dynamo.convert_frame import input_codes
         from torch._dynamo.utils import guard_failures
     except ImportError:  # pragma: no cover - torch without these
         return ""
-    for ref in list(input_codes.seen):
-        c = ref()
-        if c is not None and (c.co_filename, c.co_firstlineno, c.co_name) == code:
-            for failure in reversed(guard_failures.get(c, ())):
-                for line in str(failure).splitlines():
-                    guard = line.strip().lstrip("- ").split("  #")[0].strip()
-                    if _PER_LAYER_GUARD.search(guard):
-                        return guard.split(": ", 1)[-1] if re.match(r"\d+/\d+: ", guard) else guard
+    for c in _codes_at({code}):
+        for failure in reversed(guard_failures.get(c, ())):
+            for line in str(failure).splitlines():
+                guard = line.strip().lstrip("- ").split("  #")[0].strip()
+                if _PER_LAYER_GUARD.search(guard):
+                    return guard.split(": ", 1)[-1] if re.match(r"\d+/\d+: ", guard) else guard
     return ""
 
 
@@ -186,13 +175,20 @@ _skipped: dict = {}
 def _qualname(frame) -> str:
     """The frame's function as Class.method when Dynamo's code registry still holds its code."""
     try:
-        from torch._dynamo.convert_frame import input_codes
-
-        for ref in list(input_codes.seen):
-            code = ref()
-            if code is not None and code.co_filename == frame.filename and code.co_firstlineno == frame.lineno \
-                    and code.co_name == frame.name:
-                return getattr(code, "co_qualname", code.co_name)
+        for code in _codes_at({(frame.filename, frame.lineno, frame.name)}):
+            return getattr(code, "co_qualname", code.co_name)
     except Exception:  # noqa: BLE001  (a name for a message: the plain function name will do)
         pass
     return frame.name
+
+
+def _codes_at(keys) -> list:
+    """The code objects Dynamo's code registry still holds whose (file, first line, name) is in ``keys``."""
+    if not keys:
+        return []
+    try:
+        from torch._dynamo.convert_frame import input_codes
+    except ImportError:  # pragma: no cover - torch without the registry
+        return []
+    codes = (ref() for ref in list(input_codes.seen))
+    return [c for c in codes if c is not None and (c.co_filename, c.co_firstlineno, c.co_name) in keys]
