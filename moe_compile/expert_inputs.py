@@ -44,6 +44,7 @@ import logging
 import math
 import operator
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -169,6 +170,16 @@ def _hand_over_hooked(params, views, out_of_place: bool) -> None:
                 raise RuntimeError("Tensor post accumulate grad hooks should return None.")
 
 
+class Fed(NamedTuple):
+    """What one stack input got on one call."""
+
+    stack: torch.Tensor          # the graph's input: a view of the Parameters' buffer, or a stacked copy
+    params: tuple                # the Parameters stacked
+    versions: tuple              # their version counters at the call
+    hand_over: _HandOver | None  # the stack leaf's hook that hands its gradient to the Parameters
+    counter: torch.Tensor        # the tensor whose version counter the stack shares: the first Parameter, or the copy
+
+
 class _Feed:
     """The tensor one stack input gets on each call."""
 
@@ -238,9 +249,7 @@ class _Feed:
             self.warned = True
             log.warning("moe_compile: %s: %s; stacking a copy of them on every step (correct, slower)", self.what, why)
 
-    def __call__(self, args) -> tuple[torch.Tensor, tuple, tuple, _HandOver | None, torch.Tensor]:
-        """(the stack, its Parameters, their version counters now, the stack leaf's hand-over hook, the
-        tensor whose version counter the stack shares: the first Parameter, or the stacked copy)."""
+    def __call__(self, args) -> Fed:
         params = self.get(args)
         versions = tuple(map(_VERSION, params))
         hooked = any(map(_TENSOR_HOOKS, params)) or any(map(_ACC_HOOKS, params))
@@ -251,13 +260,13 @@ class _Feed:
                 leaf.requires_grad_()
                 hand_over = _HandOver(params, self.rows, versions)
                 leaf.register_post_accumulate_grad_hook(hand_over)
-            return leaf, params, versions, hand_over, params[0]   # a view: the first Parameter's counter
+            return Fed(leaf, params, versions, hand_over, params[0])   # a view: the first Parameter's counter
         if hooked:
             self._warn("some have gradient hooks, which must run")
         e = self.experts
         segs = [torch.stack(params[s * e:(s + 1) * e]) for s in range(len(self.rows))]
         stack = segs[0] if len(segs) == 1 else torch.cat(segs, dim=1)
-        return stack, params, versions, None, stack
+        return Fed(stack, params, versions, None, stack)
 
 
 def _backward_node(outputs):
@@ -332,7 +341,7 @@ class StackedInputs:
     def __call__(self, *args):  # Dynamo calls compiled graphs unboxed (one argument per input)
         new = [args[i] for i in self.keep]
         fed = [feed(args) for feed in self.feeds]
-        stacks = [f[0] for f in fed]
+        stacks = [f.stack for f in fed]
         out = self.fn(*new, *stacks)
         if torch.is_grad_enabled() and not _compiled_autograd():
             node = _backward_node(out)
@@ -341,10 +350,10 @@ class StackedInputs:
                 if not self.named_warned:   # the stack leaves' AccumulateGrad nodes are among its next functions
                     leaves = {id(s) for s in stacks if s.is_leaf and s.requires_grad}
                     accs = [n for n, _ in node.next_functions if id(getattr(n, "variable", None)) in leaves]
-                node.register_prehook(_BeforeBackward(self, [(f[4], f[1], f[2]) for f in fed], accs))
+                node.register_prehook(_BeforeBackward(self, [(f.counter, f.params, f.versions) for f in fed], accs))
                 for f in fed:   # checked by the pre-hook, which runs before any hand-over
-                    if f[3] is not None:
-                        f[3].versions = None
+                    if f.hand_over is not None:
+                        f.hand_over.versions = None
         return out
 
     def __getattr__(self, name):  # anything else Dynamo or Inductor read from the compiled function
