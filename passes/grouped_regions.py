@@ -65,6 +65,7 @@ _ROUTING = (
     (("argsort",), "perm", _R.inverse_argsort),
     (("getitem",), None, _R.enter_getitem),
     (("index_select",), None, _R.enter_index_select),
+    (("gather",), None, _R.enter_gather),
     (("repeat_interleave",), None, _R.enter_batched),
     (("expand",), None, _R.enter_dense),
     (("getitem",), None, _R.side_tensor),
@@ -86,6 +87,7 @@ ROW_RULES: dict[str, tuple] = {
     "squeeze": (rows.batched_squeeze,),
     **{op: (rows.bias_add,) for op in ("add_", "add", "iadd", "add_inplace")},
     "mul": (rows.weights_mul,),
+    "type_as": (rows.type_as_cast,),
 }
 for _op, _rules in dense_input.ROW_RULES.items():   # dense experts weighted on their input (Llama 4)
     ROW_RULES[_op] = _rules + ROW_RULES.get(_op, ())
@@ -161,7 +163,10 @@ class Finder:
             return ro.g
         while self.r(node) and self.r(node).kind == "flat" and canon(node) in CASTS:
             node = node.args[0]
-        return next((g for g in self.groups if g.family == "sorted" and g.flat is node), None)
+        g = next((g for g in self.groups if g.family == "sorted" and g.flat is node), None)
+        if g is None and self.r(node) and self.r(node).kind == "flat":   # counts before the sort
+            g = route.sort_ahead(self, node)
+        return g
 
     def enter(self, n, x, ri: GRole):
         g = ri.g
@@ -188,12 +193,13 @@ class Finder:
             return type(x)(self._enc(g, i) for i in x)
         return x
 
-    def step(self, g: Group, n: fx.Node, kind="rows", linear=None, args=None) -> None:
+    def step(self, g: Group, n: fx.Node, kind="rows", linear=None, args=None, target=None) -> None:
         if g.weighted_at is not None:
             g.note("weights_before_last_op", n)
         enc_args = self._enc(g, n.args if args is None else args)
         enc_kw = tuple(sorted((k, self._enc(g, v)) for k, v in n.kwargs.items())) if args is None else ()
-        g.steps.append(Step(n.op, n.target, enc_args, enc_kw, linear, dtype_of(n) if linear is not None else None))
+        g.steps.append(Step(n.op, n.target if target is None else target, enc_args, enc_kw, linear,
+                            dtype_of(n) if linear is not None else None))
         g.step_of[n] = len(g.steps) - 1
         g.last = len(g.steps) - 1
         self.set(n, kind, g)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .grouped_state import CASTS, DONE, as_int, swaps_2d
+from .grouped_state import CASTS, DONE, FLATTEN, as_int, swaps_2d
 from .expert_ids import ID_VIEWS, router_kind, router_root
 from .id_range import holds_ids
 from .normalize import arg, canon, id_bound, shape, val, where_in_user_code
@@ -38,12 +38,44 @@ def sort_ids(f, n, op, a0, r0, rk):
     # narrow_flat: the ids cast to a dtype that does not hold them, then sorted (a group refused for it)
     if rk == "narrow_flat" or rk == "flat" and not arg(n, 2, "descending", False):
         ids, narrow = r0.info if rk == "narrow_flat" else (r0.info, None)
-        g = f.group("sorted", n)
-        g.flat, g.ids, g.k = a0, ids, _top_k(ids)
+        g = sorted_group(f, n, a0, ids)
         f.set(n, "sort" if op == "sort" else "perm", g)
         if narrow is not None:
             g.note("ids_cast_narrow", a0, **narrow)
         return DONE
+
+
+def sorted_group(f, sort: fx.Node, flat: fx.Node, ids: fx.Node):
+    """The group of ``sort`` (a sort of the flat ids ``flat``, flattened from the router's ``ids``):
+    made once, where the walk reaches the sort or, earlier, a count of the same ids (``sort_ahead``)."""
+    g = next((g for g in f.groups if g.family == "sorted" and g.key is sort), None)
+    if g is None:
+        g = f.group("sorted", sort)
+        g.flat, g.ids, g.k = flat, ids, _top_k(ids)
+    return g
+
+
+def sort_ahead(f, flat: fx.Node):
+    """The group of the sort that orders the flat ids ``flat`` (the ``flat`` role: a row-major flatten
+    of router ids [T, K]) for counts taken from them before the walk reaches that sort (torchtitan's
+    router takes ``histc(ids.view(-1))`` before its reorderer's ``argsort(ids.view(-1))``), or for
+    counts of another flatten of the same ids node (the same values in the same order). None without
+    such a sort."""
+    ids = f.r(flat).info
+    flats = [flat] + [u for u in ids.users if u is not flat and _flattens(u, ids)] if isinstance(ids, fx.Node) else [flat]
+    for c in flats:
+        for u in c.users:
+            if canon(u) in ("sort", "argsort") and u.args and u.args[0] is c \
+                    and not arg(u, 2, "descending", False) and arg(u, 1, "dim", -1) in (0, -1):
+                return sorted_group(f, u, c, ids)
+    return None
+
+
+def _flattens(n: fx.Node, ids: fx.Node) -> bool:
+    """``n`` is a row-major flatten of ``ids`` (as ``flat_ids`` takes it; the walk may not have reached it)."""
+    v, vi = val(n), val(ids)
+    return canon(n) in FLATTEN and n.args[0] is ids and isinstance(v, torch.Tensor) and isinstance(vi, torch.Tensor) \
+        and vi.dim() == 2 and tuple(v.shape) == (vi.numel(),)
 
 
 def _top_k(ids: fx.Node) -> int:
@@ -195,11 +227,16 @@ def counts_histc(f, n, op, a0, r0, rk):
 
 
 def counts_bincount(f, n, op, a0, r0, rk):
+    """bincount(ids, minlength=E): E counts when every id is below E. Its length is max(E, largest id +
+    1): a static E in the graph, or (data-dependent capture) an unbacked size, which is E when the ids
+    are known to be below E (a top-k over E scores)."""
     if rk in ("sorted_ids", "flat"):
         g = f.sorted_group_of(r0, a0)
-        s = shape(n)
-        if g is not None and s and isinstance(s[0], int) and s[0] == arg(n, 2, "minlength", 0):
-            f.set(n, "counts", g, s[0])
+        s, minlength = shape(n), arg(n, 2, "minlength", 0)
+        bound = id_bound(g.ids) if g is not None and g.ids is not None else None
+        if g is not None and s and isinstance(minlength, int) and minlength > 0 and arg(n, 1, "weights") is None \
+                and (s[0] == minlength if isinstance(s[0], int) else bound is not None and bound <= minlength):
+            f.set(n, "counts", g, minlength)
             _note_clamped_counts(f, g, a0, n)
         return DONE
 
@@ -297,6 +334,23 @@ def enter_getitem(f, n, op, a0, r0, rk):
 def enter_index_select(f, n, op, a0, r0, rk):
     ri = f.r(arg(n, 2, "index"))
     if rk is None and arg(n, 1, "dim") == 0 and ri and ri.kind in ("tok", "perm"):
+        f.enter(n, a0, ri)
+        return DONE
+
+
+def enter_gather(f, n, op, a0, r0, rk):
+    """x.gather(0, (perm // K).reshape(-1, 1).expand(-1, H)): x[perm // K] (torchtitan's token
+    reorderer). Only an index that spans every column of x in each row: a narrower one gathers some
+    columns only."""
+    idx = arg(n, 2, "index")
+    if rk is not None or arg(n, 1, "dim") not in (0, -2) or canon(idx) != "expand" or not shape(a0) \
+            or len(shape(a0)) != 2:
+        return None
+    col = idx.args[0]
+    ri = f.r(col.args[0]) if isinstance(col, fx.Node) and col.args else None
+    n_rows = shape(col)[0] if shape(col) else None
+    if canon(col) in ("unsqueeze", "view", "reshape") and ri and ri.kind in ("tok", "perm") \
+            and shape(col) == (n_rows, 1) and shape(idx) == (n_rows, shape(a0)[1]):
         f.enter(n, a0, ri)
         return DONE
 

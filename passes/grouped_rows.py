@@ -10,6 +10,7 @@ name fall through to the element-wise rules at the end::
     rows + b[sorted_ids] | rows.add_(b[flat])    a per-expert bias, right after its linear
     rows * w.reshape(-1)[perm].unsqueeze(-1)     routing weights (after the last op only)
     rows.masked_fill(sorted_ids >= E, 0)         transformers' EP sentinel mask (what our ops do anyway)
+    rows.type_as(t)                              a cast to t's dtype (a step ``rows.to(dtype)``)
     silu / gelu / mul / chunk / [..., ::2] ...   element-wise steps of the expert function
 """
 from __future__ import annotations
@@ -215,6 +216,21 @@ def cast_after_weights(f, g, n, op, rows_in):
         g.step_of[n] = g.step_of[n.args[0]]
         f.set(n, "rows", g)
         return DONE
+
+
+def type_as_cast(f, g, n, op, rows_in):
+    """rows.type_as(t): a cast to t's dtype (torchtitan's grouped experts end in ``.type_as(x)``). t is
+    read for its dtype alone, so the step is ``rows.to(dtype)`` and t is no operand of the expert
+    function; after the routing weights, a floating cast as ``cast_after_weights``."""
+    a0, other = n.args[0], arg(n, 1, "other")
+    r0, v, v0, vo = f.r(a0), val(n), val(a0), val(other)
+    if not (r0 and r0.kind == "rows" and all(isinstance(t, torch.Tensor) for t in (v, v0, vo))) \
+            or vo.device != v0.device:   # a cast to another device is no step of the expert function
+        return None
+    if g.weighted_at is not None:
+        return cast_after_weights(f, g, n, "to", rows_in)
+    f.step(g, n, args=(a0, vo.dtype), target="to")
+    return DONE
 
 
 def unsort_rows(f, g, n, op, rows_in):

@@ -1,0 +1,167 @@
+"""torchtitan's MoE layer as it is written (router, token reorderer, grouped experts), and the
+spellings of it that research code copies: counts taken before the sort (``histc`` in the router,
+``argsort`` in the reorderer, each of its own ``view(-1)``), ``bincount`` counts, rows gathered
+with ``x.gather(0, idx.reshape(-1, 1).expand(-1, H))`` and combined with ``scatter_add`` of the same
+index, and ``.type_as(x)`` after the last grouped GEMM (passes/grouped_routing.py, grouped_rows.py).
+
+Each case compares eager with backend="moe" (outputs and every gradient) and asserts the rewrite
+fired (``check_compiled``'s counters). bf16: ``torch._grouped_mm`` takes 16-bit operands only, as
+torchtitan casts; fp32 cases use transformers' fallback op.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transformers.grouped_mm_fallback)
+import moe_compile
+from helpers import check_compiled, make_input
+
+H, I, E, K = 32, 24, 8, 2
+
+
+def _gmm(x, w, offs, dtype):
+    if dtype == torch.bfloat16:
+        return torch._grouped_mm(x.bfloat16(), w.bfloat16().transpose(-2, -1), offs=offs)
+    return torch.ops.transformers.grouped_mm_fallback(x, w.transpose(-2, -1), offs=offs)
+
+
+class TitanMoE(nn.Module):
+    """torchtitan's TokenChoiceTopKRouter + TokenReorderer + GroupedExperts (score after the experts).
+
+    counts: "histc_first" (the router counts before the reorderer sorts: torchtitan's order) |
+    "histc_after" | "bincount"; entry: "gather" (torchtitan) | "index"; combine: "scatter_add"
+    (torchtitan) | "index_add"; cast: "type_as" (torchtitan) | "to"."""
+
+    def __init__(self, counts="histc_first", entry="gather", combine="scatter_add", cast="type_as",
+                 dtype=torch.float32):
+        super().__init__()
+        self.counts, self.entry, self.combine, self.cast, self.dtype = counts, entry, combine, cast, dtype
+        self.gate = nn.Linear(H, E, bias=False, dtype=dtype)
+        self.w1 = nn.Parameter(torch.randn(E, I, H, dtype=dtype) / math.sqrt(H))
+        self.w2 = nn.Parameter(torch.randn(E, H, I, dtype=dtype) / math.sqrt(I))
+        self.w3 = nn.Parameter(torch.randn(E, I, H, dtype=dtype) / math.sqrt(H))
+        self.register_buffer("tokens_per_expert", torch.zeros(E))
+
+    def forward(self, x):
+        bs, slen, dim = x.shape
+        x = x.view(-1, dim)
+        scores = F.softmax(self.gate(x).float(), dim=1)
+        top, sel = torch.topk(scores, k=K, dim=1)
+        if self.counts == "histc_first":
+            n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
+            with torch.no_grad():
+                self.tokens_per_expert.add_(n)
+        order = torch.argsort(sel.view(-1), stable=True)
+        if self.counts == "bincount":
+            n = torch.bincount(sel.view(-1), minlength=E)
+        elif self.counts == "histc_after":
+            n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
+        top_sorted = top.view(-1)[order]
+        tok = order // K
+        if self.entry == "gather":
+            idx = tok.reshape(-1, 1).expand(-1, dim)
+            rows = torch.gather(x, dim=0, index=idx)
+        else:
+            rows = x[tok]
+        offs = torch.cumsum(n, dim=0, dtype=torch.int32)
+        h = F.silu(_gmm(rows, self.w1, offs, self.dtype)) * _gmm(rows, self.w3, offs, self.dtype)
+        y = _gmm(h, self.w2, offs, self.dtype)
+        y = y.type_as(rows) if self.cast == "type_as" else y.to(rows.dtype)
+        y = (y.to(torch.float32) * top_sorted.reshape(-1, 1)).to(x.dtype)
+        out = torch.zeros_like(x)
+        if self.combine == "scatter_add":
+            out = out.scatter_add(dim=0, index=tok.reshape(-1, 1).expand(-1, dim), src=y)
+        else:
+            out = out.index_add(0, tok, y)
+        return out.reshape(bs, slen, dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torchtitan_layer_as_written_is_rewritten(dtype):
+    """Failed before: counts before the sort left the group without offsets; the gather entry had no
+    rule; ``type_as`` was an unsupported row op (each alone refused the layer as moe_unmatched)."""
+    torch.manual_seed(0)
+    check_compiled(TitanMoE(dtype=dtype), (make_input((2, 5, H), dtype),), expect_rewritten=1, fresh_inputs=2)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(counts="histc_after", entry="index", combine="index_add", cast="type_as"),
+    dict(counts="histc_first", entry="index", combine="index_add", cast="to"),
+    dict(counts="histc_after", entry="gather", combine="index_add", cast="to"),
+    dict(counts="bincount", entry="index", combine="index_add", cast="to"),
+    dict(counts="bincount", entry="gather", combine="scatter_add", cast="type_as"),
+], ids=lambda kw: "-".join(kw.values()))
+def test_torchtitan_spellings_one_at_a_time(kw):
+    """Each spelling alone (bf16: bincount's length is data-dependent under the default capture, and is
+    E because the ids come from a top-k over E scores)."""
+    torch.manual_seed(1)
+    check_compiled(TitanMoE(dtype=torch.bfloat16, **kw), (make_input((3, 7, H), torch.bfloat16),),
+                   expect_rewritten=1, fresh_inputs=1)
+
+
+def test_torchtitan_layer_with_zero_tokens_and_under_inductor():
+    torch.manual_seed(2)
+    check_compiled(TitanMoE(dtype=torch.bfloat16), (make_input((1, 0, H), torch.bfloat16),), expect_rewritten=1,
+                   fresh_inputs=0)
+    check_compiled(TitanMoE(), (make_input((2, 9, H)),), expect_rewritten=1, inductor=True)
+
+
+class NarrowGather(TitanMoE):
+    """A gather whose index spans half the columns: not x[tok] (each row gets half of its token)."""
+
+    def forward(self, x):
+        x = x.view(-1, H)
+        top, sel = torch.topk(F.softmax(self.gate(x).float(), dim=1), k=K, dim=1)
+        order = torch.argsort(sel.view(-1), stable=True)
+        n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
+        tok = order // K
+        rows = torch.gather(x, dim=0, index=tok.reshape(-1, 1).expand(-1, H // 2))
+        rows = torch.cat([rows, rows], dim=1)
+        offs = torch.cumsum(n, dim=0, dtype=torch.int32)
+        y = _gmm(F.silu(_gmm(rows, self.w1, offs, self.dtype)), self.w2, offs, self.dtype)
+        y = y * top.view(-1)[order].reshape(-1, 1)
+        return torch.zeros_like(x).index_add(0, tok, y)
+
+
+def test_gather_of_some_columns_is_not_an_entry():
+    torch.manual_seed(3)
+    check_compiled(NarrowGather(), (make_input((2, 5, H)),), expect_rewritten=0, expect_refused=1)
+
+
+class WrittenBetween(TitanMoE):
+    """The ids written in place between the count and the sort: the counts are of other ids than the
+    sorted ones (eager's values; a rewrite must not count the written ids)."""
+
+    def forward(self, x):
+        x = x.view(-1, H)
+        top, sel = torch.topk(F.softmax(self.gate(x).float(), dim=1), k=K, dim=1)
+        sel = sel.clone()   # topk saved its own for the backward
+        n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
+        sel.clamp_(max=E - 2)
+        order = torch.argsort(sel.view(-1), stable=True)
+        tok = order // K
+        offs = torch.cumsum(n, dim=0, dtype=torch.int32)
+        y = _gmm(F.silu(_gmm(x[tok], self.w1, offs, self.dtype)), self.w2, offs, self.dtype)
+        y = y * top.view(-1)[order].reshape(-1, 1)
+        return torch.zeros_like(x).index_add(0, tok, y)
+
+
+def test_ids_written_between_count_and_sort_keep_eager_values():
+    torch.manual_seed(4)
+    check_compiled(WrittenBetween(), (make_input((2, 5, H)),), expect_rewritten=0, expect_refused=1)
+
+
+def test_bincount_length_reaching_a_static_offsets_check_names_bincount():
+    """transformers' fallback grouped GEMM checks ``offs.size(0) == E`` in its fake: bincount's
+    data-dependent length makes Dynamo split the graph on that line, not the bincount's. The break was
+    reported as branching on tensor data ('remove the branch': there is none); now as bincount's."""
+    torch._dynamo.reset()
+    report = moe_compile.explain(TitanMoE(counts="bincount", entry="index", combine="index_add", cast="to"),
+                                 make_input((2, 5, H)))
+    codes = [b.reason_code for b in report.graph_breaks]
+    assert codes == ["break_bincount"], report
