@@ -61,7 +61,7 @@ import torch.fx as fx
 
 from .expert_ids import ID_VIEWS, OTHER_ROUTERS, router_kind, router_root, routers as _routers
 from .id_range import holds_ids
-from .moe_source import Frame, declares_experts_implementation, enclosing_class, in_moe_code  # noqa: F401
+from .moe_source import Frame, _enclosing_function, declares_experts_implementation, enclosing_class, in_moe_code  # noqa: F401
 from .normalize import (arg, canon, common_module, module_path, source_name, val,
                         where_in_user_code)
 from .token_paths import MATMULS, ep_experts_of, graph_params, param_of, router_params, token_values
@@ -388,7 +388,7 @@ def classify_break(frames, reason: str) -> tuple[str, dict]:
         code = "break_tolist"
     elif ".item()" in src:
         code = "break_item"
-    elif "bincount" in src:
+    elif "bincount" in src or ("data-dependent" in low and any(map(_counts_by_bincount, frames))):
         code = "break_bincount"
     elif "data-dependent branching" in low or (src.startswith(("if ", "elif ", "while ")) and "data-dependent" in low):
         code = "break_data_dependent"
@@ -399,6 +399,15 @@ def classify_break(frames, reason: str) -> tuple[str, dict]:
     else:
         code = "break_other"
     return code, detail
+
+
+def _counts_by_bincount(f) -> bool:
+    """The function holding the frame's line (one of a break's user frames) takes counts with
+    ``bincount``: a guard on a data-dependent size below it is most likely on bincount's length
+    (max(minlength, largest id + 1)), which reached an op that needs it static (an offsets length
+    checked against E)."""
+    whole = _enclosing_function(f.filename, f.lineno) if f.filename and f.lineno else None
+    return whole is not None and "bincount(" in whole
 
 
 def break_fix(code: str, detail: dict) -> str:
