@@ -8,6 +8,8 @@ code from ``reasons.REASONS``, the filled message and the fix. The rules::
                         linear have one shape; there is at least one linear
     input_2d            the expert input is [tokens, hidden]
     not_float64         no float64 expert input or weight (the fused ops accumulate in float32)
+    plain_weights       no expert input, weight or bias is a tensor subclass with its own storage format
+                        (quantized, float8: torchao's tensors), which the fused ops cannot take
     one_dtype_products  a product on operands of different float dtypes runs under torch.autocast (else
                         eager raises, and so must the compiled code)
     accumulator         an in-place accumulator is not a graph input
@@ -133,6 +135,22 @@ def not_float64(region: Region) -> Finding | None:
         v = val(n)
         if isinstance(v, torch.Tensor) and v.dtype == torch.float64:
             return Finding.of("float64", n, what=f"`{n.name}` is float64")
+    return None
+
+
+def plain_weights(region: Region) -> Finding | None:
+    """No expert input, weight or bias is a tensor subclass with a storage format of its own (torchao's
+    quantized or float8 tensors, NF4): the fused ops have no kernel for it. DTensor is not one here
+    (expert-parallel weights reach the region through ``to_local()``)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    mlp = region.experts
+    nodes = [region.x] + [n for st in mlp.steps if st.linear for slot in st.linear[:2] if slot is not None
+                          for n in mlp.slots[slot]]
+    for n in nodes:
+        v = val(n)
+        if isinstance(v, torch.Tensor) and is_traceable_wrapper_subclass(v) and type(v).__name__ != "DTensor":
+            return Finding.of("weight_subclass", n, node=n.name, cls=type(v).__name__)
     return None
 
 
@@ -335,5 +353,5 @@ def outside_transforms(region: Region) -> Finding | None:
     return None
 
 
-RULES = (expert_operands, input_2d, not_float64, one_dtype_products, accumulator, expert_parallel, weights_path, input_weights,
+RULES = (expert_operands, input_2d, not_float64, plain_weights, one_dtype_products, accumulator, expert_parallel, weights_path, input_weights,
          no_foreign_writes, outside_transforms)

@@ -58,7 +58,9 @@ REASONS: dict[str, Reason] = {
     "experts_differ": Reason("expert {expert}'s MLP differs in structure from expert 0's",
                              "give every expert the same layers; differing experts cannot be one grouped GEMM"),
     "no_expert_function": Reason("expert {expert} applies no function to its rows",
-                                 "this looks like a top-k gather, not an MoE layer"),
+                                 "a layer with a zero-compute (identity) expert (MoE++-style) stays compiled as "
+                                 "written: the rewrite needs a function per expert; if no expert computes anything "
+                                 "this is a top-k gather, not an MoE layer"),
     "escaping_intermediate": Reason(
         "the expert intermediate `{node}` is also used outside the MoE region (by `{user}`)",
         "use only the combined output outside the expert loop"),
@@ -100,6 +102,11 @@ REASONS: dict[str, Reason] = {
         "the experts compute in float64 ({what}); the fused ops accumulate in float32 (~1e-7 relative), below "
         "float64's precision", "nothing to fix: compiled as written, in float64 (the fused path runs float32, "
         "float16 and bfloat16)"),
+    "weight_subclass": Reason(
+        "the expert operand `{node}` is a `{cls}` (a tensor subclass with a storage format of its own: a "
+        "quantized or float8 weight such as torchao's), which the fused grouped GEMMs do not take",
+        "nothing to fix for a frozen quantized base (QLoRA-style fine-tuning): the layer is compiled as written, "
+        "with eager's values; for the rewrite, keep the expert weights as plain bf16 / fp32 tensors"),
     "input_not_2d": Reason("expert input must be [tokens, hidden], got {shape}",
                            "flatten the tokens first: x = x.reshape(-1, hidden)"),
     "weight_not_3d": Reason("expert weight `{node}` is not 3-D", "stack expert weights as [E, in, out]"),
@@ -226,8 +233,10 @@ REASONS: dict[str, Reason] = {
         "form the backend rewrites{disabled}; it is compiled as written",
         "write the layer in a supported form (docs/architecture.md, \"Forms\"), e.g. `for e in range(E): tok, slot = "
         "torch.where(ids == e); out.index_add_(0, tok, w[tok, slot, None] * experts[e](x[tok]))`, or 3-D expert "
-        "weights with sort + torch._grouped_mm as transformers' grouped_mm experts do; if the layer is already "
-        "written so, please report it with moe_compile.explain's output"),
+        "weights with sort + torch._grouped_mm as transformers' grouped_mm experts do; a layer that drops tokens "
+        "over an expert capacity (Switch / GShard / DeepSpeed capacity factors, one-hot dispatch tensors) or lets "
+        "experts choose tokens (expert-choice routing) stays unrewritten: written without it, it would compute "
+        "something else; if the layer is already written so, please report it with moe_compile.explain's output"),
     "router_draws": Reason(
         "looks like an MoE layer ({router} over {e} experts at {router_at} feeds {evidence}), but its expert ids "
         "are drawn, not picked by a top-k/argmax over router scores, which is what the rewrite routes from{disabled}; "

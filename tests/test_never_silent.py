@@ -1918,3 +1918,23 @@ def test_compiled_model_under_a_func_transform_from_eager_names_the_transform(ca
         torch.testing.assert_close(got[name], want[name], msg=name)
     warned = _warnings(caplog, "break_func_transform")
     assert warned and not _warnings(caplog, "break_other") and "torch.autograd.grad" in warned[0], caplog.text
+
+
+def test_expert_weights_of_a_tensor_subclass_are_refused_by_name():
+    """Frozen expert weights of a traceable wrapper subclass (torchao's quantized weights in QLoRA-style
+    fine-tuning; torch's TwoTensor here): the fused ops have no kernel for them. The lowering failed on
+    them and the record said 'a bug in moe_compile: please report it'; now the legality rule
+    plain_weights refuses the region with the weight's type, and values are eager's."""
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    torch.manual_seed(0)
+    model = make_model(h=16, i=12, e=4, k=2)
+    for mod in model.experts.experts.modules():
+        if isinstance(mod, nn.Linear):
+            w = mod.weight.detach()
+            mod.weight = nn.Parameter(two_tensor.TwoTensor(w.clone(), w.clone()), requires_grad=False)
+    x = make_input((6, 16))
+    torch._dynamo.reset()
+    report = moe_compile.explain(model, x)
+    assert [(r.status, r.code) for r in report.regions] == [("refused", "weight_subclass")], report
+    assert "TwoTensor" in report.regions[0].reason
+    check_compiled(model, (x,), expect_rewritten=0, expect_refused=1)
