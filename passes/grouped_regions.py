@@ -40,6 +40,7 @@ from . import grouped_routing as route
 from . import grouped_rows as rows
 from .grouped_combine import pair_op
 from .grouped_state import CASTS, DONE, FLATTEN, GMM_OPS, ROW_KINDS, GRole, Group
+from .expert_ids import ID_VIEWS
 from .id_range import ids_nonnegative
 from .normalize import canon, common_module, dtype_of, id_bound, module_path, shape, val, where_in_user_code
 from .region import Candidate, ExpertMLP, Finding, Region, ReplaceOutput, Router, Step
@@ -271,6 +272,8 @@ class Finder:
             return [Finding.of("clamped_counts", g.clamped_counts, node=g.clamped_counts.name, e=g.e,
                                bound=b if b is not None else "?")]
         if g.family != "dense" and not ids_nonnegative(g.ids):   # (dense: eager's scatter raises on them)
+            if _graph_input(g.ids):
+                return [Finding.of("ids_from_graph_input", g.ids, node=g.ids.name)]
             return [Finding.of("ids_may_be_negative", g.ids, node=g.ids.name)]
         if shape(g.x)[0] * g.k != val(g.ids).numel():
             return [Finding.of("token_count_mismatch", None, tokens=shape(g.x)[0], k=g.k, ids=val(g.ids).numel())]
@@ -282,6 +285,17 @@ class Finder:
                 if outside:
                     return [Finding.of("escaping_intermediate", m, node=m.name, user=outside[0].name)]
         return []
+
+
+def _graph_input(ids: fx.Node) -> bool:
+    """The ids are an input of the graph (through views and casts): the router ran in another graph."""
+    for _ in range(8):
+        if not isinstance(ids, fx.Node) or ids.op == "placeholder":
+            break
+        if not ids.args or (canon(ids) not in ID_VIEWS and canon(ids) not in CASTS and canon(ids) not in FLATTEN):
+            return False
+        ids = ids.args[0]
+    return isinstance(ids, fx.Node) and ids.op == "placeholder"
 
 
 def find_grouped_regions(gm: fx.GraphModule) -> list[Candidate]:

@@ -145,6 +145,12 @@ REASONS: dict[str, Reason] = {
     "sort_key": Reason("the rows are sorted by `{node}`, {how}, not by the router's ids flattened token-major",
                        "sort `ids.reshape(-1)` (row r is token r // top_k, slot r % top_k) and gather rows with "
                        "perm // top_k"),
+    "ids_from_graph_input": Reason(
+        "the expert ids (`{node}`) are an input of this graph: the router that picked them ran in another graph "
+        "(a graph break between the router and the experts), so nothing here shows they are expert numbers >= 0",
+        "keep the router and the experts in one graph: moe_compile.explain lists the graph break between them (a "
+        "parametrization on the expert weights, such as peft's LoRA on target_parameters, breaks there: merge the "
+        "adapter, e.g. merge_and_unload(), for a compiled run)"),
     "ids_may_be_negative": Reason(
         "the expert ids (`{node}`) are not provably >= 0 (not a topk / argmax index on the way, or a write or "
         "op that can put another value in, e.g. -1 for dropped slots): eager sorts a negative id first and "

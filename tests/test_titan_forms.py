@@ -165,3 +165,29 @@ def test_bincount_length_reaching_a_static_offsets_check_names_bincount():
                                  make_input((2, 5, H)))
     codes = [b.reason_code for b in report.graph_breaks]
     assert codes == ["break_bincount"], report
+
+
+class ExpertsOnly(TitanMoE):
+    """The grouped experts alone, called with the router's ids and weights (compiled apart from the
+    router, or behind a graph break: peft's LoRA on target_parameters registers a parametrization there)."""
+
+    def forward(self, x, sel, top):
+        order = torch.argsort(sel.view(-1), stable=True)
+        n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E - 1)   # (max=E needs ids known below E)
+        tok = order // K
+        offs = torch.cumsum(n, dim=0, dtype=torch.int32)
+        y = _gmm(F.silu(_gmm(x[tok], self.w1, offs, self.dtype)), self.w2, offs, self.dtype)
+        y = y * top.view(-1)[order].reshape(-1, 1)
+        return torch.zeros_like(x).index_add(0, tok, y)
+
+
+def test_ids_from_another_graph_are_refused_as_such():
+    """Ids that come into the graph as an input: refused (nothing shows they are >= 0), and the reason says
+    the router ran in another graph (it said 'not provably >= 0' with a fix about dropped slots)."""
+    torch.manual_seed(5)
+    x = make_input((10, H))
+    top, sel = torch.topk(torch.randn(10, E).softmax(-1), K, dim=-1)
+    torch._dynamo.reset()
+    report = moe_compile.explain(ExpertsOnly(), x, sel, top)
+    assert [(r.status, r.code) for r in report.regions] == [("refused", "ids_from_graph_input")], report
+    check_compiled(ExpertsOnly(), (x, sel, top), expect_rewritten=0, expect_refused=1, fresh_inputs=0)
