@@ -185,6 +185,9 @@ def _clean_module_path(path: str) -> str:
     # Dynamo spells it L['self'].layers[0].mlp or L['self'].experts._modules['0'] depending on version;
     # a module reached through a local or global other than self starts with L['block'] / G['model']
     path = re.sub(r"^[LG]\['([^']*)'\]", lambda m: "" if m.group(1) == "self" else m.group(1), path)
+    # a module whose class defines __getattr__ (peft's wrappers) is read through its instance dict:
+    # L['self'].__dict__['_modules']['base_model']
+    path = re.sub(r"\.__dict__\['_(?:modules|parameters|buffers)'\]\['([^']*)'\]", r".\1", path)
     path = path.replace("._modules['", ".").replace("']", "")
     path = path.replace("[", ".").replace("]", "")
     return path.strip(".")

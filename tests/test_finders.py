@@ -263,3 +263,17 @@ def test_host_syncs_name_copies_to_the_host():
 
     assert on("cuda") == ({"cpu (to the host)": 1, "to (to the host)": 1}, {"_to_copy (to the host)": 2})
     assert on("cpu") == ({}, {})
+
+
+@pytest.mark.parametrize("source, path", [
+    ("L['self'].layers[0].mlp", "layers.0.mlp"),
+    ("L['self'].experts._modules['0']", "experts.0"),
+    ("G['model']._modules['moe']", "model.moe"),
+    # a module class with __getattr__ (peft's PeftModel / LoraModel) is read through its instance dict;
+    # the warnings named the region `__dict__.'_modules.'base_model.__dict__.'_modules.'model.moe`
+    ("L['self'].__dict__['_modules']['base_model'].__dict__['_modules']['model'].moe", "base_model.model.moe"),
+])
+def test_module_paths_read_as_the_user_names_them(source, path):
+    from moe_compile.passes.normalize import _clean_module_path
+
+    assert _clean_module_path(source) == path
