@@ -41,6 +41,8 @@ ROWWISE_UNARY = {"silu", "gelu", "relu", "sigmoid", "tanh", "exp", "neg", "erf",
                  "rsqrt", "abs", "clamp", "clamp_min", "clamp_max", "to", "float", "bfloat16", "half", "double",
                  "contiguous", "type", "dropout", "relu6", "leaky_relu", "elu", "selu", "mish", "hardswish",
                  "hardsigmoid", "gelu_tanh", "identity", "glu", "log_sigmoid", "logsigmoid"}
+# Dynamo's spelling of a custom torch.autograd.Function's apply in the graph
+AUTOGRAD_FUNCTION_OPS = {"trampoline_autograd_apply", "autograd_function_apply"}
 ROWWISE_BINARY = {"mul", "add", "sub", "div", "pow", "minimum", "maximum", "iadd"}
 SPLITS = {"chunk", "split", "tensor_split"}
 LINEAR_OPS = {"linear", "matmul", "mm"}
@@ -123,6 +125,9 @@ class Analysis:
     def _row_finding(self, key: tuple, node: fx.Node, why: str = ""):
         op = canon(node) or node.op
         code = "expert_checkpointed" if op in CHECKPOINT_HOPS else "unsupported_row_op"
+        if op in AUTOGRAD_FUNCTION_OPS and not why:
+            why = (" (a custom torch.autograd.Function, e.g. torchao's float8 training Linear: its backward is its "
+                   "own, which the fused ops would replace)")
         self.row_findings.setdefault(key, []).append(
             Finding.of(code, node, op=op, at=where_in_user_code(node) or "?", why=why))
 

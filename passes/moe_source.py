@@ -113,8 +113,9 @@ def _routes_then_selects(filename: str, lineno: int, limit: int = 120) -> bool:
     return whole is None or bool(_EXPERT_COMPUTE.search(whole))
 
 
-# expert compute in a function's text: an indexed module called (experts[e](..)), a grouped GEMM, a batched one
-_EXPERT_COMPUTE = re.compile(r"\w\[[^\]\n]+\]\s*\(|\bgrouped_mm\(|\bbmm\(|\beinsum\(|\bexpert", re.I)
+# expert compute in a function's text: an indexed module called (experts[e](..)), a grouped GEMM (F.grouped_mm
+# or torch._grouped_mm: no word boundary before "grouped" there), a batched one
+_EXPERT_COMPUTE = re.compile(r"\w\[[^\]\n]+\]\s*\(|\b_?grouped_mm\(|\bbmm\(|\beinsum\(|\bexpert", re.I)
 
 
 def _enclosing_function(filename: str, lineno: int) -> str | None:

@@ -314,6 +314,13 @@ REASONS: dict[str, Reason] = {
     "break_data_dependent": Reason(
         "{what} at {at}: `{source}` branches on tensor data (e.g. skipping experts without tokens){effect}",
         "remove the branch: the rewritten experts handle empty groups"),
+    "break_in_expert_loop": Reason(
+        "{what} at {at}: `{source}`: a graph break inside the loop's body, where Dynamo cannot resume (it gives "
+        "up on the loop); e.g. a slice with tensor bounds `x[start[e]:end[e]]` reads the bounds on the host, as "
+        "`.item()` does{effect}",
+        "select each expert's rows with tensor ops (`tok, slot = torch.where(ids == e)`), or sort the rows and run "
+        "torch._grouped_mm with offsets from the counts (no host reads); TORCH_LOGS=\"graph_breaks\" names the "
+        "break in the body"),
     "break_bincount": Reason(
         "{what} at {at}: `{source}`: bincount has a data-dependent output length{effect}",
         "use `one_hot(ids, E).sum(0)` or `torch.histc(ids.float(), bins=E, min=0, max=E - 1)`"),

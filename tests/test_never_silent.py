@@ -1938,3 +1938,118 @@ def test_expert_weights_of_a_tensor_subclass_are_refused_by_name():
     assert [(r.status, r.code) for r in report.regions] == [("refused", "weight_subclass")], report
     assert "TwoTensor" in report.regions[0].reason
     check_compiled(model, (x,), expect_rewritten=0, expect_refused=1)
+
+
+class _Fp32GroupedMM(nn.Module):
+    """Sorted experts on torch._grouped_mm in fp32, all in forward (torch 2.13's fake kernel wants bf16
+    operands while eager runs fp32 on CPU: Dynamo gives up on the frame, which runs eagerly)."""
+
+    def __init__(self, h=32, i=24, e=8, k=2):
+        super().__init__()
+        self.k, self.e = k, e
+        self.gate = nn.Linear(h, e, bias=False)
+        self.w1 = nn.Parameter(torch.randn(e, h, i) / 6)
+        self.w2 = nn.Parameter(torch.randn(e, i, h) / 5)
+
+    def forward(self, x):
+        top, sel = torch.topk(F.softmax(self.gate(x), -1), self.k, -1)
+        flat = sel.view(-1)
+        perm = flat.argsort(stable=True)
+        offs = torch.histc(flat.float(), bins=self.e, min=0, max=self.e).cumsum(0).to(torch.int32)
+        tok = perm // self.k
+        h = F.gelu(torch._grouped_mm(x[tok], self.w1, offs=offs))
+        o = torch._grouped_mm(h, self.w2, offs=offs) * top.view(-1)[perm][:, None]
+        return torch.zeros_like(x).index_add_(0, tok, o)
+
+
+def test_frame_with_torch_grouped_mm_given_up_on_is_listed_by_explain():
+    """explain() listed nothing (0 graphs, no break) for a frame Dynamo gave up on whose only expert
+    compute is `torch._grouped_mm(`: the source rule looked for `grouped_mm(` after a word boundary,
+    which `._grouped_mm(` does not have. The compile's own warning named the frame as not MoE code."""
+    from moe_compile.passes.moe_source import _EXPERT_COMPUTE
+
+    assert _EXPERT_COMPUTE.search("h = torch._grouped_mm(x, w, offs=offs)")
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    report = moe_compile.explain(_Fp32GroupedMM(), torch.randn(10, 32))
+    assert report.regions or report.graph_breaks, report
+
+
+class _SlicedExperts(nn.Module):
+    """megablocks-style: rows sorted by expert, each expert's rows sliced with tensor bounds."""
+
+    def __init__(self, h=16, e=4, k=2):
+        super().__init__()
+        self.e, self.k = e, k
+        self.gate = nn.Linear(h, e, bias=False)
+        self.experts = nn.ModuleList([SwiGLU(h, 12) for _ in range(e)])
+
+    def forward(self, x):
+        w, sel = torch.topk(F.softmax(self.gate(x), -1), self.k, -1)
+        flat = sel.view(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.histc(flat.float(), bins=self.e, min=0, max=self.e - 1).long()
+        ends = counts.cumsum(0)
+        starts = ends - counts
+        xs = x[order // self.k]
+        ys = torch.empty_like(xs)
+        for e in range(self.e):
+            ys[starts[e]:ends[e]] = self.experts[e](xs[starts[e]:ends[e]])
+        ys = ys * w.view(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, order // self.k, ys)
+
+
+def test_break_inside_the_expert_loop_is_named_as_such():
+    """Dynamo cannot resume inside the loop after the slice's host read: it gave up on the loop with
+    'step_unsupported', reported as break_other with the generic fix; now break_in_expert_loop, whose fix
+    names the loop forms without host reads. Values are eager's."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    report = moe_compile.explain(_SlicedExperts(), make_input((10, 16)))
+    assert [b.reason_code for b in report.graph_breaks] == ["break_in_expert_loop"], report
+    check_compiled(_SlicedExperts(), (make_input((10, 16)),), expect_rewritten=0, expect_refused=1)
+
+
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+class _FunctionExpert(nn.Module):
+    def __init__(self, h=16, i=12):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(h, i, bias=False), nn.Linear(i, h, bias=False)
+
+    def forward(self, x):
+        return self.w2(_Double.apply(F.silu(self.w1(x))))
+
+
+class _FunctionExpertsLoop(nn.Module):
+    def __init__(self, h=16, e=4, k=2):
+        super().__init__()
+        self.e, self.k = e, k
+        self.gate = nn.Linear(h, e, bias=False)
+        self.experts = nn.ModuleList([_FunctionExpert(h) for _ in range(e)])
+
+    def forward(self, x):
+        w, ids = torch.topk(F.softmax(self.gate(x), -1), self.k, -1)
+        out = torch.zeros_like(x)
+        for e in range(self.e):
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, w[tok, slot, None] * self.experts[e](x[tok]))
+        return out
+
+
+def test_custom_autograd_function_in_an_expert_is_named_in_the_reason():
+    """An expert that calls a custom torch.autograd.Function (torchao's float8 training Linear does) is
+    refused as unsupported_row_op; the reason now says what `trampoline_autograd_apply` is."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    report = moe_compile.explain(_FunctionExpertsLoop(), make_input((10, 16)))
+    refused = [r for r in report.regions if r.code == "unsupported_row_op"]
+    assert refused and "custom torch.autograd.Function" in refused[0].reason, report
