@@ -388,12 +388,14 @@ def classify_break(frames, reason: str) -> tuple[str, dict]:
         code = "break_tolist"
     elif ".item()" in src:
         code = "break_item"
-    elif "bincount" in src or ("data-dependent" in low and any(map(_counts_by_bincount, frames))):
+    elif "bincount" in src:
         code = "break_bincount"
     elif "step_unsupported" in low and src.startswith(("for ", "while ")):
         code = "break_in_expert_loop"
     elif "data-dependent branching" in low or (src.startswith(("if ", "elif ", "while ")) and "data-dependent" in low):
         code = "break_data_dependent"
+    elif "data-dependent" in low and any(map(_counts_by_bincount, frames)):   # not a branch: a size
+        code = "break_bincount"
     elif "dynamic shape operator" in low or "dynamic_output_shape" in low or "nonzero" in low:
         code = "break_dynamic_shape"
     elif "data-dependent" in low or "guardondatadependentsymnode" in low:

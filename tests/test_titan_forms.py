@@ -191,3 +191,25 @@ def test_ids_from_another_graph_are_refused_as_such():
     report = moe_compile.explain(ExpertsOnly(), x, sel, top)
     assert [(r.status, r.code) for r in report.regions] == [("refused", "ids_from_graph_input")], report
     check_compiled(ExpertsOnly(), (x, sel, top), expect_rewritten=0, expect_refused=1, fresh_inputs=0)
+
+
+def test_branch_on_bincount_counts_stays_a_data_dependent_branch():
+    """A branch on the counts (``if counts[e] == 0: continue``) in a function that takes them with bincount
+    is a branch (fix: drop it), not bincount's length (the classification that names bincount)."""
+    from moe_compile.passes.unclaimed import Frame, classify_break
+
+    frame = Frame(__file__, _BRANCH_LINE, "forward", "if counts[e] == 0:")
+    code, _ = classify_break([frame], "Data-dependent branching: Could not guard on data-dependent expression")
+    assert code == "break_data_dependent"
+
+
+def _branching_forward(x, ids, experts):
+    counts = torch.bincount(ids.view(-1), minlength=E)
+    for e in range(E):
+        if counts[e] == 0:
+            continue
+        x = x + experts[e](x)
+    return x
+
+
+_BRANCH_LINE = _branching_forward.__code__.co_firstlineno + 3
