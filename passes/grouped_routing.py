@@ -59,16 +59,15 @@ def sort_ahead(f, flat: fx.Node):
     """The group of the sort that orders the flat ids ``flat`` (the ``flat`` role: a row-major flatten
     of router ids [T, K]) for counts taken from them before the walk reaches that sort (torchtitan's
     router takes ``histc(ids.view(-1))`` before its reorderer's ``argsort(ids.view(-1))``), or for
-    counts of another flatten of the same ids node (the same values in the same order). None without
-    such a sort."""
+    counts of another flatten of the same ids node (the same values in the same order). None unless
+    exactly one such sort exists: two layers that sort the same router's ids would otherwise take each
+    other's counts (then neither is rewritten, and both are reported)."""
     ids = f.r(flat).info
     flats = [flat] + [u for u in ids.users if u is not flat and _flattens(u, ids)] if isinstance(ids, fx.Node) else [flat]
-    for c in flats:
-        for u in c.users:
-            if canon(u) in ("sort", "argsort") and u.args and u.args[0] is c \
-                    and not arg(u, 2, "descending", False) and arg(u, 1, "dim", -1) in (0, -1):
-                return sorted_group(f, u, c, ids)
-    return None
+    sorts = [(u, c) for c in flats for u in c.users
+             if canon(u) in ("sort", "argsort") and u.args and u.args[0] is c
+             and not arg(u, 2, "descending", False) and arg(u, 1, "dim", -1) in (0, -1)]
+    return sorted_group(f, *sorts[0], ids) if len(sorts) == 1 else None
 
 
 def _flattens(n: fx.Node, ids: fx.Node) -> bool:

@@ -213,3 +213,71 @@ def _branching_forward(x, ids, experts):
 
 
 _BRANCH_LINE = _branching_forward.__code__.co_firstlineno + 3
+
+
+class SentinelWritten(TitanMoE):
+    """Weak slots marked with the id E (``sel[top < 0.3] = E``, a number >= 0) before the layer: eager's
+    histc(max=E) counts them in expert E - 1's bin and the sort puts their rows last, so they run
+    through expert E - 1; the rewrite drops ids >= E. Found by review (relative error 0.67 on the output,
+    0.3-0.6 on every gradient): the ids' bound came from the top-k alone."""
+
+    def __init__(self, layout):
+        super().__init__()
+        self.layout = layout
+
+    def forward(self, x):
+        x = x.view(-1, H)
+        top, sel = torch.topk(F.softmax(self.gate(x).float(), dim=1), k=K, dim=1)
+        sel = sel.clone()
+        sel[top < 0.3] = E
+        flat = sel.view(-1)
+        if self.layout == "one_flat":
+            order = torch.argsort(flat, stable=True)
+            n = torch.histc(flat.float(), bins=E, min=0, max=E)
+        else:
+            n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
+            order = torch.argsort(sel.view(-1), stable=True)
+        tok = order // K
+        offs = torch.cumsum(n, dim=0, dtype=torch.int32)
+        y = _gmm(F.silu(_gmm(x[tok], self.w1, offs, self.dtype)), self.w2, offs, self.dtype)
+        y = y * top.view(-1)[order].reshape(-1, 1)
+        return torch.zeros_like(x).index_add(0, tok, y)
+
+
+@pytest.mark.parametrize("layout", ["one_flat", "count_first"])
+def test_ids_written_with_a_sentinel_are_not_bounded_by_the_top_k(layout):
+    torch.manual_seed(6)
+    check_compiled(SentinelWritten(layout), (make_input((2, 5, H)),), expect_rewritten=0, expect_refused=1)
+
+
+class TwoLayersOneRouter(TitanMoE):
+    """Two expert sets routed by the same ids, each counting before its sort: a count must not take the
+    other layer's sort (found by review: the second layer's counts joined the first's group, neither
+    record covered the second, and explain listed one layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.v1 = nn.Parameter(torch.randn(E, I, H) / math.sqrt(H))
+        self.v2 = nn.Parameter(torch.randn(E, H, I) / math.sqrt(I))
+
+    def _layer(self, x, sel, top, w1, w2):
+        n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
+        order = torch.argsort(sel.view(-1), stable=True)
+        tok = order // K
+        offs = torch.cumsum(n, dim=0, dtype=torch.int32)
+        y = _gmm(F.silu(_gmm(x[tok], w1, offs, self.dtype)), w2, offs, self.dtype)
+        return torch.zeros_like(x).index_add(0, tok, y * top.view(-1)[order].reshape(-1, 1))
+
+    def forward(self, x):
+        x = x.view(-1, H)
+        top, sel = torch.topk(F.softmax(self.gate(x).float(), dim=1), k=K, dim=1)
+        return self._layer(x, sel, top, self.w1, self.w2) + self._layer(x, sel, top, self.v1, self.v2)
+
+
+def test_two_layers_counting_one_routers_ids_before_their_sorts_are_both_reported():
+    torch.manual_seed(7)
+    x = make_input((2, 5, H))
+    torch._dynamo.reset()
+    report = moe_compile.explain(TwoLayersOneRouter(), x)
+    assert [(r.status, r.code) for r in report.regions] == [("refused", "moe_unmatched")], report
+    check_compiled(TwoLayersOneRouter(), (x,), expect_rewritten=0, expect_refused=1)
