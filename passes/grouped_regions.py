@@ -41,8 +41,8 @@ from . import grouped_rows as rows
 from .grouped_combine import pair_op
 from .grouped_state import CASTS, DONE, FLATTEN, GMM_OPS, ROW_KINDS, GRole, Group
 from .expert_ids import ID_VIEWS
-from .id_range import ids_nonnegative
-from .normalize import canon, common_module, dtype_of, id_bound, module_path, shape, val, where_in_user_code
+from .id_range import id_bound, ids_nonnegative
+from .normalize import canon, common_module, dtype_of, module_path, shape, val, where_in_user_code
 from .region import Candidate, ExpertMLP, Finding, Region, ReplaceOutput, Router, Step
 
 _R = route

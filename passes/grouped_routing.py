@@ -18,8 +18,8 @@ import torch.fx as fx
 
 from .grouped_state import CASTS, DONE, FLATTEN, as_int, swaps_2d
 from .expert_ids import ID_VIEWS, router_kind, router_root
-from .id_range import holds_ids
-from .normalize import arg, canon, id_bound, shape, val, where_in_user_code
+from .id_range import holds_ids, id_bound
+from .normalize import arg, canon, shape, val, where_in_user_code
 
 
 def flat_ids(f, n, op, a0, r0, rk):

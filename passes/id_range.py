@@ -13,6 +13,10 @@ both. So a region is rewritten only where its ids cannot be negative::
     where(c, a, b), masked_fill(a, m, v), a + b, maximum      -> >= 0 when every operand is
     clamp(a, min=m >= 0), clamp_min(m >= 0), a % (c > 0)      -> >= 0
   and no in-place write on the way puts another value in (clamp_(max=...) and writes of numbers >= 0 do not).
+
+``id_bound``: B with every id below B (the width a top-k / argmax picked from), withdrawn when an
+in-place write may put a value outside [0, B) into the ids (a sentinel E: histc(max=E) counts it in
+expert E - 1's bin in eager). Here, not in ``normalize``, because it reads ``writes``.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .normalize import _index_source, arg, canon, id_bound, val
+from .normalize import _SAME_VALUES, _index_source, arg, canon, shape, val
 from .writes import storage_base, written
 
 _KEEP = {"view", "reshape", "flatten", "unflatten", "contiguous", "clone", "detach", "unsqueeze", "squeeze",
@@ -135,3 +139,48 @@ def _nonnegative(n, writes: _Writes, depth: int) -> bool:
             return False
         return sub(src) and sub(arg(n, 1, "other", None))
     return False
+
+
+def id_bound(ids: fx.Node) -> int | None:
+    """B with every id of the integer tensor ``ids`` in [0, B): the size of the dim a ``topk`` /
+    ``max(dim)`` / ``argmax`` picked from (through casts, copies and views), else None; also None when
+    an in-place write anywhere in the graph reaches the storage of a tensor on that way and may put in
+    another value (``sel[drop] = E``: a sentinel E that histc(max=E) counts as expert E - 1's)."""
+    through = _SAME_VALUES | {"view", "reshape", "flatten"}
+    n = _index_source(ids, through)
+    if n is None or not isinstance(n.args[0], fx.Node):
+        return None
+    dim = arg(n, 2, "dim", -1) if canon(n) == "topk" else arg(n, 1, "dim", None)
+    s = shape(n.args[0])
+    bound = s[dim] if isinstance(dim, int) and s and isinstance(s[dim], int) else None
+    if bound is None:
+        return None
+    way = [ids]
+    while canon(way[-1]) in through and isinstance(way[-1].args[0], fx.Node):
+        way.append(way[-1].args[0])
+    return bound if _writes_keep_below(way, bound) else None
+
+
+def _writes_keep_below(way: list, bound: int) -> bool:
+    """Every in-place write to the storage of a node of ``way`` keeps its values in [0, bound): a clamp to
+    [0, bound - 1], or a fill / masked fill / index write of an int in that range."""
+    memo: dict = {}
+    bases = {storage_base(n, memo) for n in way}
+    for w in way[0].graph.nodes:
+        t = written(w)
+        if t is None or storage_base(t, memo) not in bases:
+            continue
+        op = canon(w)
+        if op in ("clamp_", "clamp_max_") and _int_in(arg(w, 2 if op == "clamp_" else 1, "max"), 0, bound - 1) \
+                and (op == "clamp_max_" or _int_in(arg(w, 1, "min", 0), 0, bound - 1)):
+            continue
+        value = {"masked_fill_": lambda: arg(w, 2, "value"), "fill_": lambda: arg(w, 1, "value"),
+                 "setitem": lambda: w.args[2] if len(w.args) > 2 else None}.get(op, lambda: None)()
+        if _int_in(value, 0, bound - 1):
+            continue
+        return False
+    return True
+
+
+def _int_in(x, lo: int, hi: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi

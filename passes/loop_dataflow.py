@@ -32,8 +32,8 @@ from .loop_combine import acc_read, acc_sum, combine, expert_rows
 from .loop_roles import (STOP, Contrib, Ids, Index, OneHot, PendingScatter, RowFn, Rows, RowW, ScatterIndex, Sel,
                          Storage, TokMask, Weighted, WhereOf, expert_key)
 from .checkpoint_bodies import HOPS as CHECKPOINT_HOPS
-from .id_range import holds_ids
-from .normalize import SIZE_QUERIES, arg, canon, id_bound, shape, val, where_in_user_code
+from .id_range import holds_ids, id_bound
+from .normalize import SIZE_QUERIES, arg, canon, shape, val, where_in_user_code
 from .region import Finding
 
 # element-wise ops the expert function may contain (with linears, splits and last-dim slices)

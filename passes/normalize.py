@@ -246,53 +246,6 @@ def _index_source(ids: fx.Node, through) -> fx.Node | None:
     return n if op == "argmax" else None
 
 
-def id_bound(ids: fx.Node) -> int | None:
-    """B with every id of the integer tensor ``ids`` in [0, B): the size of the dim a ``topk`` /
-    ``max(dim)`` / ``argmax`` picked from (through casts, copies and views), else None; also None when
-    an in-place write anywhere in the graph reaches the storage of a tensor on that way and may put in
-    another value (``sel[drop] = E``: a sentinel E that histc(max=E) counts as expert E - 1's)."""
-    through = _SAME_VALUES | {"view", "reshape", "flatten"}
-    n = _index_source(ids, through)
-    if n is None or not isinstance(n.args[0], fx.Node):
-        return None
-    dim = arg(n, 2, "dim", -1) if canon(n) == "topk" else arg(n, 1, "dim", None)
-    s = shape(n.args[0])
-    bound = s[dim] if isinstance(dim, int) and s and isinstance(s[dim], int) else None
-    if bound is None:
-        return None
-    way = [ids]
-    while canon(way[-1]) in through and isinstance(way[-1].args[0], fx.Node):
-        way.append(way[-1].args[0])
-    return bound if _writes_keep_below(way, bound) else None
-
-
-def _writes_keep_below(way: list, bound: int) -> bool:
-    """Every in-place write to the storage of a node of ``way`` keeps its values in [0, bound): a clamp to
-    [0, bound - 1], or a fill / masked fill / index write of an int in that range."""
-    from .writes import storage_base, written
-
-    memo: dict = {}
-    bases = {storage_base(n, memo) for n in way}
-    for w in way[0].graph.nodes:
-        t = written(w)
-        if t is None or storage_base(t, memo) not in bases:
-            continue
-        op = canon(w)
-        if op in ("clamp_", "clamp_max_") and _int_in(arg(w, 2 if op == "clamp_" else 1, "max"), 0, bound - 1) \
-                and (op == "clamp_max_" or _int_in(arg(w, 1, "min", 0), 0, bound - 1)):
-            continue
-        value = {"masked_fill_": lambda: arg(w, 2, "value"), "fill_": lambda: arg(w, 1, "value"),
-                 "setitem": lambda: w.args[2] if len(w.args) > 2 else None}.get(op, lambda: None)()
-        if _int_in(value, 0, bound - 1):
-            continue
-        return False
-    return True
-
-
-def _int_in(x, lo: int, hi: int) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
-
-
 def distinct_per_row(ids: fx.Node) -> bool:
     """True if the integer tensor ``ids`` [T, K] cannot name one expert twice in a row: it is the
     index output of ``topk`` / ``max(dim)`` / ``argmax`` (through casts and copies), or K == 1."""
