@@ -47,6 +47,15 @@ class TitanMoE(nn.Module):
         self.w3 = nn.Parameter(torch.randn(E, I, H, dtype=dtype) / math.sqrt(H))
         self.register_buffer("tokens_per_expert", torch.zeros(E))
 
+    def _sorted_experts(self, x, order, n, top, w1=None, w2=None):
+        """The variants' common tail: rows x[order // K], two grouped GEMMs on the counts ``n``, each row
+        weighted by its top-k weight, index_add back to its token."""
+        tok = order // K
+        offs = torch.cumsum(n, dim=0, dtype=torch.int32)
+        w1, w2 = (self.w1, self.w2) if w1 is None else (w1, w2)
+        y = _gmm(F.silu(_gmm(x[tok], w1, offs, self.dtype)), w2, offs, self.dtype)
+        return torch.zeros_like(x).index_add(0, tok, y * top.view(-1)[order].reshape(-1, 1))
+
     def forward(self, x):
         bs, slen, dim = x.shape
         x = x.view(-1, dim)
@@ -144,11 +153,7 @@ class WrittenBetween(TitanMoE):
         n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
         sel.clamp_(max=E - 2)
         order = torch.argsort(sel.view(-1), stable=True)
-        tok = order // K
-        offs = torch.cumsum(n, dim=0, dtype=torch.int32)
-        y = _gmm(F.silu(_gmm(x[tok], self.w1, offs, self.dtype)), self.w2, offs, self.dtype)
-        y = y * top.view(-1)[order].reshape(-1, 1)
-        return torch.zeros_like(x).index_add(0, tok, y)
+        return self._sorted_experts(x, order, n, top)
 
 
 def test_ids_written_between_count_and_sort_keep_eager_values():
@@ -174,11 +179,7 @@ class ExpertsOnly(TitanMoE):
     def forward(self, x, sel, top):
         order = torch.argsort(sel.view(-1), stable=True)
         n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E - 1)   # (max=E needs ids known below E)
-        tok = order // K
-        offs = torch.cumsum(n, dim=0, dtype=torch.int32)
-        y = _gmm(F.silu(_gmm(x[tok], self.w1, offs, self.dtype)), self.w2, offs, self.dtype)
-        y = y * top.view(-1)[order].reshape(-1, 1)
-        return torch.zeros_like(x).index_add(0, tok, y)
+        return self._sorted_experts(x, order, n, top)
 
 
 def test_ids_from_another_graph_are_refused_as_such():
@@ -237,11 +238,7 @@ class SentinelWritten(TitanMoE):
         else:
             n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
             order = torch.argsort(sel.view(-1), stable=True)
-        tok = order // K
-        offs = torch.cumsum(n, dim=0, dtype=torch.int32)
-        y = _gmm(F.silu(_gmm(x[tok], self.w1, offs, self.dtype)), self.w2, offs, self.dtype)
-        y = y * top.view(-1)[order].reshape(-1, 1)
-        return torch.zeros_like(x).index_add(0, tok, y)
+        return self._sorted_experts(x, order, n, top)
 
 
 @pytest.mark.parametrize("layout", ["one_flat", "count_first"])
@@ -263,10 +260,7 @@ class TwoLayersOneRouter(TitanMoE):
     def _layer(self, x, sel, top, w1, w2):
         n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
         order = torch.argsort(sel.view(-1), stable=True)
-        tok = order // K
-        offs = torch.cumsum(n, dim=0, dtype=torch.int32)
-        y = _gmm(F.silu(_gmm(x[tok], w1, offs, self.dtype)), w2, offs, self.dtype)
-        return torch.zeros_like(x).index_add(0, tok, y * top.view(-1)[order].reshape(-1, 1))
+        return self._sorted_experts(x, order, n, top, w1, w2)
 
     def forward(self, x):
         x = x.view(-1, H)
