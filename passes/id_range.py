@@ -80,9 +80,12 @@ class _Writes:
             if t is not None:
                 self.by_base.setdefault(storage_base(t, self.memo), []).append(u)
 
+    def _on(self, node: fx.Node) -> list:
+        return self.by_base.get(storage_base(node, self.memo), [])
+
     def keep(self, node: fx.Node) -> bool:
         """Every in-place write into ``node``'s storage (through any view) keeps values >= 0."""
-        for u in self.by_base.get(storage_base(node, self.memo), ()):
+        for u in self._on(node):
             op = (canon(u) or "").rstrip("_")
             if op in ("clamp", "clamp_min", "clamp_max") and _clamp_ok(u, op):
                 continue   # clamp_(max=E - 1): transformers' expert-parallel sentinel clamp
@@ -91,6 +94,20 @@ class _Writes:
             if op == "setitem" and _number_ok(u.args[2] if len(u.args) > 2 else None):
                 continue
             return False
+        return True
+
+    def keep_below(self, node: fx.Node, bound: int) -> bool:
+        """Every in-place write into ``node``'s storage keeps its values in [0, bound): a clamp to
+        [0, bound - 1], or a fill / masked fill / index write of an int in that range."""
+        for u in self._on(node):
+            op = canon(u)
+            if op in ("clamp_", "clamp_max_") and _int_in(arg(u, 2 if op == "clamp_" else 1, "max"), 0, bound - 1) \
+                    and (op == "clamp_max_" or _int_in(arg(u, 1, "min", 0), 0, bound - 1)):
+                continue
+            value = {"masked_fill_": lambda: arg(u, 2, "value"), "fill_": lambda: arg(u, 1, "value"),
+                     "setitem": lambda: u.args[2] if len(u.args) > 2 else None}.get(op, lambda: None)()
+            if not _int_in(value, 0, bound - 1):
+                return False
         return True
 
 
@@ -158,28 +175,8 @@ def id_bound(ids: fx.Node) -> int | None:
     way = [ids]
     while canon(way[-1]) in through and isinstance(way[-1].args[0], fx.Node):
         way.append(way[-1].args[0])
-    return bound if _writes_keep_below(way, bound) else None
-
-
-def _writes_keep_below(way: list, bound: int) -> bool:
-    """Every in-place write to the storage of a node of ``way`` keeps its values in [0, bound): a clamp to
-    [0, bound - 1], or a fill / masked fill / index write of an int in that range."""
-    memo: dict = {}
-    bases = {storage_base(n, memo) for n in way}
-    for w in way[0].graph.nodes:
-        t = written(w)
-        if t is None or storage_base(t, memo) not in bases:
-            continue
-        op = canon(w)
-        if op in ("clamp_", "clamp_max_") and _int_in(arg(w, 2 if op == "clamp_" else 1, "max"), 0, bound - 1) \
-                and (op == "clamp_max_" or _int_in(arg(w, 1, "min", 0), 0, bound - 1)):
-            continue
-        value = {"masked_fill_": lambda: arg(w, 2, "value"), "fill_": lambda: arg(w, 1, "value"),
-                 "setitem": lambda: w.args[2] if len(w.args) > 2 else None}.get(op, lambda: None)()
-        if _int_in(value, 0, bound - 1):
-            continue
-        return False
-    return True
+    writes = _Writes(ids.graph)
+    return bound if all(writes.keep_below(n, bound) for n in way) else None
 
 
 def _int_in(x, lo: int, hi: int) -> bool:

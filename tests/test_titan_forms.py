@@ -247,6 +247,26 @@ def test_ids_written_with_a_sentinel_are_not_bounded_by_the_top_k(layout):
     check_compiled(SentinelWritten(layout), (make_input((2, 5, H)),), expect_rewritten=0, expect_refused=1)
 
 
+class WeightsNormalizedInPlace(TitanMoE):
+    """``top /= top.sum(-1, keepdim=True)`` after the top-k, counts by histc(max=E): the write lands on
+    the top-k's values, not its indices, so the ids keep the top-k's bound and the layer is rewritten
+    (it was refused as ``moe_unmatched`` while a write to either output withdrew the bound)."""
+
+    def forward(self, x):
+        x = x.view(-1, H)
+        top, sel = torch.topk(F.softmax(self.gate(x).float(), dim=1), k=K, dim=1)
+        top /= top.sum(-1, keepdim=True)
+        n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
+        order = torch.argsort(sel.view(-1), stable=True)
+        return self._sorted_experts(x, order, n, top)
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 37])
+def test_weights_normalized_in_place_keep_the_ids_bound(tokens):
+    torch.manual_seed(8)
+    check_compiled(WeightsNormalizedInPlace(), (make_input((1, tokens, H)),), expect_rewritten=1)
+
+
 class TwoLayersOneRouter(TitanMoE):
     """Two expert sets routed by the same ids, each counting before its sort: a count must not take the
     other layer's sort (found by review: the second layer's counts joined the first's group, neither
