@@ -1,8 +1,9 @@
 """Lowering of the region variants that ``passes/region.py`` marks with a flag (called by ``region.py``).
 
     Router.per_expert     w [T, E] (zero off the selection)  ->  w_TK = gather(w, 1, ids)
-    Router.scale_input    h0 = permute_rows(x, ...) * w_TK.reshape(-1)[perm][:, None]   (before the
-                          expert's first op, as the model multiplies its input), combined with weight 1
+    Router.scale_input    h0 = permute_rows(x, ...)[.to(input_dtype)] * w_TK.reshape(-1)[perm][:, None]
+                          (before the expert's first op, as the model multiplies its input), combined
+                          with weight 1
     AccumulateInPlace.overwrite  out = where(ids in [0, E) per token, combined, base)   (top-1 only:
                           a routed row is replaced, an unrouted one keeps the base, as `out[idx] = ...`)
 """
@@ -34,6 +35,8 @@ def scale_rows(b: GraphBuilder, router: Router, rows: fx.Node, perm: fx.Node,
     ``weights``: the pair weights to take instead of the router's (expert parallelism: every rank's)."""
     if not router.scale_input or router.weights is None:
         return rows
+    if router.input_dtype is not None:   # (rows.to(float32) * w): the model's cast, before the product
+        rows = b.method("to", rows, router.input_dtype)
     w = b.method("reshape", weights if weights is not None else pair_weights(b, router), -1)
     return b.fn(operator.mul, rows, b.method("unsqueeze", b.fn(operator.getitem, w, perm), -1))
 

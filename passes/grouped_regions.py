@@ -249,7 +249,7 @@ class Finder:
         nodes = tuple(sorted(g.nodes, key=self.order.__getitem__))
         on_input = g.input_weights is not None
         router = Router(ids=g.ids, weights=g.input_weights if on_input else g.weights, top_k=g.k, num_experts=g.e,
-                        scale_input=on_input, per_expert=on_input)
+                        scale_input=on_input, per_expert=on_input and g.family == "dense", input_dtype=g.input_dtype)
         combine = ReplaceOutput(g.output, val(g.output).dtype, tuple(g.aliases),
                                 tuple(sorted(set(g.erase) | {g.output}, key=self.order.__getitem__)))
         region = Region(module, form, where, g.x, router, ExpertMLP(tuple(g.steps[:g.end + 1]), tuple(g.slots)),
@@ -265,6 +265,8 @@ class Finder:
             return [Finding.of("router_unknown")]
         if g.end is None or (g.weighted_at is not None and g.weighted_at != g.end):
             return [Finding.of("weights_before_last_op")]
+        if g.input_weights is not None and g.weights is not None:   # on the input and on the output
+            return [Finding.of("weights_twice")]
         for node, bound in g.clamps:   # clamp(max=E - 1) only: another bound moves rows to another expert
             if bound != g.e - 1:
                 return [Finding.of("sentinel_mismatch", node, sentinel=bound + 1, experts=g.e)]

@@ -8,7 +8,7 @@ name fall through to the element-wise rules at the end::
     bmm(W[flat], rows[:, :, None]).squeeze(-1)   a linear of the batched form (W gathered per pair)
     bmm(rows [E, T, H], W^T)                     a linear of the dense form
     rows + b[sorted_ids] | rows.add_(b[flat])    a per-expert bias, right after its linear
-    rows * w.reshape(-1)[perm].unsqueeze(-1)     routing weights (after the last op only)
+    rows * w.reshape(-1)[perm].unsqueeze(-1)     routing weights (after the last op, or on the input rows)
     rows.masked_fill(sorted_ids >= E, 0)         transformers' EP sentinel mask (what our ops do anyway)
     rows.type_as(t)                              a cast to t's dtype (a step ``rows.to(dtype)``)
     silu / gelu / mul / chunk / [..., ::2] ...   element-wise steps of the expert function
@@ -164,6 +164,8 @@ def weights_mul(f, g, n, op, rows_in):
             f.set(other, "wview", g)
         if g.weighted_at is not None:
             g.note("weights_twice")
+        if g.family == "sorted" and not g.linears and weights_on_input(f, g, n, rows_in[0], w):
+            return DONE   # before the expert's first linear, on its input rows
         g.weights, g.weighted_at = w, g.step_of[rows_in[0]]
         g.step_of[n] = g.step_of[rows_in[0]]
         f.set(n, "rows", g)
@@ -174,6 +176,44 @@ def weights_mul(f, g, n, op, rows_in):
         if _top_k_matrix(_this_layer(other)):
             return g.note("routing_matrix_form", other, node=other.name)   # top-k ids, another spelling
         return g.note("soft_moe", other, node=other.name)
+
+
+# casts that change only the dtype of the rows before the routing weights scale them
+_INPUT_CASTS = {"to", "float", "double", "half", "bfloat16", "type", "contiguous"}
+
+
+def weights_on_input(f, g, n, rows, w) -> bool:
+    """rows * w before the expert's first linear, on the sorted input rows or on one cast of them
+    (torchtitan's ``score_before_experts``: ``(rows.to(float32) * w[:, None]).to(x.dtype)``): the weights
+    scale the expert input (``Router.scale_input``, each pair's weight; ``Router.input_dtype`` the cast
+    the lowering replays before the product, which moves rows but not values). The product becomes the
+    region's input rows, so the unscaled rows and the cast must have no other reader. False where that
+    does not hold (a step other than a cast before it: expert(x) * w is not expert(x * w)); the caller
+    then takes the weights as applied after that step (``weights_before_last_op`` once a step follows)."""
+    if len(g.steps) > 1 or g.step_of.get(rows) != len(g.steps) - 1:
+        return False
+    if g.steps:
+        st, v = g.steps[0], val(rows)
+        if st.target not in _INPUT_CASTS or st.args[:1] != (("in",),) or _reads_slot(st.args[1:]) \
+                or _reads_slot(st.kwargs) or not (isinstance(v, torch.Tensor) and v.is_floating_point()) \
+                or v.device != val(g.x).device:
+            return False
+    held = set(g.step_of)
+    if any(set(m.users) - held - {n} for m in held):   # the unscaled rows read elsewhere too
+        return False
+    g.input_weights, g.input_dtype = w, (val(rows).dtype if g.steps else None)
+    g.steps.clear()
+    g.last = None
+    for m in held:
+        g.step_of[m] = -1
+    g.step_of[n] = -1
+    f.set(n, "rows", g)
+    return True
+
+
+def _reads_slot(x) -> bool:
+    """An encoded step operand that reads an operand slot (a tensor besides the rows)."""
+    return isinstance(x, tuple) and bool(x) and (x[0] == "slot" or any(_reads_slot(i) for i in x))
 
 
 _PLACES = {"scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_", "one_hot",

@@ -56,7 +56,8 @@ class Group:
     erase: list = field(default_factory=list)
     weights: fx.Node | None = None
     weighted_at: int | None = None                # step index the routing weights multiplied
-    input_weights: fx.Node | None = None          # [T, E] routing matrix that scales the input rows
+    input_weights: fx.Node | None = None          # weights that scale the input rows ([T, E] dense)
+    input_dtype: object = None                    # the dtype the input rows are cast to before that product
     last: int | None = None                       # step index of the newest function step
     end: int | None = None                        # step index of the rows that are combined
     output: fx.Node | None = None

@@ -18,8 +18,9 @@ class Reason:
 _FIX_UNSUPPORTED = ("keep the code between gathering an expert's rows and combining them to linears and "
                     "element-wise ops (activations, chunk/slices of the last dim, casts); move other work out "
                     "of the expert loop")
-_FIX_WEIGHTS = ("multiply the routing weight into the expert output once, after the expert's last op: "
-                "out += w[tok, slot, None] * expert(x[tok])")
+_FIX_WEIGHTS = ("multiply the routing weight once, into the expert output after the expert's last op "
+                "(out += w[tok, slot, None] * expert(x[tok])) or into the sorted input rows before its first op "
+                "(expert(x[tok] * w[tok, slot, None]), torchtitan's score_before_experts)")
 
 REASONS: dict[str, Reason] = {
     # ---- the combine (how expert outputs are written back)

@@ -41,13 +41,16 @@ class Router:
     ``scale_input``: the weights multiply each expert's INPUT row (expert(x * w), Llama 4); the
     lowering weights the permuted rows before the expert and combines with weight 1 (never moved past
     a nonlinear op). ``per_expert``: ``weights`` is a [T, E] matrix that is zero off the selection;
-    the lowering takes each pair's weight with gather(weights, 1, ids)."""
+    the lowering takes each pair's weight with gather(weights, 1, ids). ``input_dtype``: with
+    ``scale_input``, the dtype the model casts its input rows to before the product (torchtitan's
+    ``rows.to(float32) * w``), replayed by the lowering; None when it multiplies the rows as they are."""
     ids: fx.Node
     weights: fx.Node | None
     top_k: int
     num_experts: int
     scale_input: bool = False
     per_expert: bool = False
+    input_dtype: object = None
 
 
 @dataclass(frozen=True)

@@ -35,12 +35,14 @@ class TitanMoE(nn.Module):
 
     counts: "histc_first" (the router counts before the reorderer sorts: torchtitan's order) |
     "histc_after" | "bincount"; entry: "gather" (torchtitan) | "index"; combine: "scatter_add"
-    (torchtitan) | "index_add"; cast: "type_as" (torchtitan) | "to"."""
+    (torchtitan) | "index_add"; cast: "type_as" (torchtitan) | "to"; score_before: torchtitan's
+    ``score_before_experts`` (its default: the weights scale the expert input, in fp32)."""
 
     def __init__(self, counts="histc_first", entry="gather", combine="scatter_add", cast="type_as",
-                 dtype=torch.float32):
+                 dtype=torch.float32, score_before=False):
         super().__init__()
         self.counts, self.entry, self.combine, self.cast, self.dtype = counts, entry, combine, cast, dtype
+        self.score_before = score_before
         self.gate = nn.Linear(H, E, bias=False, dtype=dtype)
         self.w1 = nn.Parameter(torch.randn(E, I, H, dtype=dtype) / math.sqrt(H))
         self.w2 = nn.Parameter(torch.randn(E, H, I, dtype=dtype) / math.sqrt(I))
@@ -77,11 +79,14 @@ class TitanMoE(nn.Module):
             rows = torch.gather(x, dim=0, index=idx)
         else:
             rows = x[tok]
+        if self.score_before:
+            rows = (rows.to(torch.float32) * top_sorted.reshape(-1, 1)).to(x.dtype)
         offs = torch.cumsum(n, dim=0, dtype=torch.int32)
         h = F.silu(_gmm(rows, self.w1, offs, self.dtype)) * _gmm(rows, self.w3, offs, self.dtype)
         y = _gmm(h, self.w2, offs, self.dtype)
         y = y.type_as(rows) if self.cast == "type_as" else y.to(rows.dtype)
-        y = (y.to(torch.float32) * top_sorted.reshape(-1, 1)).to(x.dtype)
+        if not self.score_before:
+            y = (y.to(torch.float32) * top_sorted.reshape(-1, 1)).to(x.dtype)
         out = torch.zeros_like(x)
         if self.combine == "scatter_add":
             out = out.scatter_add(dim=0, index=tok.reshape(-1, 1).expand(-1, dim), src=y)
@@ -118,6 +123,86 @@ def test_torchtitan_layer_with_zero_tokens_and_under_inductor():
     check_compiled(TitanMoE(dtype=torch.bfloat16), (make_input((1, 0, H), torch.bfloat16),), expect_rewritten=1,
                    fresh_inputs=0)
     check_compiled(TitanMoE(), (make_input((2, 9, H)),), expect_rewritten=1, inductor=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [0, 1, 37])
+def test_torchtitan_default_scores_before_the_experts_is_rewritten(dtype, tokens):
+    """torchtitan's default ``score_before_experts=True``: ``(rows.to(float32) * w).to(x.dtype)`` before the
+    grouped GEMMs, combined unweighted. Refused as ``weights_before_last_op`` before; the lowering scales
+    the permuted rows the same way (the fp32 cast, then the product)."""
+    torch.manual_seed(9)
+    check_compiled(TitanMoE(dtype=dtype, score_before=True), (make_input((1, tokens, H), dtype),),
+                   expect_rewritten=1, fresh_inputs=1)
+
+
+def test_torchtitan_scores_before_the_experts_under_inductor_with_bincount():
+    torch.manual_seed(10)
+    check_compiled(TitanMoE(dtype=torch.bfloat16, counts="bincount", entry="index", combine="index_add",
+                            score_before=True), (make_input((2, 9, H), torch.bfloat16),), expect_rewritten=1,
+                   inductor=True)
+
+
+class WeightsOnRowsReadTwice(TitanMoE):
+    """The rows scaled by the weights feed one linear, the unscaled rows another: no single input to scale."""
+
+    def forward(self, x):
+        x = x.view(-1, H)
+        top, sel = torch.topk(F.softmax(self.gate(x).float(), dim=1), k=K, dim=1)
+        order = torch.argsort(sel.view(-1), stable=True)
+        n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
+        tok = order // K
+        rows = x[tok]
+        scaled = rows * top.view(-1)[order].reshape(-1, 1)
+        offs = torch.cumsum(n, dim=0, dtype=torch.int32)
+        h = F.silu(_gmm(scaled, self.w1, offs, self.dtype)) * _gmm(rows, self.w3, offs, self.dtype)
+        return torch.zeros_like(x).index_add(0, tok, _gmm(h, self.w2, offs, self.dtype))
+
+
+class WeightsAfterAStep(TitanMoE):
+    """The weights multiply the rows after a nonlinear step (silu(rows) * w, then the experts)."""
+
+    def forward(self, x):
+        x = x.view(-1, H)
+        top, sel = torch.topk(F.softmax(self.gate(x).float(), dim=1), k=K, dim=1)
+        order = torch.argsort(sel.view(-1), stable=True)
+        n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
+        tok = order // K
+        rows = F.silu(x[tok]) * top.view(-1)[order].reshape(-1, 1)
+        offs = torch.cumsum(n, dim=0, dtype=torch.int32)
+        y = _gmm(F.silu(_gmm(rows, self.w1, offs, self.dtype)), self.w2, offs, self.dtype)
+        return torch.zeros_like(x).index_add(0, tok, y)
+
+
+class WeightsOnInputAndOutput(TitanMoE):
+    """The weights scale the input rows and the output rows: both products are the model's."""
+
+    def forward(self, x):
+        x = x.view(-1, H)
+        top, sel = torch.topk(F.softmax(self.gate(x).float(), dim=1), k=K, dim=1)
+        order = torch.argsort(sel.view(-1), stable=True)
+        n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
+        w = top.view(-1)[order].reshape(-1, 1)
+        return self._sorted_experts_weighted_twice(x, order, n, w)
+
+    def _sorted_experts_weighted_twice(self, x, order, n, w):
+        tok = order // K
+        offs = torch.cumsum(n, dim=0, dtype=torch.int32)
+        y = _gmm(F.silu(_gmm(x[tok] * w, self.w1, offs, self.dtype)), self.w2, offs, self.dtype)
+        return torch.zeros_like(x).index_add(0, tok, y * w)
+
+
+@pytest.mark.parametrize("layer, code", [(WeightsOnRowsReadTwice, "weights_before_last_op"),
+                                         (WeightsAfterAStep, "weights_before_last_op"),
+                                         (WeightsOnInputAndOutput, "weights_twice")],
+                         ids=["rows_read_twice", "after_a_step", "input_and_output"])
+def test_weights_on_the_input_that_are_not_an_input_scale_stay_refused(layer, code):
+    torch.manual_seed(11)
+    x = make_input((2, 5, H))
+    torch._dynamo.reset()
+    report = moe_compile.explain(layer(), x)
+    assert [(r.status, r.code) for r in report.regions] == [("refused", code)], report
+    check_compiled(layer(), (x,), expect_rewritten=0, expect_refused=1, fresh_inputs=0)
 
 
 class NarrowGather(TitanMoE):
