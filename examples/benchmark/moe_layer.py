@@ -1,6 +1,6 @@
 """One MoE layer, side by side: plain-loop eager / + Inductor, HF grouped_mm eager / + Inductor,
-torch.compile(..., backend="moe") on both, and the moe_compile ops called by hand (what the backend
-should emit). One process, one GPU, bf16 parameters with random init, median of --steps steps.
+torchtitan's layer as written eager / + Inductor, torch.compile(..., backend="moe") on all three, and
+the moe_compile ops called by hand (what the backend should emit). One process, one GPU, bf16 parameters with random init, median of --steps steps.
 
     python examples/benchmark/moe_layer.py --shapes qwen3 gptoss mixtral --json out.json
     python examples/benchmark/moe_layer.py --shapes qwen3 --variants hf_inductor loop_moe --slow
@@ -39,8 +39,8 @@ SHAPES = {  # name: (T, H, I, E, k)
     "dsv3": (4096, 7168, 2048, 256, 8),
 }
 LABELS = {"qwen3": "Qwen3-30B-A3B", "gptoss": "GPT-OSS-20B-like", "mixtral": "Mixtral-8x7B", "dsv3": "DeepSeek-V3-like"}
-ANCHORS = ("loop_eager", "loop_inductor", "hf_eager", "hf_inductor")
-VARIANTS = ANCHORS + ("loop_moe", "hf_moe", "ops_eager", "ops_inductor", "ops_lowp_inductor", "loop_moe_cg", "hf_moe_cg", "loop_moe_ca")
+ANCHORS = ("loop_eager", "loop_inductor", "hf_eager", "hf_inductor", "titan_eager", "titan_inductor")
+VARIANTS = ANCHORS + ("loop_moe", "hf_moe", "titan_moe", "titan_moe_cg", "ops_eager", "ops_inductor", "ops_lowp_inductor", "loop_moe_cg", "hf_moe_cg", "loop_moe_ca")
 SLOW = ("loop_inductor",)  # stock Inductor on the per-expert loop: minutes of compile, graph breaks
 
 
@@ -84,6 +84,37 @@ def hf_block(h, i, e, k):
                          norm_topk_prob=True, experts_implementation="grouped_mm")
     cfg._experts_implementation = "grouped_mm"
     return Qwen3MoeSparseMoeBlock(cfg)
+
+
+class TitanLayer(nn.Module):
+    """torchtitan's MoE layer as it is written (models/moe: TokenChoiceTopKRouter, TokenReorderer,
+    GroupedExperts with torch._grouped_mm), softmax router with renormalised top-k as Qwen3, its default
+    score_before_experts=True (the weights scale the expert input rows in fp32), no shared expert."""
+
+    def __init__(self, h, i, e, k):
+        super().__init__()
+        self.gate = nn.Linear(h, e, bias=False)
+        self.w1 = nn.Parameter(torch.empty(e, i, h))
+        self.w2 = nn.Parameter(torch.empty(e, h, i))
+        self.w3 = nn.Parameter(torch.empty(e, i, h))
+        self.e, self.k = e, k
+
+    def forward(self, x):
+        t, dim = x.shape
+        scores = F.softmax(self.gate(x).to(torch.float32), dim=1)
+        top, sel = torch.topk(scores, k=self.k, dim=1)
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+        counts = torch.histc(sel.view(-1).float(), bins=self.e, min=0, max=self.e)
+        order = torch.argsort(sel.view(-1), stable=True)
+        top_sorted = top.view(-1)[order]
+        tok = order // self.k
+        rows = torch.gather(x, dim=0, index=tok.reshape(-1, 1).expand(-1, dim))
+        rows = (rows.to(torch.float32) * top_sorted.reshape(-1, 1)).to(x.dtype)
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        h = F.silu(torch._grouped_mm(rows.bfloat16(), self.w1.bfloat16().transpose(-2, -1), offs=offs))
+        h = h * torch._grouped_mm(rows.bfloat16(), self.w3.bfloat16().transpose(-2, -1), offs=offs)
+        y = torch._grouped_mm(h, self.w2.bfloat16().transpose(-2, -1), offs=offs).type_as(rows)
+        return torch.zeros_like(x).scatter_add(dim=0, index=tok.reshape(-1, 1).expand(-1, dim), src=y)
 
 
 class _GmmLowp(torch.autograd.Function):
@@ -154,6 +185,8 @@ def build(variant, shape, moe_options=None):
                 model = PlainLoopMoE(h, i, e, k)
             elif variant.startswith("hf"):
                 model = hf_block(h, i, e, k)
+            elif variant.startswith("titan"):
+                model = TitanLayer(h, i, e, k)
             else:
                 model = OpsMoE(h, i, e, k, lowp_wgrad="lowp" in variant)
     finally:
