@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
 
 from .normalize import ancestors, arg, canon, descendants, fn_name, val
@@ -50,7 +51,11 @@ _VIEWS = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "t"
           "chunk", "split", "unbind", "split_with_sizes", "movedim", "swapaxes", "mT", "real", "imag",
           "unfold", "squeeze_", "unsqueeze_", "align_as", "reshape_as", "ravel", "broadcast_to", "tensor_split",
           "moveaxis", "hsplit", "vsplit", "dsplit", "_get_data_attr", "view_as_real", "view_as_complex",
-          "swapdims", "adjoint", "conj", "resolve_conj", "resolve_neg", "indices", "values"}
+          "swapdims", "adjoint", "conj", "resolve_conj", "resolve_neg", "indices", "values",
+          "atleast_1d", "atleast_2d", "atleast_3d", "requires_grad_", "share_memory_", "positive", "cpu", "cuda",
+          "bool", "short", "char", "byte", "unsafe_chunk", "unsafe_split", "unsafe_split_with_sizes"}
+# ops that return a tuple of views of their tensor arguments, item i of argument i
+_TUPLE_VIEWS = {"broadcast_tensors", "meshgrid", "atleast_1d", "atleast_2d", "atleast_3d"}
 
 # ops that read their tensor argument's shape, dtype and device, not its values
 _SHAPE_ONLY = {"new_zeros", "new_ones", "new_empty", "new_full", "zeros_like", "ones_like", "empty_like",
@@ -116,13 +121,44 @@ def storage_base(node, memo: dict) -> fx.Node:
         nxt = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
         if nxt is None:
             break
+        if op == "getitem" and canon(nxt) in _TUPLE_VIEWS and not isinstance(val(nxt), torch.Tensor):
+            items = nxt.args[0] if len(nxt.args) == 1 and isinstance(nxt.args[0], (list, tuple)) else nxt.args
+            i = node.args[1]
+            if isinstance(i, int) and -len(items) <= i < len(items) and isinstance(items[i], fx.Node):
+                node = items[i]
+                continue
+            break
         if op in _VIEWS or written(node) is nxt or (op == "getitem" and basic_index(node)) \
                 or (op == "getattr" and len(node.args) > 1 and node.args[1] in _VIEW_ATTRS):
             node = nxt
             continue
-        break
+        shared = _shares_storage_with_input(node)
+        if shared is None:
+            break
+        node = shared
     memo[start] = node
     return node
+
+
+def _shares_storage_with_input(node: fx.Node) -> fx.Node | None:
+    """An input of ``node`` (for an item of a tuple, an input of the op that made it) whose storage
+    ``node``'s value shares, by the fake values Dynamo recorded: a view no list above names (an op
+    that returns its input as it is). None where the values are unknown or no storage is shared."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def ref(t):
+        try:
+            return StorageWeakRef(t.untyped_storage()) if isinstance(t, torch.Tensor) else None
+        except Exception:   # a value without a storage (a sparse or nested tensor, a subclass)
+            return None
+
+    own = ref(val(node))
+    if own is None:
+        return None
+    inputs = list(node.all_input_nodes)
+    if canon(node) == "getitem" and inputs:
+        inputs += inputs[0].all_input_nodes
+    return next((a for a in inputs if (r := ref(val(a))) is not None and r == own), None)
 
 
 def basic_index(node: fx.Node) -> bool:

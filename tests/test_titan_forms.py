@@ -352,6 +352,34 @@ def test_weights_normalized_in_place_keep_the_ids_bound(tokens):
     check_compiled(WeightsNormalizedInPlace(), (make_input((1, tokens, H)),), expect_rewritten=1)
 
 
+class SentinelWrittenThroughAnAlias(TitanMoE):
+    """A sentinel id written through an op that returns the ids themselves (``atleast_2d``, an item of
+    ``broadcast_tensors``): the write reaches the ids (found by review: the write scan filed it under
+    another storage, the layer was rewritten and every output and gradient was 0.7-2 off eager's)."""
+
+    def __init__(self, alias, value):
+        super().__init__()
+        self.alias, self.value = alias, value
+
+    def forward(self, x):
+        x = x.view(-1, H)
+        top, sel = torch.topk(F.softmax(self.gate(x).float(), dim=1), k=K, dim=1)
+        sel = sel.clone()
+        view = torch.atleast_2d(sel) if self.alias == "atleast_2d" else torch.broadcast_tensors(top, sel)[1]
+        view.masked_fill_(top < 0.3, self.value)
+        order = torch.argsort(sel.view(-1), stable=True)
+        n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
+        return self._sorted_experts(x, order, n, top)
+
+
+@pytest.mark.parametrize("alias", ["atleast_2d", "broadcast_tensors"])
+@pytest.mark.parametrize("value", [E, -1], ids=["sentinel_E", "minus_one"])
+def test_ids_written_through_an_alias_keep_eager_values(alias, value):
+    torch.manual_seed(12)
+    check_compiled(SentinelWrittenThroughAnAlias(alias, value), (make_input((2, 5, H)),), expect_rewritten=0,
+                   expect_refused=1, fresh_inputs=0)
+
+
 class TwoLayersOneRouter(TitanMoE):
     """Two expert sets routed by the same ids, each counting before its sort: a count must not take the
     other layer's sort (found by review: the second layer's counts joined the first's group, neither
