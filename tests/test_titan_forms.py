@@ -49,6 +49,22 @@ class TitanMoE(nn.Module):
         self.w3 = nn.Parameter(torch.randn(E, I, H, dtype=dtype) / math.sqrt(H))
         self.register_buffer("tokens_per_expert", torch.zeros(E))
 
+    def _top_k(self, x):
+        """torchtitan's router on the tokens as rows: (x [T, H], top-k weights [T, K], ids [T, K])."""
+        x = x.view(-1, H)
+        top, sel = torch.topk(F.softmax(self.gate(x).float(), dim=1), k=K, dim=1)
+        return x, top, sel
+
+    @staticmethod
+    def _sort_and_count(sel, count_first=False):
+        """torchtitan's reorderer: (order of the flat ids, histc counts), the count taken before or after
+        the sort (both orders appear in research code)."""
+        if count_first:
+            n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
+            return torch.argsort(sel.view(-1), stable=True), n
+        order = torch.argsort(sel.view(-1), stable=True)
+        return order, torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
+
     def _sorted_experts(self, x, order, n, top, w1=None, w2=None):
         """The variants' common tail: rows x[order // K], two grouped GEMMs on the counts ``n``, each row
         weighted by its top-k weight, index_add back to its token."""
@@ -147,10 +163,8 @@ class WeightsOnRowsReadTwice(TitanMoE):
     """The rows scaled by the weights feed one linear, the unscaled rows another: no single input to scale."""
 
     def forward(self, x):
-        x = x.view(-1, H)
-        top, sel = torch.topk(F.softmax(self.gate(x).float(), dim=1), k=K, dim=1)
-        order = torch.argsort(sel.view(-1), stable=True)
-        n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
+        x, top, sel = self._top_k(x)
+        order, n = self._sort_and_count(sel)
         tok = order // K
         rows = x[tok]
         scaled = rows * top.view(-1)[order].reshape(-1, 1)
@@ -163,10 +177,8 @@ class WeightsAfterAStep(TitanMoE):
     """The weights multiply the rows after a nonlinear step (silu(rows) * w, then the experts)."""
 
     def forward(self, x):
-        x = x.view(-1, H)
-        top, sel = torch.topk(F.softmax(self.gate(x).float(), dim=1), k=K, dim=1)
-        order = torch.argsort(sel.view(-1), stable=True)
-        n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
+        x, top, sel = self._top_k(x)
+        order, n = self._sort_and_count(sel)
         tok = order // K
         rows = F.silu(x[tok]) * top.view(-1)[order].reshape(-1, 1)
         offs = torch.cumsum(n, dim=0, dtype=torch.int32)
@@ -178,10 +190,8 @@ class WeightsOnInputAndOutput(TitanMoE):
     """The weights scale the input rows and the output rows: both products are the model's."""
 
     def forward(self, x):
-        x = x.view(-1, H)
-        top, sel = torch.topk(F.softmax(self.gate(x).float(), dim=1), k=K, dim=1)
-        order = torch.argsort(sel.view(-1), stable=True)
-        n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
+        x, top, sel = self._top_k(x)
+        order, n = self._sort_and_count(sel)
         w = top.view(-1)[order].reshape(-1, 1)
         return self._sorted_experts_weighted_twice(x, order, n, w)
 
@@ -209,10 +219,8 @@ class NarrowGather(TitanMoE):
     """A gather whose index spans half the columns: not x[tok] (each row gets half of its token)."""
 
     def forward(self, x):
-        x = x.view(-1, H)
-        top, sel = torch.topk(F.softmax(self.gate(x).float(), dim=1), k=K, dim=1)
-        order = torch.argsort(sel.view(-1), stable=True)
-        n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
+        x, top, sel = self._top_k(x)
+        order, n = self._sort_and_count(sel)
         tok = order // K
         rows = torch.gather(x, dim=0, index=tok.reshape(-1, 1).expand(-1, H // 2))
         rows = torch.cat([rows, rows], dim=1)
@@ -232,8 +240,7 @@ class WrittenBetween(TitanMoE):
     sorted ones (eager's values; a rewrite must not count the written ids)."""
 
     def forward(self, x):
-        x = x.view(-1, H)
-        top, sel = torch.topk(F.softmax(self.gate(x).float(), dim=1), k=K, dim=1)
+        x, top, sel = self._top_k(x)
         sel = sel.clone()   # topk saved its own for the backward
         n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
         sel.clamp_(max=E - 2)
@@ -312,8 +319,7 @@ class SentinelWritten(TitanMoE):
         self.layout = layout
 
     def forward(self, x):
-        x = x.view(-1, H)
-        top, sel = torch.topk(F.softmax(self.gate(x).float(), dim=1), k=K, dim=1)
+        x, top, sel = self._top_k(x)
         sel = sel.clone()
         sel[top < 0.3] = E
         flat = sel.view(-1)
@@ -338,11 +344,9 @@ class WeightsNormalizedInPlace(TitanMoE):
     (it was refused as ``moe_unmatched`` while a write to either output withdrew the bound)."""
 
     def forward(self, x):
-        x = x.view(-1, H)
-        top, sel = torch.topk(F.softmax(self.gate(x).float(), dim=1), k=K, dim=1)
+        x, top, sel = self._top_k(x)
         top /= top.sum(-1, keepdim=True)
-        n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
-        order = torch.argsort(sel.view(-1), stable=True)
+        order, n = self._sort_and_count(sel, count_first=True)
         return self._sorted_experts(x, order, n, top)
 
 
@@ -362,13 +366,11 @@ class SentinelWrittenThroughAnAlias(TitanMoE):
         self.alias, self.value = alias, value
 
     def forward(self, x):
-        x = x.view(-1, H)
-        top, sel = torch.topk(F.softmax(self.gate(x).float(), dim=1), k=K, dim=1)
+        x, top, sel = self._top_k(x)
         sel = sel.clone()
         view = torch.atleast_2d(sel) if self.alias == "atleast_2d" else torch.broadcast_tensors(top, sel)[1]
         view.masked_fill_(top < 0.3, self.value)
-        order = torch.argsort(sel.view(-1), stable=True)
-        n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
+        order, n = self._sort_and_count(sel)
         return self._sorted_experts(x, order, n, top)
 
 
@@ -391,13 +393,11 @@ class TwoLayersOneRouter(TitanMoE):
         self.v2 = nn.Parameter(torch.randn(E, H, I) / math.sqrt(I))
 
     def _layer(self, x, sel, top, w1, w2):
-        n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
-        order = torch.argsort(sel.view(-1), stable=True)
+        order, n = self._sort_and_count(sel, count_first=True)
         return self._sorted_experts(x, order, n, top, w1, w2)
 
     def forward(self, x):
-        x = x.view(-1, H)
-        top, sel = torch.topk(F.softmax(self.gate(x).float(), dim=1), k=K, dim=1)
+        x, top, sel = self._top_k(x)
         return self._layer(x, sel, top, self.w1, self.w2) + self._layer(x, sel, top, self.v1, self.v2)
 
 
