@@ -22,6 +22,7 @@ or an error with ``moe.strict``) and the regions are recorded as refused with th
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -30,6 +31,7 @@ from typing import Callable
 import torch.fx as fx
 
 from moe_compile.passes.normalize import annotate, canon
+from moe_compile.passes.writes import graph_scans_shared
 
 from .records import REFUSED, REWRITTEN, RegionRecord
 
@@ -333,6 +335,7 @@ def _with_fused(nodes: set) -> set:
 
 
 _REWRITES = ("lower", "swiglu", "weights_in_swiglu", "router_topk")   # dynamo passes that edit the graph
+_READS_ONLY = ("loop_regions", "grouped_regions", "check", "unclaimed")   # their scans are shared
 
 
 def run_dynamo_stage(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.GraphModule, list[RegionRecord]]:
@@ -358,7 +361,8 @@ def run_dynamo_stage(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.Gra
             for p in passes:
                 if p.name in _REWRITES and not s.accepted:
                     continue
-                p.run(s)
+                with graph_scans_shared() if p.name in _READS_ONLY else contextlib.nullcontext():
+                    p.run(s)
                 if verbose and p.name in _REWRITES:
                     graphs.append((f"after {p.name}", s.gm.print_readable(print_output=False)))
         except Exception as exc:

@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from .normalize import _SAME_VALUES, _index_source, arg, canon, shape, val
-from .writes import storage_base, written
+from .writes import per_graph, storage_base, written
 
 _KEEP = {"view", "reshape", "flatten", "unflatten", "contiguous", "clone", "detach", "unsqueeze", "squeeze",
          "expand", "view_as", "reshape_as", "expand_as", "t", "transpose", "permute", "getitem", "select", "narrow",
@@ -111,11 +111,16 @@ class _Writes:
         return True
 
 
+def _writes_of(graph: fx.Graph) -> _Writes:
+    """The graph's writes: one scan per graph while the passes only read it (``writes.per_graph``)."""
+    return per_graph(graph, "id_range.writes", lambda: _Writes(graph))
+
+
 def ids_nonnegative(ids) -> bool:
     """True if every value of the integer tensor ``ids`` is provably >= 0 (the module docstring)."""
     if _number_ok(ids):
         return True
-    return isinstance(ids, fx.Node) and _nonnegative(ids, _Writes(ids.graph), _DEPTH)
+    return isinstance(ids, fx.Node) and _nonnegative(ids, _writes_of(ids.graph), _DEPTH)
 
 
 def _nonnegative(n, writes: _Writes, depth: int) -> bool:
@@ -175,7 +180,7 @@ def id_bound(ids: fx.Node) -> int | None:
     way = [ids]
     while canon(way[-1]) in through and isinstance(way[-1].args[0], fx.Node):
         way.append(way[-1].args[0])
-    writes = _Writes(ids.graph)
+    writes = _writes_of(ids.graph)
     return bound if all(writes.keep_below(n, bound) for n in way) else None
 
 

@@ -28,6 +28,8 @@ unselected entries the rewrite takes for 0). Only the scatter_ that builds the m
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import operator
 
 import torch
@@ -159,6 +161,31 @@ def _shares_storage_with_input(node: fx.Node) -> fx.Node | None:
     if canon(node) == "getitem" and inputs:
         inputs += inputs[0].all_input_nodes
     return next((a for a in inputs if (r := ref(val(a))) is not None and r == own), None)
+
+
+_GRAPH_SCANS: contextvars.ContextVar = contextvars.ContextVar("moe_compile_graph_scans", default=None)
+
+
+@contextlib.contextmanager
+def graph_scans_shared():
+    """Inside: a whole-graph scan (``per_graph``) is built once per graph and key and shared by every
+    caller. For the passes that only read the graph (finders, checks): their results hold while no node
+    changes, and a region's checks otherwise rescan the graph once per layer. Outside: built per call."""
+    token = _GRAPH_SCANS.set({})
+    try:
+        yield
+    finally:
+        _GRAPH_SCANS.reset(token)
+
+
+def per_graph(graph: fx.Graph, key: str, build):
+    """``build()``, or inside ``graph_scans_shared`` the value built for this graph and key before."""
+    shared = _GRAPH_SCANS.get()
+    if shared is None:
+        return build()
+    if (id(graph), key) not in shared:
+        shared[id(graph), key] = (graph, build())   # the graph held: its id is not reused meanwhile
+    return shared[id(graph), key][1]
 
 
 def basic_index(node: fx.Node) -> bool:

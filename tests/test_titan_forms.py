@@ -408,3 +408,30 @@ def test_two_layers_counting_one_routers_ids_before_their_sorts_are_both_reporte
     report = moe_compile.explain(TwoLayersOneRouter(), x)
     assert [(r.status, r.code) for r in report.regions] == [("refused", "moe_unmatched")], report
     check_compiled(TwoLayersOneRouter(), (x,), expect_rewritten=0, expect_refused=1)
+
+
+class EightLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(TitanMoE(score_before=True) for _ in range(8))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def test_writes_scanned_once_per_read_only_pass_not_per_layer(monkeypatch):
+    """The ids' write checks scan the whole graph: once per layer and check they made a whole-model
+    compile quadratic in depth (4 scans per layer: 32 here). Now one per graph in each pass that only
+    reads it (finders, check, unclaimed), the same regions rewritten."""
+    from moe_compile.passes import id_range
+
+    scans = []
+    init = id_range._Writes.__init__
+    monkeypatch.setattr(id_range._Writes, "__init__", lambda self, graph: (scans.append(graph), init(self, graph))[1])
+    torch.manual_seed(13)
+    torch._dynamo.reset()
+    report = moe_compile.explain(EightLayers(), make_input((2, 5, H)))
+    assert [r.status for r in report.regions] == ["rewritten"] * 8, report
+    assert 0 < len(scans) <= 4, len(scans)
