@@ -202,7 +202,6 @@ class Finder:
         g.steps.append(Step(n.op, n.target if target is None else target, enc_args, enc_kw, linear,
                             dtype_of(n) if linear is not None else None))
         g.step_of[n] = len(g.steps) - 1
-        g.last = len(g.steps) - 1
         self.set(n, kind, g)
 
     def linear(self, g: Group, n: fx.Node, rows_node: fx.Node, w3: fx.Node, layout: str) -> None:

@@ -203,7 +203,6 @@ def weights_on_input(f, g, n, rows, w) -> bool:
         return False
     g.input_weights, g.input_dtype = w, (val(rows).dtype if g.steps else None)
     g.steps.clear()
-    g.last = None
     for m in held:
         g.step_of[m] = -1
     g.step_of[n] = -1

@@ -58,7 +58,6 @@ class Group:
     weighted_at: int | None = None                # step index the routing weights multiplied
     input_weights: fx.Node | None = None          # weights that scale the input rows ([T, E] dense)
     input_dtype: object = None                    # the dtype the input rows are cast to before that product
-    last: int | None = None                       # step index of the newest function step
     end: int | None = None                        # step index of the rows that are combined
     output: fx.Node | None = None
     aliases: tuple = ()
