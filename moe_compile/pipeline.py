@@ -22,7 +22,6 @@ or an error with ``moe.strict``) and the regions are recorded as refused with th
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
@@ -361,7 +360,7 @@ def run_dynamo_stage(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.Gra
             for p in passes:
                 if p.name in _REWRITES and not s.accepted:
                     continue
-                with graph_scans_shared() if p.name in _READS_ONLY else contextlib.nullcontext():
+                with graph_scans_shared(p.name in _READS_ONLY):
                     p.run(s)
                 if verbose and p.name in _REWRITES:
                     graphs.append((f"after {p.name}", s.gm.print_readable(print_output=False)))
@@ -423,12 +422,8 @@ def _not_rewritten(s: DynamoState) -> list[RegionRecord]:
     """A state's records of what it did not rewrite: finder errors, refusals, unclaimed MoE-like code."""
     from moe_compile.passes.legality import Refusal
 
-    return s.errors + [_refused_record(r) for r in s.refused if isinstance(r, Refusal)] + s.unclaimed
-
-
-def _refused_record(r) -> RegionRecord:
-    return RegionRecord(r.module, r.form, REFUSED, r.message, (), r.where, r.num_experts, r.top_k, code=r.code,
-                        fix=r.fix)
+    return s.errors + [RegionRecord(r.module, r.form, REFUSED, r.message, (), r.where, r.num_experts, r.top_k,
+                                    code=r.code, fix=r.fix) for r in s.refused if isinstance(r, Refusal)] + s.unclaimed
 
 
 _LIST_NOTE = " per-expert weight tensors enter the compiled graph"
@@ -444,8 +439,7 @@ def _list_weight_note(gm: fx.GraphModule, nodes=None) -> tuple[str, ...]:
     return (f"{n}{_LIST_NOTE} one by one (ModuleList experts): guards, "
             "autograd and gradient accumulation cost host time for each on every step (~10 us each; the backend "
             "stacks them into one input per buffer where nothing hooks their gradients: moe.stack_expert_params); "
-            "if the step is "
-            "host-bound, mode=\"reduce-overhead\" (CUDA graphs) hides the kernel launches, "
+            "if the step is host-bound, mode=\"reduce-overhead\" (CUDA graphs) hides the kernel launches, "
             "`with moe_compile.compiled_backward(): loss.backward()` runs the backward and its per-parameter "
             "gradient accumulation as one compiled graph, and storing each projection's experts as one 3-D "
             "parameter [E, N, K] (as transformers 5 does) removes the per-parameter cost (docs/benchmarks.md)",)

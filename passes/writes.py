@@ -167,11 +167,12 @@ _GRAPH_SCANS: contextvars.ContextVar = contextvars.ContextVar("moe_compile_graph
 
 
 @contextlib.contextmanager
-def graph_scans_shared():
-    """Inside: a whole-graph scan (``per_graph``) is built once per graph and key and shared by every
-    caller. For the passes that only read the graph (finders, checks): their results hold while no node
-    changes, and a region's checks otherwise rescan the graph once per layer. Outside: built per call."""
-    token = _GRAPH_SCANS.set({})
+def graph_scans_shared(shared: bool = True):
+    """Inside (where ``shared``): a whole-graph scan (``per_graph``) is built once per graph and key and
+    shared by every caller. For the passes that only read the graph (finders, checks): their results hold
+    while no node changes, and a region's checks otherwise rescan the graph once per layer. Outside, or
+    not ``shared`` (a pass that edits the graph): built per call."""
+    token = _GRAPH_SCANS.set({} if shared else None)
     try:
         yield
     finally:
