@@ -21,19 +21,25 @@ from ._triton_gmm import num_sms
 
 @lean
 @triton.jit
-def _permute_rows_kernel(x_ptr, perm_ptr, offs_ptr, xp_ptr, NR, H, E, sxm,
-                         TOP_K: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr):
-    """xp[p] = x[perm[p] // TOP_K] for p < total, else 0."""
+def _permute_rows_kernel(x_ptr, perm_ptr, offs_ptr, xp_ptr, w_ptr, NR, H, E, sxm,
+                         TOP_K: tl.constexpr, HAS_W: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr):
+    """xp[p] = x[perm[p] // TOP_K] for p < total, else 0; with HAS_W times w.flat[perm[p]] in fp32,
+    rounded once to xp's dtype (permute_scale)."""
     total = tl.load(offs_ptr + E - 1)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     rmask = rows < NR
     valid = rmask & (rows < total)
     cmask = cols < H
-    src = tl.load(perm_ptr + rows, mask=valid, other=0) // TOP_K
+    pair = tl.load(perm_ptr + rows, mask=valid, other=0)
+    src = pair // TOP_K
     v = tl.load(x_ptr + src.to(tl.int64)[:, None] * sxm + cols[None, :], mask=valid[:, None] & cmask[None, :],
                 other=0.0)
-    tl.store(xp_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], v, mask=rmask[:, None] & cmask[None, :])
+    if HAS_W:
+        wr = tl.load(w_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+        v = v.to(tl.float32) * wr[:, None]
+    tl.store(xp_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], v.to(xp_ptr.dtype.element_ty),
+             mask=rmask[:, None] & cmask[None, :])
 
 
 @lean
@@ -279,7 +285,8 @@ def permute_rows(x: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, top
     bh = min(triton.next_power_of_2(h), 256 if x.element_size() <= 2 else 512)
     br = max(1, 4096 // bh)
     _permute_rows_kernel[(triton.cdiv(nr, br), triton.cdiv(h, bh))](
-        x, perm, offsets, xp, nr, h, offsets.numel(), x.stride(0), TOP_K=top_k, BR=br, BH=bh, num_warps=4)
+        x, perm, offsets, xp, x, nr, h, offsets.numel(), x.stride(0), TOP_K=top_k, HAS_W=False, BR=br, BH=bh,
+        num_warps=4)
     return xp
 
 

@@ -10,6 +10,7 @@ What runs where (all sync-free: no .item()/.tolist()/nonzero, static launch shap
                                placement; up to ROUTE_PERMUTE_MAX_COUNTS blocks x keys), else torch:
                                int32 stable sort + searchsorted + scatter (no atomics)
     permute_rows               Triton gather (dropped rows written as 0)
+    permute_scale(_backward)   the same gather times each row's weight; its backward one pass over dxp
     grouped_mm  16-bit, sm90,  Triton TMA grouped GEMM (_triton_tma: bias in the epilogue, rows past
                 aligned        offsets[-1] zeroed in the same launch; 0.98-1.13x CUTLASS and 1.1-1.3x
                                the pointer kernel on the benchmark layers' GEMMs,
@@ -285,6 +286,22 @@ def permute_rows(x, perm, offsets, top_k):
     return _triton_moe.permute_rows(x, perm, offsets, top_k)
 
 
+def permute_scale(x, perm, offsets, weights, out_dtype):
+    from . import _triton_scale, reference
+
+    if reference._scale_dtype(x, weights) != torch.float32 or out_dtype == torch.float64:   # the kernel: fp32
+        return reference.permute_scale(x, perm, offsets, weights, out_dtype)
+    return _triton_scale.permute_scale(x, perm, offsets, weights, out_dtype)
+
+
+def permute_scale_backward(dxp, x, inv, weights, offsets):
+    from . import _triton_scale, reference
+
+    if reference._scale_dtype(dxp, x, weights) != torch.float32:
+        return reference.permute_scale_backward(dxp, x, inv, weights, offsets)
+    return _triton_scale.permute_scale_backward(dxp, x, inv, weights, offsets)
+
+
 def unpermute_combine(y, inv, weights, offsets, out_dtype=None):
     from . import _triton_moe
 
@@ -339,6 +356,8 @@ _ALL = {
     "route_permute": route_permute,
     "router_topk": router_topk,
     "permute_rows": permute_rows,
+    "permute_scale": permute_scale,
+    "permute_scale_backward": permute_scale_backward,
     "grouped_mm": grouped_mm,
     "grouped_mm_list": grouped_mm_list,
     "grouped_mm_wgrad": grouped_mm_wgrad,

@@ -136,6 +136,33 @@ def unpermute_combine_backward(dout, y, inv, weights, offsets):
     return dy.to(y.dtype), dw.view(t, k).to(weights.dtype)
 
 
+def _scale_dtype(*tensors) -> torch.dtype:
+    """The dtype permute_scale multiplies in: the operands' promoted dtype, at least fp32."""
+    ct = torch.float32
+    for t in tensors:
+        ct = torch.promote_types(ct, t.dtype)
+    return ct
+
+
+def permute_scale(x, perm, offsets, weights, out_dtype):
+    """xp[p] = (x[perm[p] // K] * weights.flat[perm[p]]).to(out_dtype), 0 for dropped rows."""
+    ct = _scale_dtype(x, weights)
+    rows = x.to(ct).index_select(0, perm // weights.shape[1])
+    return (rows * _row_weights(weights, perm, offsets, ct)).to(out_dtype)
+
+
+def permute_scale_backward(dxp, x, inv, weights, offsets):
+    """Gradients of permute_scale: (dx [T, H], dweights [T, K]), fp32 sums (fp64 for fp64)."""
+    t, k = weights.shape
+    ct = _scale_dtype(dxp, x, weights)
+    keep = (inv < (offsets[-1].long() if offsets.numel() else 0)).to(ct)
+    g = dxp.to(ct).index_select(0, inv)   # [N, H], row q = pair q (token q // K)
+    w = weights.to(ct).reshape(-1) * keep
+    dx = (g * w.unsqueeze(-1)).view(t, k, x.shape[1]).sum(1)
+    dw = (g * x.to(ct).repeat_interleave(k, dim=0)).sum(-1) * keep
+    return dx.to(x.dtype), dw.view(t, k).to(weights.dtype)
+
+
 def swiglu(h: torch.Tensor) -> torch.Tensor:
     """a = silu(h[:, :N]) * h[:, N:] for h [M, 2N], computed in fp32 (fp64 for fp64), rounded once."""
     n = h.shape[-1] // 2

@@ -2,6 +2,9 @@
 
     route_permute(expert_ids[T,K], E)            -> perm[N] i64, inv[N] i64, offsets[E] i32
     permute_rows(x[T,H], perm, inv, offsets, K)  -> xp[N,H]          (gather; bwd = combine)
+    permute_scale(x[T,H], perm, inv, offsets, weights[T,K], out_dtype) -> xp[N,H]
+                                                    (gather, each row times its pair's weight: the
+                                                    rows an expert input scale multiplies; x kept, not xp)
     unpermute_combine(y[N,H], inv, weights[T,K], offsets, out_dtype=None) -> out[T,H] (weighted gather-reduce)
     unpermute_sum(y[N,H], perm, inv, offsets, K, out_dtype=None) -> out[T,H]  (weight 1; bwd = permute_rows:
                                                     y not kept)
@@ -71,6 +74,57 @@ def _permute_rows_bwd(ctx, dxp):
 
 
 permute_rows.register_autograd(_permute_rows_bwd, setup_context=_routing_setup)
+
+
+# --------------------------------------------------------------------------- permute_scale
+@torch.library.custom_op("moe_compile::permute_scale", mutates_args=())
+def permute_scale(x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor, offsets: torch.Tensor,
+                  weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """xp[p] = (x[perm[p] // K] * weights.flat[perm[p]]).to(out_dtype), the product in
+    promote(x, weights, fp32) (0 for dropped rows): ``permute_rows`` then the model's ``rows * w`` (and
+    a cast of that product) in one pass. The backward reads x, never a [N, H] copy of the rows."""
+    check(x.dim() == 2 and weights.dim() == 2 and weights.shape[0] == x.shape[0], "permute_scale",
+          f"x must be [T, H] and weights [T, K], got {tuple(x.shape)} and {tuple(weights.shape)}")
+    check(perm.numel() == inv.numel() == weights.numel(), "permute_scale",
+          f"perm {perm.numel()} and inv {inv.numel()} must have one entry per (token, slot) pair, "
+          f"{weights.numel()}")
+    check(out_dtype.is_floating_point, "permute_scale", f"out_dtype must be a floating dtype, got {out_dtype}")
+    _check_offsets("permute_scale", offsets)
+    return implementation("permute_scale", x)(x, perm, offsets, weights, out_dtype)
+
+
+@permute_scale.register_fake
+def _(x, perm, inv, offsets, weights, out_dtype):
+    return x.new_empty(perm.shape[0], x.shape[1], dtype=out_dtype)
+
+
+def _scale_setup(ctx, inputs, output):
+    x, perm, inv, offsets, weights, _ = inputs
+    ctx.save_for_backward(x, inv, offsets, weights)
+
+
+def _scale_bwd(ctx, dxp):
+    x, inv, offsets, weights = ctx.saved_tensors
+    dx, dw = permute_scale_backward(dxp.contiguous(), x, inv, weights, offsets)
+    return (dx if ctx.needs_input_grad[0] else None), None, None, None, \
+        (dw if ctx.needs_input_grad[4] else None), None
+
+
+permute_scale.register_autograd(_scale_bwd, setup_context=_scale_setup)
+
+
+@torch.library.custom_op("moe_compile::permute_scale_backward", mutates_args=())
+def permute_scale_backward(dxp: torch.Tensor, x: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor,
+                           offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [T, H] in x's dtype, dweights [T, K] in theirs): dx[t] = sum_j w[t, j] * dxp[inv[t*K + j]],
+    dw[t, j] = <dxp[inv[t*K + j]], x[t]>, fp32 sums rounded once (0 for dropped pairs)."""
+    _check_offsets("permute_scale_backward", offsets)
+    return implementation("permute_scale_backward", x)(dxp, x, inv, weights, offsets)
+
+
+@permute_scale_backward.register_fake
+def _(dxp, x, inv, weights, offsets):
+    return x.new_empty(x.shape), weights.new_empty(weights.shape)   # contiguous, as every implementation
 
 
 # --------------------------------------------------------------------------- unpermute_combine

@@ -44,6 +44,8 @@ NAMESPACE = "moe_compile_rt"
 OPS = {
     "route_permute": routing_ops.route_permute,
     "permute_rows": routing_ops.permute_rows,
+    "permute_scale": routing_ops.permute_scale,
+    "permute_scale_backward": routing_ops.permute_scale_backward,
     "unpermute_combine": routing_ops.unpermute_combine,
     "unpermute_combine_backward": routing_ops.unpermute_combine_backward,
     "unpermute_sum": routing_ops.unpermute_sum,

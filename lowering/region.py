@@ -224,11 +224,10 @@ def _lower_whole(b: GraphBuilder, region: Region, ep):
         return h, _ep_own_rows(b, region, ep, out), received
     routed = b.fn(OPS.route_permute.default, router.ids, router.num_experts)
     perm, inv, offs = (b.fn(operator.getitem, routed, i) for i in range(3))
-    rows = region_forms.scale_rows(b, router, b.fn(OPS.permute_rows.default, region.x, perm, inv, offs,
-                                                   router.top_k), perm)
+    rows, done = region_forms.input_rows(b, region, region.x, perm, inv, offs)
     # the weights before the experts: lowering/weights_in_swiglu.py may move them into the activation
     weights = _pair_weights(b, router, ones=False)
-    h = _emit_experts(b, region, rows, offs, ep)
+    h = _emit_experts(b, region, rows, offs, ep, done)
     wide = _wide(region, h)
     if weights is None:  # weight 1: the backward is a gather, y is not kept
         return h, b.fn(OPS.unpermute_sum.default, h, perm, inv, offs, router.top_k, **wide), None
@@ -269,8 +268,8 @@ def _ep_chain(b: GraphBuilder, region: Region, ep, x: fx.Node, ids: fx.Node, w: 
         b, x if router.scale_input else _cast(b, x, _travel_dtype(region)), ids, w, ep)
     routed = b.fn(OPS.route_permute.default, local_ids, expert_parallel.local_experts(ep))
     perm, inv, offs = (b.fn(operator.getitem, routed, i) for i in range(3))
-    rows = region_forms.scale_rows(b, router, b.fn(OPS.permute_rows.default, x_all, perm, inv, offs, k), perm, w_all)
-    h = _emit_experts(b, region, rows, offs, ep)
+    rows, done = region_forms.input_rows(b, region, x_all, perm, inv, offs, w_all)
+    h = _emit_experts(b, region, rows, offs, ep, done)
     wide = _wide(region, h)
     partial = (b.fn(OPS.unpermute_sum.default, h, perm, inv, offs, k, **wide) if w_all is None or router.scale_input
                else b.fn(OPS.unpermute_combine.default, h, inv, w_all, offs, **wide))
@@ -342,10 +341,11 @@ def _pair_weights(b: GraphBuilder, router, ones: bool = True) -> fx.Node | None:
     return w if val(w).dim() == 2 else b.method("reshape", w, -1, router.top_k)
 
 
-def _emit_experts(b: GraphBuilder, region: Region, rows: fx.Node, gemm_offs: fx.Node, ep) -> fx.Node:
-    """The expert function over ``rows`` (grouped by ``gemm_offs``); returns its last step's output."""
+def _emit_experts(b: GraphBuilder, region: Region, rows: fx.Node, gemm_offs: fx.Node, ep, done: int = 0) -> fx.Node:
+    """The expert function over ``rows`` (grouped by ``gemm_offs``); returns its last step's output.
+    ``done``: the rows are already the output of the first step (``region_forms.input_rows``)."""
     steps = region.experts.steps
-    env = {"in": rows}
+    env = {"in": rows, **({0: rows} if done else {})}
     siblings = _sibling_linears(region)
     for i, step in enumerate(steps):
         if i in env:

@@ -1,9 +1,12 @@
 """Lowering of the region variants that ``passes/region.py`` marks with a flag (called by ``region.py``).
 
     Router.per_expert     w [T, E] (zero off the selection)  ->  w_TK = gather(w, 1, ids)
-    Router.scale_input    h0 = permute_rows(x, ...)[.to(input_dtype)] * w_TK.reshape(-1)[perm][:, None]
-                          (before the expert's first op, as the model multiplies its input), combined
-                          with weight 1
+    Router.scale_input    h0 = permute_scale(x, perm, inv, offs, w_TK, dtype): the gathered rows times
+                          their pair's weight in one pass (before the expert's first op, as the model
+                          multiplies its input), combined with weight 1. dtype: the product's
+                          (promote(input_dtype or x, w)), or that of a cast of the product that is the
+                          expert's first step (torchtitan's (rows.float() * w).to(bf16)), folded in;
+                          a narrowing input_dtype keeps permute_rows(x)[.to(input_dtype)] * w[perm]
     AccumulateInPlace.overwrite  out = where(ids in [0, E) per token, combined, base)   (top-1 only:
                           a routed row is replaced, an unrouted one keeps the base, as `out[idx] = ...`)
 """
@@ -14,8 +17,9 @@ import operator
 import torch
 import torch.fx as fx
 
+from moe_compile.kernels import ops as _ops  # noqa: F401  (registers torch.ops.moe_compile.*)
 from moe_compile.passes.normalize import val
-from moe_compile.passes.region import Router
+from moe_compile.passes.region import Region, Router, Step
 
 from .graph_edit import GraphBuilder
 
@@ -27,6 +31,47 @@ def pair_weights(b: GraphBuilder, router: Router) -> fx.Node:
         ids = router.ids if val(router.ids).dim() == 2 else b.method("reshape", router.ids, -1, router.top_k)
         w = b.fn(torch.gather, w, 1, ids)
     return w
+
+
+_CAST_METHODS = {"bfloat16": torch.bfloat16, "half": torch.float16, "float": torch.float32, "double": torch.float64}
+
+
+def _reads_rows(x) -> bool:
+    return x == ("in",) or (isinstance(x, (list, tuple)) and any(_reads_rows(i) for i in x))
+
+
+def _cast_of_rows(step: Step) -> torch.dtype | None:
+    """The dtype of a step that only casts the region's rows (``rows.to(dtype)``, ``rows.bfloat16()``)."""
+    if step.op != "call_method" or step.linear is not None or step.args[:1] != (("in",),):
+        return None
+    if step.target == "to":
+        rest = step.args[1:] + tuple(v for key, v in step.kwargs if key == "dtype")
+        plain = all(key == "dtype" for key, _ in step.kwargs) and len(rest) == 1
+        return rest[0] if plain and isinstance(rest[0], torch.dtype) and rest[0].is_floating_point else None
+    return _CAST_METHODS.get(step.target) if len(step.args) == 1 and not step.kwargs else None
+
+
+def input_rows(b: GraphBuilder, region: Region, x: fx.Node, perm: fx.Node, inv: fx.Node, offs: fx.Node,
+               weights: fx.Node | None = None) -> tuple[fx.Node, int]:
+    """The expert input rows, and how many of the expert's steps they already hold (0, or 1: a cast of
+    the scaled rows folded in). ``weights``: the [T, K] pair weights to take instead of the router's
+    (expert parallelism: every rank's)."""
+    router, k = region.router, region.router.top_k
+    if not router.scale_input or router.weights is None:
+        return b.fn(torch.ops.moe_compile.permute_rows.default, x, perm, inv, offs, k), 0
+    cast, x_dtype = router.input_dtype, val(x).dtype
+    if cast is not None and torch.promote_types(x_dtype, cast) != cast:   # the model rounds x before the product
+        rows = b.fn(torch.ops.moe_compile.permute_rows.default, x, perm, inv, offs, k)
+        return scale_rows(b, router, rows, perm, weights), 0
+    w = weights if weights is not None else pair_weights(b, router)
+    w = w if val(w).dim() == 2 else b.method("reshape", w, -1, k)
+    product = torch.promote_types(cast or x_dtype, val(w).dtype)   # eager's rows * w: rounded to this dtype
+    steps, out, done = region.experts.steps, product, 0
+    # a cast of an fp32 / fp64 product: the kernel's product is that one, rounded once to the cast's dtype
+    folded = _cast_of_rows(steps[0]) if steps and product in (torch.float32, torch.float64) else None
+    if folded is not None and not any(_reads_rows((st.args, st.kwargs)) for st in steps[1:]):
+        out, done = folded, 1
+    return b.fn(torch.ops.moe_compile.permute_scale.default, x, perm, inv, offs, w, out), done
 
 
 def scale_rows(b: GraphBuilder, router: Router, rows: fx.Node, perm: fx.Node,

@@ -12,8 +12,8 @@ Contract (finds and checks, never mutates)::
      see the order of its k entries (below); ``lowering/router_topk.py`` makes it
      ``moe_compile.router_topk(scores, k)`` (sorted).
 
-The walk stops at GEMMs, at the tokens a region gathers (``permute_rows``' input: the router is
-computed from them) and at moe_compile ops (an earlier layer), so a topk of the user's before the
+The walk stops at GEMMs, at the tokens a region gathers (the input of ``permute_rows`` or
+``permute_scale``: the router is computed from them) and at moe_compile ops (an earlier layer), so a topk of the user's before the
 router is never reached.
 
 The order of the k entries: ``sorted=False`` leaves it unspecified (it differs between devices);
@@ -314,7 +314,8 @@ def find_router_topks(gm: fx.GraphModule) -> list[TopkMatch]:
     found: dict[fx.Node, TopkMatch] = {}
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}   # graph order: producers before readers
     # the token rows each region gathers: the router is computed from them, what made them is not router
-    stops = {n.args[0] for n in gm.graph.nodes if canon(n) == "moe_compile::permute_rows"}
+    gathers = ("moe_compile::permute_rows", "moe_compile::permute_scale")
+    stops = {n.args[0] for n in gm.graph.nodes if canon(n) in gathers}
     for node in gm.graph.nodes:
         if canon(node) != "moe_compile::route_permute" or not isinstance(node.args[0], fx.Node):
             continue

@@ -183,12 +183,48 @@ def _opcheck_samples():
         "weighted_swiglu": (torch.randn(t * k, 2 * n, generator=gen, requires_grad=True), wr, perm, offs),
         "weighted_swiglu_backward": (torch.randn(t * k, 2 * n, generator=gen), wr.detach(), perm, offs,
                                      torch.randn(t * k, n, generator=gen)),
+        "permute_scale": (x, perm, inv, offs, wr, torch.float32),
+        # bf16 rows times fp32 weights, the product rounded to bf16 (torchtitan's (rows.float() * w).to(bf16))
+        "permute_scale:bf16": (x.detach().bfloat16().requires_grad_(), perm, inv, offs, wr, torch.bfloat16),
+        "permute_scale_backward": (torch.randn(t * k, h, generator=gen), x.detach(), inv, wr.detach(), offs),
     }
 
 
 @pytest.mark.parametrize("name", list(_opcheck_samples()))
 def test_opcheck(name):
     torch.library.opcheck(getattr(OPS, name.split(":")[0]).default, _opcheck_samples()[name])
+
+
+@pytest.mark.parametrize("kind", ["random", "empty", "hot", "dropped"])
+@pytest.mark.parametrize("tokens", [0, 1, 9])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32, torch.float32),
+                                    (torch.bfloat16, torch.float32, torch.bfloat16),
+                                    (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+                                    (torch.bfloat16, torch.float32, torch.float32)],
+                         ids=["fp32", "bf16_rows_fp32_weights_to_bf16", "bf16", "bf16_rows_fp32_product"])
+def test_permute_scale_is_the_gather_times_the_weights(kind, tokens, dtypes):
+    """permute_scale = permute_rows, then rows.float() * w.flat[perm], rounded once to out_dtype (torchtitan's
+    expert-input scale); outputs, and the input's and weights' gradients, against eager's ops in fp64."""
+    x_dtype, w_dtype, out_dtype = dtypes
+    gen = torch.Generator().manual_seed(21 + tokens)
+    k, e, h = 2, 4, 24
+    ids = _routing(tokens, k, e, kind, gen) if tokens else torch.zeros(0, k, dtype=torch.long)
+    perm, inv, offs = OPS.route_permute(ids, e)
+    x = torch.randn(tokens, h, generator=gen).to(x_dtype).requires_grad_()
+    w = torch.rand(tokens, k, generator=gen).to(w_dtype).requires_grad_()
+    got = OPS.permute_scale(x, perm, inv, offs, w, out_dtype)
+    assert got.dtype == out_dtype and got.shape == (tokens * k, h)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    valid = (torch.arange(tokens * k) < offs[-1]).unsqueeze(-1)
+    ref = OPS.permute_rows(x64, perm, inv, offs, k) * w64.reshape(-1)[perm].unsqueeze(-1) * valid
+    cot = torch.randn(got.shape, generator=gen).to(out_dtype)
+    grads = torch.autograd.grad((got.double() * cot.double()).sum(), [x, w]) if tokens else (x, w)
+    refs = torch.autograd.grad((ref * cot.double()).sum(), [x64, w64]) if tokens else (x64, w64)
+    tol = OP_FP32_REL if out_dtype == x_dtype == torch.float32 else OP_BF16_CHAIN_REL
+    for g, r in zip((got, *grads), (ref, *refs)):
+        assert rel_err(g.double(), r.detach()) <= tol if r.norm() > 0 else g.abs().sum() == 0
+    if kind == "dropped" and tokens:
+        assert got[int(offs[-1]):].abs().sum() == 0 and bool((valid == 0).any())
 
 
 def test_ops_validate_inputs():
@@ -306,7 +342,8 @@ def test_every_op_registered_on_import():
     # a fresh interpreter that imports only ops.py, as lowering/moe_region.py does
     probe = ("import torch, moe_compile.kernels.ops\n"
              "for n in ('grouped_mm_wgrad_lowp', 'grouped_mm_list_cat_dx', 'unpermute_combine_backward',"
-             " 'grouped_mm_wgrad', 'grouped_bias_grad', 'grouped_mm_list_cat', 'weighted_swiglu_backward'):\n"
+             " 'grouped_mm_wgrad', 'grouped_bias_grad', 'grouped_mm_list_cat', 'weighted_swiglu_backward',"
+             " 'permute_scale_backward'):\n"
              "    getattr(torch.ops.moe_compile, n).default\n")
     subprocess.run([sys.executable, "-c", probe], check=True)
 

@@ -36,13 +36,13 @@ class TitanMoE(nn.Module):
     counts: "histc_first" (the router counts before the reorderer sorts: torchtitan's order) |
     "histc_after" | "bincount"; entry: "gather" (torchtitan) | "index"; combine: "scatter_add"
     (torchtitan) | "index_add"; cast: "type_as" (torchtitan) | "to"; score_before: torchtitan's
-    ``score_before_experts`` (its default: the weights scale the expert input, in fp32)."""
+    ``score_before_experts`` (its default: the weights scale the expert input, in fp32: ``input_cast``)."""
 
     def __init__(self, counts="histc_first", entry="gather", combine="scatter_add", cast="type_as",
-                 dtype=torch.float32, score_before=False):
+                 dtype=torch.float32, score_before=False, input_cast=torch.float32):
         super().__init__()
         self.counts, self.entry, self.combine, self.cast, self.dtype = counts, entry, combine, cast, dtype
-        self.score_before = score_before
+        self.score_before, self.input_cast = score_before, input_cast
         self.gate = nn.Linear(H, E, bias=False, dtype=dtype)
         self.w1 = nn.Parameter(torch.randn(E, I, H, dtype=dtype) / math.sqrt(H))
         self.w2 = nn.Parameter(torch.randn(E, H, I, dtype=dtype) / math.sqrt(I))
@@ -96,7 +96,7 @@ class TitanMoE(nn.Module):
         else:
             rows = x[tok]
         if self.score_before:
-            rows = (rows.to(torch.float32) * top_sorted.reshape(-1, 1)).to(x.dtype)
+            rows = (rows.to(self.input_cast) * top_sorted.reshape(-1, 1)).to(x.dtype)
         offs = torch.cumsum(n, dim=0, dtype=torch.int32)
         h = F.silu(_gmm(rows, self.w1, offs, self.dtype)) * _gmm(rows, self.w3, offs, self.dtype)
         y = _gmm(h, self.w2, offs, self.dtype)
@@ -157,6 +157,38 @@ def test_torchtitan_scores_before_the_experts_under_inductor_with_bincount():
     check_compiled(TitanMoE(dtype=torch.bfloat16, counts="bincount", entry="index", combine="index_add",
                             score_before=True), (make_input((2, 9, H), torch.bfloat16),), expect_rewritten=1,
                    inductor=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scores_before_the_experts_are_applied_in_the_gather(dtype):
+    """The scaled input rows are one ``permute_scale`` (gather and product in one pass, its backward reading
+    x, not a kept copy of the rows); torchtitan's cast of the fp32 product back to bf16 is folded into it
+    (no cast of the [T*K, H] rows left in the graph). Before: permute_rows, then the cast, product and
+    cast on the gathered rows."""
+    from graphs import ops_in, rewrite
+
+    torch.manual_seed(14)
+    layer = TitanMoE(dtype=dtype, score_before=True)
+    new, records = rewrite(("fn", layer, (make_input((2, 5, H), dtype, requires_grad=False),)))
+    assert [r.status for r in records] == ["rewritten"]
+    assert ops_in(new)[:2] == ["route_permute", "permute_scale"] and "permute_rows" not in ops_in(new), ops_in(new)
+    scaled = next(n for n in new.graph.nodes if getattr(n.target, "_opname", None) == "permute_scale")
+    # read by the grouped GEMMs (in bf16 through the test's own ``x.bfloat16()`` in ``_gmm``, a no-op)
+    readers = {getattr(u.target, "_opname", u.target) for u in scaled.users}
+    assert scaled.args[-1] == dtype and readers == ({"grouped_mm"} if dtype == torch.float32 else {"bfloat16"}), \
+        readers
+
+
+def test_an_input_cast_that_rounds_the_rows_keeps_the_gather_and_product_apart():
+    """fp32 rows cast to bf16 before the product: eager multiplies the rounded rows, so the fused op (which
+    reads x as it is) is not used: permute_rows, the cast and the product, values as eager's."""
+    from graphs import ops_in, rewrite
+
+    torch.manual_seed(15)
+    x = make_input((2, 5, H))
+    new, _ = rewrite(("fn", TitanMoE(score_before=True, input_cast=torch.bfloat16), (x.detach(),)))
+    assert "permute_rows" in ops_in(new) and "permute_scale" not in ops_in(new), ops_in(new)
+    check_compiled(TitanMoE(score_before=True, input_cast=torch.bfloat16), (x,), expect_rewritten=1)
 
 
 class WeightsOnRowsReadTwice(TitanMoE):

@@ -472,6 +472,40 @@ def test_combine_into_a_wider_output(shape, routing, gen):
     assert rel(dw, wdw) <= FP32_SUM_REL
 
 
+_SCALE_DTYPES = [(torch.bfloat16, torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+                 (torch.float32, torch.float32, torch.float32), (torch.bfloat16, torch.float32, torch.float32)]
+
+
+@pytest.mark.parametrize("dtypes", _SCALE_DTYPES, ids=["bf16_fp32w_to_bf16", "bf16", "fp32", "bf16_fp32_product"])
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_permute_scale_and_backward(shape, routing, dtypes, gen, monkeypatch):
+    """The gather times each row's weight (torchtitan's expert-input scale): bit-equal to the reference
+    (one fp32 product, rounded once); the backward's dx and dw sums in fp32 over another order."""
+    from moe_compile.kernels import _triton_scale
+
+    x_dtype, w_dtype, out_dtype = dtypes
+    t, k, e, h, _ = shape
+    ids = make_ids(t, k, e, routing, gen)
+    perm, inv, offsets = kcuda.route_permute(ids, e)
+    x = rand((t, h), x_dtype, gen)
+    weights = torch.rand(t, k, generator=gen, device=DEV).to(w_dtype)
+    fwd, bwd = (count_calls(monkeypatch, _triton_scale, n) for n in ("permute_scale", "permute_scale_backward"))
+    poison(((t * k, h), out_dtype))
+    xp = kcuda.permute_scale(x, perm, offsets, weights, out_dtype)
+    assert xp.dtype == out_dtype and torch.equal(xp, reference.permute_scale(x, perm, offsets, weights, out_dtype))
+    assert torch.all(xp[total_rows(offsets):] == 0)
+    dxp = rand((t * k, h), out_dtype, gen)
+    poison(((t, h), x_dtype), ((t, k), w_dtype))
+    dx, dw = kcuda.permute_scale_backward(dxp, x, inv, weights, offsets)
+    rdx, rdw = reference.permute_scale_backward(dxp, x, inv, weights, offsets)
+    assert not dx.isnan().any() and not dw.isnan().any()
+    assert (dx.dtype, dw.dtype) == (x_dtype, w_dtype)
+    assert rel(dx, rdx) <= (BF16_SUM_REL if x_dtype == torch.bfloat16 else FP32_SUM_REL)
+    assert rel(dw, rdw) <= (BF16_SUM_REL if w_dtype == torch.bfloat16 else FP32_SUM_REL)
+    assert (len(fwd), len(bwd)) == (1, 1)   # the Triton kernels ran, not the reference
+
+
 # ------------------------------------------------------------------------------- end to end
 def _moe_layer(x, ids, topw, w13, b13, w2, e, k, as_list):
     moe = torch.ops.moe_compile
