@@ -7,7 +7,9 @@ never mutate the graph). Recognised, for rows in sorted (s), pair (p = t*K + j) 
     rows * w.reshape(-1)[perm].unsqueeze(-1)   (s)     rows * w.reshape(-1).unsqueeze(-1)   (p)
     rows * zeros(T, E).scatter(1, ids, w).t().unsqueeze(-1)                               (d)
     rows[inv] | rows.index_select(0, inv)      (s -> p; inv[perm] = arange(N) or argsort(perm))
+    buf = zeros(N, H); buf[perm] = rows        (s -> p: torchtitan's unsort; the buffer read as the pairs)
     p.view(T, K, H) [* w[T, K, 1]] .sum(1)     -> output
+    bmm(w.view(T, 1, K), p.view(T, K, H)[.float()])[.to(dtype)].squeeze(1)   -> output (torchtitan's)
     zeros(T, H).index_add_(0, perm // K, rows) | .scatter_add_(0, (perm // K)[:, None].expand(..), rows)
 """
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .grouped_state import CASTS
+from .grouped_state import CASTS, DONE, FRESH
 from .normalize import arg, canon, distinct_per_row, shape, val
 
 
@@ -61,6 +63,26 @@ def unsort(f, g, n, op) -> bool:
     return True
 
 
+def unsort_into(f, g, n, op, rows_in):
+    """buf[perm] = rows, buf a fresh [N, H] tensor read by nothing before: buf holds the rows in (token, slot)
+    order (row p goes to pair perm[p], as rows[inv]). The write is the region's own; every later reader of
+    buf must be in the region (``escaping_intermediate``), where the rewrite computes the pairs itself."""
+    buf, idx, src = (n.args + (None, None, None))[:3]
+    ri, rs = f.r(idx), f.r(src)
+    if op != "setitem" or not isinstance(buf, fx.Node) or f.r(buf) is not None or canon(buf) not in FRESH \
+            or not (ri and ri.kind == "perm" and ri.g is g) or not (rs and rs.kind == "rows" and rs.g is g):
+        return None
+    vb, vs = val(buf), val(src)
+    if not (isinstance(vb, torch.Tensor) and isinstance(vs, torch.Tensor)) or vb.dtype != vs.dtype \
+            or shape(buf) != shape(src) or [u for u in buf.users if f.order[u] < f.order[n]]:
+        return None
+    g.end = g.step_of[src]
+    f.set(buf, "pair", g, src)
+    f.set(n, "mut", g)
+    g.erase.append(n)
+    return DONE
+
+
 def pair3(f, g, n) -> bool:
     s = shape(n)
     if s and len(s) == 3 and s[1] == g.k and s[0] * s[1] == shape(n.args[0])[0]:
@@ -90,6 +112,17 @@ def pair_op(f, g, n, op, src, kind):
             f.set(n, "pair3", g)
             return
     if kind == "pair3" and op == "sum" and arg(n, 1, "dim") in (1, (1,), -2) and not arg(n, 2, "keepdim", False):
+        g.output = n
+        f.set(n, "out", g)
+        return
+    if kind == "pair3" and op == "bmm" and len(n.args) == 2 and n.args[1] is src and f.r(n.args[0]) is None \
+            and shape(n.args[0]) == (shape(src)[0], 1, g.k):   # [T, 1, K] @ [T, K, H]: the weighted sum over K
+        if g.weighted_at is not None:
+            g.note("weights_twice")
+        g.weights, g.weighted_at = n.args[0], g.end
+        f.set(n, "pair1", g)
+        return
+    if kind == "pair1" and op == "squeeze" and arg(n, 1, "dim") in (1, -2):
         g.output = n
         f.set(n, "out", g)
 

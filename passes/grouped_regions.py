@@ -38,7 +38,7 @@ import torch.fx as fx
 from . import dense_input
 from . import grouped_routing as route
 from . import grouped_rows as rows
-from .grouped_combine import pair_op
+from .grouped_combine import pair_op, unsort_into
 from .grouped_state import CASTS, DONE, FLATTEN, GMM_OPS, ROW_KINDS, GRole, Group
 from .expert_ids import ID_VIEWS
 from .id_range import id_bound, ids_nonnegative
@@ -89,6 +89,7 @@ ROW_RULES: dict[str, tuple] = {
     **{op: (rows.bias_add,) for op in ("add_", "add", "iadd", "add_inplace")},
     "mul": (rows.weights_mul,),
     "type_as": (rows.type_as_cast,),
+    "setitem": (unsort_into,),
 }
 for _op, _rules in dense_input.ROW_RULES.items():   # dense experts weighted on their input (Llama 4)
     ROW_RULES[_op] = _rules + ROW_RULES.get(_op, ())
@@ -145,7 +146,7 @@ class Finder:
                 if rule(self, g, n, op, rows_in) is DONE:
                     return
             return
-        for kind in ("pair", "pair3"):
+        for kind in ("pair", "pair3", "pair1"):
             ins = [a for a in n.all_input_nodes if self.r(a) and self.r(a).kind == kind]
             if ins:
                 pair_op(self, self.r(ins[0]).g, n, op, ins[0], kind)
@@ -154,7 +155,7 @@ class Finder:
     def note_unhandled(self, n: fx.Node, why: str = ""):
         for a in n.all_input_nodes:
             ro = self.r(a)
-            if ro and ro.g is not None and ro.kind in ROW_KINDS + ("pair", "pair3") and not ro.g.findings:
+            if ro and ro.g is not None and ro.kind in ROW_KINDS + ("pair", "pair3", "pair1") and not ro.g.findings:
                 ro.g.note("unsupported_row_op", n, op=canon(n), at=where_in_user_code(n) or "?", why=why)
 
     # ------------------------------------------------------------------ building the expert function
@@ -281,7 +282,8 @@ class Finder:
         for m in g.nodes:  # every row-valued node must be consumed inside the region
             if m is g.output or m in g.aliases:
                 continue
-            if self.r(m).kind in ("rows", "chunks", "pair", "pair3", "unsq", "bmm", "inv", "inv_alloc", "sw"):
+            if self.r(m).kind in ("rows", "chunks", "pair", "pair3", "pair1", "unsq", "bmm", "inv", "inv_alloc",
+                                   "sw"):
                 outside = [u for u in m.users if u not in g.nodes]
                 if outside:
                     return [Finding.of("escaping_intermediate", m, node=m.name, user=outside[0].name)]

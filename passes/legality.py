@@ -256,6 +256,8 @@ def weights_path(region: Region) -> Finding | None:
     for n in region.nodes:
         if canon(n) in _EXPERT_LINEARS:
             rows |= descendants([n])
+    # rows written into a buffer (torchtitan's ``buf[perm] = rows``): what reads the buffer reads expert rows
+    rows |= descendants([t for m in region.nodes if m in rows and (t := written(m)) is not None])
     ahead = ancestors(sinks)
     for n in sorted(descendants([w]) & ahead, key=_order(w.graph).__getitem__):
         if n is w or n in sinks:

@@ -35,14 +35,17 @@ class TitanMoE(nn.Module):
 
     counts: "histc_first" (the router counts before the reorderer sorts: torchtitan's order) |
     "histc_after" | "bincount"; entry: "gather" (torchtitan) | "index"; combine: "scatter_add"
-    (torchtitan) | "index_add"; cast: "type_as" (torchtitan) | "to"; score_before: torchtitan's
+    (torchtitan before v0.2) | "index_add" | "unsort" (torchtitan v0.2: ``buf[order] = y`` into zeros,
+    then a bmm with the top-k scores over K, or ``.sum(1)`` when they scaled the input; ``shared``: a
+    shared expert's output added to it); cast: "type_as" (torchtitan) | "to"; score_before: torchtitan's
     ``score_before_experts`` (its default: the weights scale the expert input, in fp32: ``input_cast``)."""
 
     def __init__(self, counts="histc_first", entry="gather", combine="scatter_add", cast="type_as",
-                 dtype=torch.float32, score_before=False, input_cast=torch.float32):
+                 dtype=torch.float32, score_before=False, input_cast=torch.float32, shared=False):
         super().__init__()
         self.counts, self.entry, self.combine, self.cast, self.dtype = counts, entry, combine, cast, dtype
         self.score_before, self.input_cast = score_before, input_cast
+        self.shared = nn.Linear(H, H, bias=False, dtype=dtype) if shared else None
         self.gate = nn.Linear(H, E, bias=False, dtype=dtype)
         self.w1 = nn.Parameter(torch.randn(E, I, H, dtype=dtype) / math.sqrt(H))
         self.w2 = nn.Parameter(torch.randn(E, H, I, dtype=dtype) / math.sqrt(I))
@@ -74,6 +77,16 @@ class TitanMoE(nn.Module):
         y = _gmm(F.silu(_gmm(x[tok], w1, offs, self.dtype)), w2, offs, self.dtype)
         return torch.zeros_like(x).index_add(0, tok, y * top.view(-1)[order].reshape(-1, 1))
 
+    def _unsort_combine(self, x, y, order, top):
+        """torchtitan v0.2's combine: the rows unsorted into a zeros buffer by the sort's order, viewed
+        [T, K, H], weighted by the top-k scores in an fp32 bmm (or summed: weights on the input)."""
+        unsorted = torch.zeros((x.shape[0] * K, x.shape[1]), dtype=y.dtype, device=y.device)
+        unsorted[order] = y
+        unsorted = unsorted.reshape(-1, K, x.shape[1])
+        if self.score_before:
+            return unsorted.sum(dim=1)
+        return torch.bmm(top.reshape(-1, 1, K), unsorted.float()).to(x.dtype).squeeze(1)
+
     def forward(self, x):
         bs, slen, dim = x.shape
         x = x.view(-1, dim)
@@ -101,6 +114,9 @@ class TitanMoE(nn.Module):
         h = F.silu(_gmm(rows, self.w1, offs, self.dtype)) * _gmm(rows, self.w3, offs, self.dtype)
         y = _gmm(h, self.w2, offs, self.dtype)
         y = y.type_as(rows) if self.cast == "type_as" else y.to(rows.dtype)
+        if self.combine == "unsort":
+            out = self._unsort_combine(x, y, order, top)
+            return (out if self.shared is None else self.shared(x) + out).reshape(bs, slen, dim)
         if not self.score_before:
             y = (y.to(torch.float32) * top_sorted.reshape(-1, 1)).to(x.dtype)
         out = torch.zeros_like(x)
@@ -189,6 +205,44 @@ def test_an_input_cast_that_rounds_the_rows_keeps_the_gather_and_product_apart()
     new, _ = rewrite(("fn", TitanMoE(score_before=True, input_cast=torch.bfloat16), (x.detach(),)))
     assert "permute_rows" in ops_in(new) and "permute_scale" not in ops_in(new), ops_in(new)
     check_compiled(TitanMoE(score_before=True, input_cast=torch.bfloat16), (x,), expect_rewritten=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("score_before", [False, True], ids=["scores_after", "scores_before"])
+@pytest.mark.parametrize("tokens", [0, 1, 37])
+def test_torchtitan_v0_2_unsort_combine_is_rewritten(dtype, score_before, tokens):
+    """torchtitan v0.2's combine (``buf[order] = y`` into zeros, bmm with the top-k scores over K in fp32, or
+    ``.sum(1)``; a shared expert added): refused before (``unsupported_row_op``: setitem on the rows)."""
+    torch.manual_seed(16 + tokens)
+    layer = TitanMoE(dtype=dtype, combine="unsort", score_before=score_before, shared=True)
+    check_compiled(layer, (make_input((1, tokens, H), dtype),), expect_rewritten=1, inductor=dtype == torch.bfloat16)
+
+
+class UnsortReadElsewhere(TitanMoE):
+    """The unsort buffer written by the sort's order, then also read outside the combine (or filled before
+    it): the rewrite would not write it, so it stays as the model wrote it (refused)."""
+
+    def __init__(self, case):
+        super().__init__(combine="unsort")
+        self.case = case
+
+    def forward(self, x):
+        x, top, sel = self._top_k(x)
+        order, n = self._sort_and_count(sel)
+        offs = torch.cumsum(n, dim=0, dtype=torch.int32)
+        y = _gmm(F.silu(_gmm(x[order // K], self.w1, offs, self.dtype)), self.w2, offs, self.dtype)
+        buf = torch.zeros_like(y)
+        if self.case == "filled_before":
+            buf.fill_(1.0)
+        buf[order if self.case != "by_token" else order // K] = y
+        out = torch.bmm(top.reshape(-1, 1, K), buf.reshape(-1, K, H)).squeeze(1)
+        return out + buf.sum() if self.case == "read_after" else out
+
+
+@pytest.mark.parametrize("case", ["read_after", "filled_before", "by_token"])
+def test_unsort_buffer_used_otherwise_is_refused(case):
+    torch.manual_seed(17)
+    check_compiled(UnsortReadElsewhere(case), (make_input((2, 5, H)),), expect_rewritten=0, expect_refused=1)
 
 
 class WeightsOnRowsReadTwice(TitanMoE):
