@@ -5,6 +5,7 @@
     permute_scale(x[T,H], perm, inv, offsets, weights[T,K], out_dtype) -> xp[N,H]
                                                     (gather, each row times its pair's weight: the
                                                     rows an expert input scale multiplies; x kept, not xp)
+    saved_copy(x) -> a copy of x the partitioner cannot recompute from x (what a backward keeps of x)
     unpermute_combine(y[N,H], inv, weights[T,K], offsets, out_dtype=None) -> out[T,H] (weighted gather-reduce)
     unpermute_sum(y[N,H], perm, inv, offsets, K, out_dtype=None) -> out[T,H]  (weight 1; bwd = permute_rows:
                                                     y not kept)
@@ -125,6 +126,22 @@ def permute_scale_backward(dxp: torch.Tensor, x: torch.Tensor, inv: torch.Tensor
 @permute_scale_backward.register_fake
 def _(dxp, x, inv, weights, offsets):
     return x.new_empty(x.shape), weights.new_empty(weights.shape)   # contiguous, as every implementation
+
+
+@torch.library.custom_op("moe_compile::saved_copy", mutates_args=())
+def saved_copy(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of x that AOTAutograd's partitioner keeps: it recomputes a plain ``clone`` from x
+    in the backward. For a tensor a backward reads that the caller may write in place after the forward
+    (``permute_scale``'s x where x is a graph input)."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+@saved_copy.register_fake
+def _(x):
+    return x.new_empty(x.shape)
+
+
+saved_copy.register_autograd(lambda ctx, grad: grad, setup_context=lambda ctx, inputs, output: None)
 
 
 # --------------------------------------------------------------------------- unpermute_combine

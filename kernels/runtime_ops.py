@@ -46,6 +46,7 @@ OPS = {
     "permute_rows": routing_ops.permute_rows,
     "permute_scale": routing_ops.permute_scale,
     "permute_scale_backward": routing_ops.permute_scale_backward,
+    "saved_copy": routing_ops.saved_copy,
     "unpermute_combine": routing_ops.unpermute_combine,
     "unpermute_combine_backward": routing_ops.unpermute_combine_backward,
     "unpermute_sum": routing_ops.unpermute_sum,

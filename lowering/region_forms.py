@@ -20,6 +20,7 @@ import torch.fx as fx
 from moe_compile.kernels import ops as _ops  # noqa: F401  (registers torch.ops.moe_compile.*)
 from moe_compile.passes.normalize import val
 from moe_compile.passes.region import Region, Router, Step
+from moe_compile.passes.writes import storage_base
 
 from .graph_edit import GraphBuilder
 
@@ -71,7 +72,22 @@ def input_rows(b: GraphBuilder, region: Region, x: fx.Node, perm: fx.Node, inv: 
     folded = _cast_of_rows(steps[0]) if steps and product in (torch.float32, torch.float64) else None
     if folded is not None and not any(_reads_rows((st.args, st.kwargs)) for st in steps[1:]):
         out, done = folded, 1
-    return b.fn(torch.ops.moe_compile.permute_scale.default, x, perm, inv, offs, w, out), done
+    return b.fn(torch.ops.moe_compile.permute_scale.default, _kept_input(b, x), perm, inv, offs, w, out), done
+
+
+def _kept_input(b: GraphBuilder, x: fx.Node) -> fx.Node:
+    """x as permute_scale keeps it for its backward: a copy ([T, H], not the [T*K, H] rows eager keeps)
+    where x shares storage with an input or an output of the graph. The caller may write those in place
+    between the forward and the backward; eager's gradient reads its own copy of the gathered rows, and a
+    compiled backward reading x would read the written values (found by review: the router's gradient
+    2.0 off, no error)."""
+    memo: dict = {}
+    base = storage_base(x, memo)
+    outputs: list = []
+    fx.node.map_arg(next(n for n in reversed(x.graph.nodes) if n.op == "output").args, outputs.append)
+    if base.op == "placeholder" or any(storage_base(o, memo) is base for o in outputs):
+        return b.fn(torch.ops.moe_compile.saved_copy.default, x)   # a clone would be recomputed from x
+    return x
 
 
 def scale_rows(b: GraphBuilder, router: Router, rows: fx.Node, perm: fx.Node,

@@ -187,6 +187,8 @@ def _opcheck_samples():
         # bf16 rows times fp32 weights, the product rounded to bf16 (torchtitan's (rows.float() * w).to(bf16))
         "permute_scale:bf16": (x.detach().bfloat16().requires_grad_(), perm, inv, offs, wr, torch.bfloat16),
         "permute_scale_backward": (torch.randn(t * k, h, generator=gen), x.detach(), inv, wr.detach(), offs),
+        "saved_copy": (x,),
+        "saved_copy:strided": (xp.t(),),
     }
 
 
