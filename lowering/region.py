@@ -196,6 +196,8 @@ def lower_region(gm: fx.GraphModule, region: Region, ep_chunks: int = 1) -> tupl
     if isinstance(c, AccumulateInPlace) and c.base is not None:
         out = region_forms.keep_unrouted(b, region.router, c.base, out) if c.overwrite else \
             b.fn(operator.add, c.base, out)
+    elif isinstance(c, ReplaceOutput) and c.base is not None:   # base.scatter_add(0, idx, rows), out of place
+        out = b.fn(operator.add, c.base, out)
 
     if isinstance(c, ReplaceOutput):
         _rewire_output(g, region, c, out)

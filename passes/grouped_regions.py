@@ -251,7 +251,7 @@ class Finder:
         router = Router(ids=g.ids, weights=g.input_weights if on_input else g.weights, top_k=g.k, num_experts=g.e,
                         scale_input=on_input, per_expert=on_input and g.family == "dense", input_dtype=g.input_dtype)
         combine = ReplaceOutput(g.output, val(g.output).dtype, tuple(g.aliases),
-                                tuple(sorted(set(g.erase) | {g.output}, key=self.order.__getitem__)))
+                                tuple(sorted(set(g.erase) | {g.output}, key=self.order.__getitem__)), g.base)
         region = Region(module, form, where, g.x, router, ExpertMLP(tuple(g.steps[:g.end + 1]), tuple(g.slots)),
                         combine, nodes)
         return [Candidate(module, form, where, region, (), g.e, g.k)]

@@ -44,11 +44,13 @@ def sentinel_mask(f, g, n, op, rows_in):
 
 
 def scatter_back(f, g, n, op, rows_in):
-    """zeros(T, H).index_add_(0, perm // K, rows) / .scatter_add_(0, ..expand, rows)."""
+    """zeros(T, H).index_add_(0, perm // K, rows) / .scatter_add_(0, ..expand, rows); out of place also
+    into another tensor computed before (``shared(x).scatter_add(...)``: the output is base + rows)."""
     a0 = n.args[0]
-    if f.r(a0) is None and canon(a0) in FRESH:
+    fresh = canon(a0) in FRESH
+    if f.r(a0) is None and isinstance(a0, fx.Node) and (fresh or not op.endswith("_")):
         src = arg(n, 3, "source" if "index" in op else "src")
-        if f.r(src) and f.r(src).kind == "rows" and combine_add(f, g, n, op, a0, src):
+        if f.r(src) and f.r(src).kind == "rows" and combine_add(f, g, n, op, a0, src, base=not fresh):
             return DONE
 
 

@@ -61,6 +61,7 @@ class Group:
     end: int | None = None                        # step index of the rows that are combined
     output: fx.Node | None = None
     aliases: tuple = ()
+    base: fx.Node | None = None                   # an out-of-place accumulation's tensor (not zeros)
     findings: list = field(default_factory=list)
     linears: int = 0
     clamps: list = field(default_factory=list)   # (node, bound) of sorted_ids.clamp(max=bound)

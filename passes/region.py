@@ -95,11 +95,14 @@ class AccumulateInPlace:
 @dataclass(frozen=True)
 class ReplaceOutput:
     """All-pairs forms: ``output`` (and its in-place ``aliases``, read after it) is the combined
-    result; ``erase`` lists the region's side-effecting nodes on region-internal tensors."""
+    result; ``erase`` lists the region's side-effecting nodes on region-internal tensors. ``base``: the
+    tensor an out-of-place accumulation adds the rows to (``shared(x).scatter_add(0, idx, rows)``,
+    torchtitan's shared expert): the output is base + the combined rows (None: zeros)."""
     output: fx.Node
     dtype: torch.dtype
     aliases: tuple[fx.Node, ...] = ()
     erase: tuple[fx.Node, ...] = ()
+    base: fx.Node | None = None
 
 
 Combine = AccumulateInPlace | ReplaceOutput

@@ -221,6 +221,8 @@ def foreign_write(region: Region) -> fx.Node | None:
     inputs |= {n for slot in region.experts.slots for n in slot if isinstance(n, fx.Node)}
     if isinstance(c, AccumulateInPlace):
         inputs |= {c.acc, *c.aliases} | ({c.base} if c.base is not None else set())
+    elif c.base is not None:   # shared(x).scatter_add(..): the rewrite reads the base where the region ends
+        inputs.add(c.base)
     # computed from the router's outputs on the way into the region (not the router itself, which stays),
     # and what those read that no input is computed from (``r = zeros(T, E); r.scatter_(1, ids, w)`` as a
     # statement: the combine reads the zeros node, whose zeros the rewrite assumes)
