@@ -131,9 +131,9 @@ def pair_op(f, g, n, op, src, kind):
         f.set(n, "out", g)
 
 
-def combine_add(f, g, n, op, acc, src, base: bool = False) -> bool:
+def combine_add(f, g, n, op, acc, src, onto: bool = False) -> bool:
     """zeros(T, H).index_add_(0, perm // K, rows) / .scatter_add_(0, (perm // K)[:, None].expand(..), rows).
-    ``base``: ``acc`` is not zeros but a tensor the out-of-place op adds the rows to (read, never written)."""
+    ``onto``: ``acc`` is not zeros but a tensor the out-of-place op adds the rows to (read, never written)."""
     idx = arg(n, 2, "index")
     ok = f.r(idx) and f.r(idx).kind == "tok" and f.r(idx).g is g
     if not ok and op.startswith("scatter_add") and canon(idx) == "expand":
@@ -145,15 +145,15 @@ def combine_add(f, g, n, op, acc, src, base: bool = False) -> bool:
                 and shape(idx) == shape(src):
             base = col.args[0]
             ok = f.r(base) and f.r(base).kind == "tok" and f.r(base).g is g
-    if not ok or arg(n, 1, "dim") != 0 or (not base and [u for u in acc.users if f.order[u] < f.order[n]]):
+    if not ok or arg(n, 1, "dim") != 0 or (not onto and [u for u in acc.users if f.order[u] < f.order[n]]):
         return False
     if n.kwargs.get("alpha", 1) != 1 or shape(acc) != (shape(g.x)[0], shape(src)[-1]):
         return False   # index_add_(..., alpha=a) scales the rows; an accumulator of another shape is not [T, H]
-    if base and not (isinstance(val(acc), torch.Tensor) and val(acc).dtype == val(n).dtype):
+    if onto and not (isinstance(val(acc), torch.Tensor) and val(acc).dtype == val(n).dtype):
         return False
     if op.endswith("_"):
         g.aliases = (acc,)
-    g.base = acc if base else None
+    g.base = acc if onto else None
     g.output, g.end = n, g.step_of[src]
     f.set(n, "out", g)
     return True

@@ -50,7 +50,7 @@ def scatter_back(f, g, n, op, rows_in):
     fresh = canon(a0) in FRESH
     if f.r(a0) is None and isinstance(a0, fx.Node) and (fresh or not op.endswith("_")):
         src = arg(n, 3, "source" if "index" in op else "src")
-        if f.r(src) and f.r(src).kind == "rows" and combine_add(f, g, n, op, a0, src, base=not fresh):
+        if f.r(src) and f.r(src).kind == "rows" and combine_add(f, g, n, op, a0, src, onto=not fresh):
             return DONE
 
 

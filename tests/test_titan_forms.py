@@ -232,6 +232,20 @@ def test_shared_expert_output_as_the_accumulator_is_rewritten(combine, dtype, to
     check_compiled(layer, (make_input((1, tokens, H), dtype),), expect_rewritten=1, inductor=dtype == torch.bfloat16)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_accumulator_is_a_base_only_when_it_is_not_zeros(shared):
+    """The scatter_add's zeros are no base (nothing is added to the combined rows); the shared expert's
+    output is (a first version took the expand index's tokens for the flag: every scatter_add had one)."""
+    from graphs import check_all
+
+    torch.manual_seed(22)
+    layer = TitanMoE(shared=shared)
+    gm, _ = __import__("graphs").dynamo_graph(("fn", layer, (make_input((2, 5, H), requires_grad=False),)))
+    (verdict,) = check_all(gm)
+    base = verdict.region.combine.base
+    assert (base is not None) == shared, base
+
+
 class SharedAccumulatedInPlace(TitanMoE):
     """``out = shared(x); out.scatter_add_(0, idx, rows)``: written in place into a tensor the model made
     (not a fresh zeros): not taken (refused), as before."""
