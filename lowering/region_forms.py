@@ -6,7 +6,9 @@
                           multiplies its input), combined with weight 1. dtype: the product's
                           (promote(input_dtype or x, w)), or that of a cast of the product that is the
                           expert's first step (torchtitan's (rows.float() * w).to(bf16)), folded in;
-                          a narrowing input_dtype keeps permute_rows(x)[.to(input_dtype)] * w[perm]
+                          x as a saved_copy where it shares storage with a graph input or output (the
+                          backward reads it); a narrowing input_dtype keeps
+                          permute_rows(x)[.to(input_dtype)] * w[perm]
     AccumulateInPlace.overwrite  out = where(ids in [0, E) per token, combined, base)   (top-1 only:
                           a routed row is replaced, an unrouted one keeps the base, as `out[idx] = ...`)
 """
