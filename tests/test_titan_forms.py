@@ -68,6 +68,15 @@ class TitanMoE(nn.Module):
         order = torch.argsort(sel.view(-1), stable=True)
         return order, torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
 
+    def _expert_rows(self, x):
+        """Route, sort and count, then the two grouped GEMMs over the rows x[order // K], in sorted
+        order: (x [T, H], top-k weights [T, K], order, expert rows). The combine is the caller's."""
+        x, top, sel = self._top_k(x)
+        order, n = self._sort_and_count(sel)
+        offs = torch.cumsum(n, dim=0, dtype=torch.int32)
+        y = _gmm(F.silu(_gmm(x[order // K], self.w1, offs, self.dtype)), self.w2, offs, self.dtype)
+        return x, top, order, y
+
     def _sorted_experts(self, x, order, n, top, w1=None, w2=None):
         """The variants' common tail: rows x[order // K], two grouped GEMMs on the counts ``n``, each row
         weighted by its top-k weight, index_add back to its token."""
@@ -251,13 +260,9 @@ class SharedAccumulatedInPlace(TitanMoE):
     (not a fresh zeros): not taken (refused), as before."""
 
     def forward(self, x):
-        x, top, sel = self._top_k(x)
-        order, n = self._sort_and_count(sel)
-        tok = order // K
-        offs = torch.cumsum(n, dim=0, dtype=torch.int32)
-        y = _gmm(F.silu(_gmm(x[tok], self.w1, offs, self.dtype)), self.w2, offs, self.dtype)
+        x, top, order, y = self._expert_rows(x)
         out = self.shared(x)
-        out.scatter_add_(0, tok.reshape(-1, 1).expand(-1, H), y * top.view(-1)[order].reshape(-1, 1))
+        out.scatter_add_(0, (order // K).reshape(-1, 1).expand(-1, H), y * top.view(-1)[order].reshape(-1, 1))
         return out
 
 
@@ -277,10 +282,7 @@ class PairsRoundedThroughBf16(TitanMoE):
         self.unsort = unsort
 
     def forward(self, x):
-        x, top, sel = self._top_k(x)
-        order, n = self._sort_and_count(sel)
-        offs = torch.cumsum(n, dim=0, dtype=torch.int32)
-        y = _gmm(F.silu(_gmm(x[order // K], self.w1, offs, self.dtype)), self.w2, offs, self.dtype)
+        x, top, order, y = self._expert_rows(x)
         if self.unsort:
             pairs = torch.zeros((x.shape[0] * K, H), dtype=y.dtype)
             pairs[order] = y
@@ -304,10 +306,7 @@ class UnsortReadElsewhere(TitanMoE):
         self.case = case
 
     def forward(self, x):
-        x, top, sel = self._top_k(x)
-        order, n = self._sort_and_count(sel)
-        offs = torch.cumsum(n, dim=0, dtype=torch.int32)
-        y = _gmm(F.silu(_gmm(x[order // K], self.w1, offs, self.dtype)), self.w2, offs, self.dtype)
+        x, top, order, y = self._expert_rows(x)
         buf = torch.zeros_like(y)
         if self.case == "filled_before":
             buf.fill_(1.0)
