@@ -102,8 +102,7 @@ def pair_op(f, g, n, op, src, kind):
         if isinstance(v, torch.Tensor) and v.is_floating_point():   # an integer cast truncates each pair
             # exact (a widening), or to a dtype that holds the layer's input (bf16 rows' fp32 products back
             # to bf16); not a rounding below it (fp32 pairs through bf16: found by review, rewritten 2e-3 off)
-            if v.dtype in (vin.dtype, torch.promote_types(vin.dtype, v.dtype),
-                           torch.promote_types(val(g.x).dtype, v.dtype)):
+            if v.dtype in (torch.promote_types(vin.dtype, v.dtype), torch.promote_types(val(g.x).dtype, v.dtype)):
                 f.set(n, kind, g)
         return
     if kind == "pair3" and op == "mul":
