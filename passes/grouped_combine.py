@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from .grouped_state import CASTS, DONE, FRESH
-from .normalize import arg, canon, distinct_per_row, shape, val
+from .normalize import arg, canon, distinct_per_row, shape, val, where_in_user_code
 
 
 def row_weights(f, g, other, ro):
@@ -104,6 +104,9 @@ def pair_op(f, g, n, op, src, kind):
             # to bf16); not a rounding below it (fp32 pairs through bf16: found by review, rewritten 2e-3 off)
             if v.dtype in (torch.promote_types(vin.dtype, v.dtype), torch.promote_types(val(g.x).dtype, v.dtype)):
                 f.set(n, kind, g)
+            else:
+                g.note("pairs_rounded", n, dtype=str(v.dtype).removeprefix("torch."),
+                       wide=str(vin.dtype).removeprefix("torch."), at=where_in_user_code(n) or "?")
         return
     if kind == "pair3" and op == "mul":
         other = n.args[1] if n.args[0] is src else n.args[0]

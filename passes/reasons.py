@@ -65,6 +65,11 @@ REASONS: dict[str, Reason] = {
     "escaping_intermediate": Reason(
         "the expert intermediate `{node}` is also used outside the MoE region (by `{user}`)",
         "use only the combined output outside the expert loop"),
+    "pairs_rounded": Reason(
+        "the expert outputs are rounded from {wide} to {dtype} one (token, slot) pair at a time at {at}, before the "
+        "sum over the top-k: the rewrite sums in {wide} and rounds once, which is not eager's value",
+        "round after the sum over the top-k (cast the combined output), or cast to a dtype that holds the "
+        "layer's input"),
     "unsupported_row_op": Reason("unsupported op `{op}` on the expert rows at {at}{why}", _FIX_UNSUPPORTED),
     "expert_checkpointed": Reason(
         "each expert is called through activation checkpointing inside the expert loop (`{op}` at {at}): the "
@@ -244,6 +249,11 @@ REASONS: dict[str, Reason] = {
         "over an expert capacity (Switch / GShard / DeepSpeed capacity factors, one-hot dispatch tensors) or lets "
         "experts choose tokens (expert-choice routing) stays unrewritten: written without it, it would compute "
         "something else; if the layer is already written so, please report it with moe_compile.explain's output"),
+    "second_expert_set": Reason(
+        "{router} over {e} experts at {router_at} routes an MoE region and also a second expert set (`{node}` at "
+        "{at}) on the same routing; a region takes one expert set, so this one is compiled as written",
+        "give each expert set a router of its own (its own top-k), or keep the experts "
+        "of both sets in one [E, ...] weight (or ModuleList) so that one layer computes them"),
     "router_draws": Reason(
         "looks like an MoE layer ({router} over {e} experts at {router_at} feeds {evidence}), but its expert ids "
         "are drawn, not picked by a top-k/argmax over router scores, which is what the rewrite routes from{disabled}; "

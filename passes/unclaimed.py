@@ -62,10 +62,10 @@ import torch.fx as fx
 from .expert_ids import ID_VIEWS, OTHER_ROUTERS, router_kind, router_root, routers as _routers
 from .id_range import holds_ids
 from .moe_source import Frame, _enclosing_function, declares_experts_implementation, enclosing_class, in_moe_code  # noqa: F401
-from .normalize import (arg, canon, common_module, module_path, source_name, val,
-                        where_in_user_code)
+from .normalize import canon, common_module, module_path, source_name, val, where_in_user_code
 from .token_paths import MATMULS, ep_experts_of, graph_params, param_of, router_params, token_values
-from .unclaimed_base import _GATHERS, Unclaimed, _claimed_by, _dims, _near, _same_block, sliced_inputs
+from .unclaimed_base import (_GATHERS, Unclaimed, _claimed_by, _dims, _expert_choice, _near, _same_block,
+                             sliced_inputs)
 from .unrouted import unrouted
 from .writes import basic_index, written
 
@@ -221,7 +221,7 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
     weights = _weights(gm, params | sliced_inputs(gm, params))   # and stacked weights passed as arguments
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     tokens: list[set] = []   # token_values(gm.graph, params), computed when first needed
-    claimed_roots, claimed_nodes, claimed_modules = set(), set(), []
+    claimed_roots, claimed_nodes, claimed_modules, combined = set(), set(), [], []
     for c in candidates:
         region = getattr(c, "region", None)
         if region is not None:
@@ -229,11 +229,15 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
             if root is not None:
                 claimed_roots.add(root)
             claimed_nodes |= set(region.nodes)
+            comb = region.combine
+            combined.extend([comb.output] if hasattr(comb, "output") else comb.mutations)
         if region is None or c.module:   # a region on the root claims by its nodes and router alone: the root
             claimed_modules.append(c.module)   # path is every node's in a function (fn(x, w1, w2): one layer per call)
     out = []
     for router, ids, e, k in routers:
-        if router in claimed_roots:
+        if router in claimed_roots:   # (what reads a region's combined output is the next layer, not a second set)
+            skip = claimed_nodes | _reach(combined)
+            out.extend(_second_expert_set(router, ids, e, k, params, weights, skip, order, tokens))
             continue
         reach = _reach(ids)
         if any(r in reach for r in claimed_roots):
@@ -246,7 +250,8 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
             continue
         module = common_module([router] + [n for _, n in found])
         evidence = common_module([n for _, n in found])
-        if any(_claimed_by(module, m, evidence) for m in claimed_modules) or any(u.module == module for u in out):
+        if any(_claimed_by(module, m, evidence) for m in claimed_modules) or any(
+                u.module == module and u.code != "second_expert_set" for u in out):
             continue   # claimed, or already listed (two ids tensors of one layer, e.g. two hashes stacked)
         kinds = list(dict.fromkeys(kind for kind, _ in found))
         first = found[0][1]
@@ -265,6 +270,21 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
     return out + unrouted(gm, params, weights, claimed_nodes, claimed_modules, out, disabled)
 
 
+def _second_expert_set(router, ids, e, k, params, weights, skip, order, tokens) -> list[Unclaimed]:
+    """A router that a region uses, whose ids also reach expert matmuls no region covers (``skip``: the
+    regions' nodes and what reads their combined outputs): a second expert set on the same routing
+    (``ys = [experts(x[order // K]) for experts in sets]``, each combined on its own). The region takes one
+    set; the other is compiled as written and listed here (``second_expert_set``)."""
+    found = [(kd, n) for kd, n in _evidence(router, _reach(ids), params, weights, e, skip, order, tokens)
+             if kd in ("stacked", "selected", "listed")]
+    if not found:
+        return []
+    first = found[0][1]
+    detail = {"k": k, "e": e, "router": router_kind(router, k), "router_at": where_in_user_code(router) or "?",
+              "node": first.name, "at": where_in_user_code(first) or "?"}
+    return [Unclaimed(common_module([n for _, n in found]), detail["at"], e, k, detail, "second_expert_set")]
+
+
 def _narrowing_cast(router: fx.Node, reach: set, e: int) -> fx.Node | None:
     """A cast of the router's ids (or a view of them) into a dtype that does not hold ids below ``e``
     (``ids.to(torch.uint8)`` with 300 experts), else None."""
@@ -277,37 +297,6 @@ def _narrowing_cast(router: fx.Node, reach: set, e: int) -> fx.Node | None:
 
 
 _ID_CASTS = {"to", "type", "byte", "char", "short", "half", "bfloat16", "float"}
-
-
-def _expert_choice(router: fx.Node, params: set = frozenset()) -> tuple[int, str] | None:
-    """(E, words) for a top-k over the token dim of a 2-D score matrix (each expert picks its tokens:
-    expert-choice routing): the first dim of [T, E] scores, or the last dim of their transpose
-    (``s.t().topk(c, -1)``: the top-k reads [E, T], the router's linear wrote [T, E]), else None."""
-    if canon(router) != "topk" or not isinstance(x := router.args[0], fx.Node) or len(_dims(x)) != 2:
-        return None
-    dim, k = arg(router, 2, "dim", -1), arg(router, 1, "k", 1)
-    if not isinstance(dim, int):
-        return None
-    if dim % 2 == 0:
-        return _dims(x)[1], f"an expert-choice router (each expert takes its top-{k} tokens)"
-    if canon(x) in ("t", "transpose", "permute") and _transposed_scores(x.args[0], _dims(x)[0], params):
-        return _dims(x)[0], f"an expert-choice router (each expert takes its top-{k} tokens)"
-    return None
-
-
-def _transposed_scores(n, e: int, params: set, hops: int = 4) -> bool:
-    """``n`` is (through at most ``hops`` single-input ops: softmax, sigmoid, casts) the output of a
-    matmul on a 2-D Parameter that writes [T, E]: the scores a transpose turned into [E, T]."""
-    while isinstance(n, fx.Node) and hops >= 0:
-        if (canon(n) or "") in MATMULS:
-            return _dims(n)[-1:] == (e,) and any(len(_dims(p)) == 2 and e in _dims(p)
-                                                 for a in n.all_input_nodes if (p := param_of(a, params)) is not None)
-        ins = n.all_input_nodes
-        if len(ins) != 1:
-            return False
-        n, hops = ins[0], hops - 1
-    return False
-
 
 
 def escaping_routers(gm: fx.GraphModule) -> list[fx.Node]:

@@ -1,5 +1,6 @@
 """What ``passes/unclaimed.py`` and ``passes/unrouted.py`` share: the record of MoE-looking code no
-candidate region covers (``Unclaimed``) and the graph helpers both scans use (finds, never mutates)."""
+candidate region covers (``Unclaimed``) and the graph helpers the scans use, expert-choice routing's
+shape among them (finds, never mutates)."""
 from __future__ import annotations
 
 import dataclasses
@@ -100,3 +101,33 @@ def _claimed_by(module: str, claimed: str, evidence: str) -> bool:
     whose expert compute is on the root itself."""
     return _same_block(module, claimed) and (module != "" or _same_block(evidence, claimed)
                                              and (evidence != "" or claimed == ""))
+
+
+def _expert_choice(router: fx.Node, params: set = frozenset()) -> tuple[int, str] | None:
+    """(E, words) for a top-k over the token dim of a 2-D score matrix (each expert picks its tokens:
+    expert-choice routing): the first dim of [T, E] scores, or the last dim of their transpose
+    (``s.t().topk(c, -1)``: the top-k reads [E, T], the router's linear wrote [T, E]), else None."""
+    if canon(router) != "topk" or not isinstance(x := router.args[0], fx.Node) or len(_dims(x)) != 2:
+        return None
+    dim, k = arg(router, 2, "dim", -1), arg(router, 1, "k", 1)
+    if not isinstance(dim, int):
+        return None
+    if dim % 2 == 0:
+        return _dims(x)[1], f"an expert-choice router (each expert takes its top-{k} tokens)"
+    if canon(x) in ("t", "transpose", "permute") and _transposed_scores(x.args[0], _dims(x)[0], params):
+        return _dims(x)[0], f"an expert-choice router (each expert takes its top-{k} tokens)"
+    return None
+
+
+def _transposed_scores(n, e: int, params: set, hops: int = 4) -> bool:
+    """``n`` is (through at most ``hops`` single-input ops: softmax, sigmoid, casts) the output of a
+    matmul on a 2-D Parameter that writes [T, E]: the scores a transpose turned into [E, T]."""
+    while isinstance(n, fx.Node) and hops >= 0:
+        if (canon(n) or "") in MATMULS:
+            return _dims(n)[-1:] == (e,) and any(len(_dims(p)) == 2 and e in _dims(p)
+                                                 for a in n.all_input_nodes if (p := param_of(a, params)) is not None)
+        ins = n.all_input_nodes
+        if len(ins) != 1:
+            return False
+        n, hops = ins[0], hops - 1
+    return False
