@@ -51,21 +51,30 @@ from ._triton_gmm import group_tiles, num_sms, tile_coords
 
 
 @triton.jit
-def _load_b(b_desc, e, n0, k0, K, N, B_NK: tl.constexpr, B3D: tl.constexpr, BN: tl.constexpr,
-            BK: tl.constexpr):
-    """The [BK, BN] weight tile of expert e at (k0, n0); N is the weight's full column count."""
-    if B_NK:
-        if B3D:
-            b = b_desc.load([e, n0, k0]).reshape(BN, BK)
+def _load_b(b_desc, e, n0, k0, K, N, NH, FLIP, B_NK: tl.constexpr, B3D: tl.constexpr, PAIR: tl.constexpr,
+            BN: tl.constexpr, BK: tl.constexpr):
+    """The [BK, BN] weight tile of expert e at (k0, n0); N is the weight's full column count. PAIR: two
+    weights of one storage layout [E, NH, *] seen by one descriptor [2, E, NH, *] (``pair_desc``), the
+    first at index FLIP of its leading dim; split along N (B_NK: the outputs side by side) or along K
+    (the sum of two products). A tile never straddles the two (NH is a multiple of the tile)."""
+    if PAIR:
+        if B_NK:
+            half = n0 // NH
+            b = b_desc.load([half ^ FLIP, e, n0 - half * NH, k0]).reshape(BN, BK).T
         else:
-            b = b_desc.load([e * N + n0, k0])
-        return b.T
+            half = k0 // NH
+            b = b_desc.load([half ^ FLIP, e, k0 - half * NH, n0]).reshape(BK, BN)
+    elif B_NK:
+        if B3D:
+            b = b_desc.load([e, n0, k0]).reshape(BN, BK).T
+        else:
+            b = b_desc.load([e * N + n0, k0]).T
     else:
         if B3D:
             b = b_desc.load([e, k0, n0]).reshape(BK, BN)
         else:
             b = b_desc.load([e * K + k0, n0])
-        return b
+    return b
 
 
 @triton.jit
@@ -106,8 +115,8 @@ def _zero_rows(ptr, tail0, M, N, stride, pid, num_progs, BM: tl.constexpr, BN: t
 
 @lean
 @triton.jit
-def _tma_gmm_kernel(a_desc, b_desc, c_desc, c_ptr, bias_ptr, offs_ptr, M, N, K, E, WN, stride_cm, sbe,
-                    num_progs, B_NK: tl.constexpr, B3D: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _tma_gmm_kernel(a_desc, b_desc, c_desc, c_ptr, bias_ptr, offs_ptr, M, N, K, E, WN, NH, FLIP, stride_cm, sbe,
+                    num_progs, B_NK: tl.constexpr, B3D: tl.constexpr, PAIR: tl.constexpr, HAS_BIAS: tl.constexpr,
                     E_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     GROUP_M: tl.constexpr):
     """N: the output's column count; WN: the weight's. This program's tiles pid, pid + P, ... run as
@@ -133,7 +142,7 @@ def _tma_gmm_kernel(a_desc, b_desc, c_desc, c_ptr, bias_ptr, offs_ptr, M, N, K, 
             m0 = row_start + pid_m * BM
             n0 = pid_n * BN
         a = a_desc.load([m0, ki * BK])
-        acc = tl.dot(a, _load_b(b_desc, e, n0, ki * BK, K, WN, B_NK, B3D, BN, BK), acc)
+        acc = tl.dot(a, _load_b(b_desc, e, n0, ki * BK, K, WN, NH, FLIP, B_NK, B3D, PAIR, BN, BK), acc)
         if ki == k_steps - 1:  # the tile's epilogue
             acc = _with_bias(acc, bias_ptr, e, sbe, n0, N, HAS_BIAS, BN)
             _store_tile(c_desc, c_ptr, acc, m0, n0, row_end, N, stride_cm, BM, BN)
@@ -202,9 +211,9 @@ def _launch(x, w, offsets, n, c, bias=None):
     upper = (triton.cdiv(m, bm) + e) * triton.cdiv(n, bn)
     progs = max(1, min(upper, num_sms(x.device)))
     return _tma_gmm_kernel[(progs,)](
-        a_desc, b_desc, c_desc, c, bias if bias is not None else c, offsets, m, n, k, e, w.shape[2],
+        a_desc, b_desc, c_desc, c, bias if bias is not None else c, offsets, m, n, k, e, w.shape[2], 0, 0,
         c.stride(0), bias.stride(0) if bias is not None else 0, progs,
-        B_NK=b_nk, B3D=b3d, HAS_BIAS=bias is not None, E_P2=triton.next_power_of_2(e),
+        B_NK=b_nk, B3D=b3d, PAIR=False, HAS_BIAS=bias is not None, E_P2=triton.next_power_of_2(e),
         BM=bm, BN=bn, BK=bk, GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
@@ -218,4 +227,72 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m and n:
         _launch(x, w, offsets, n, y, bias)
+    return y
+
+
+# --------------------------------------------------------------------------- two weights, one launch
+_TMA_STRIDE_LIMIT = 1 << 40   # bytes: the largest global stride a tensor map takes
+
+
+def _pair_tile(nh: int, split: str) -> int | None:
+    """The N tile (split "n") or the K tile (split "k") that divides NH, so no tile straddles the two
+    weights: "n" the largest of 256 / 128 / 64 that ``_config`` would allow, "k" the config's BK."""
+    if split == "k":
+        return 64 if nh % 64 == 0 else None
+    return next((bn for bn in (256, 128, 64) if bn <= _config(2 * nh)["BN"] and nh % bn == 0), None)
+
+
+def pair_supported(x: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, split: str) -> bool:
+    """One descriptor can address both weights: wa, wb [E, K, NH] views of [E, NH, K] storage (an
+    nn.Linear layout, torchtitan's w1 / w3) with the same shape and strides, 16-byte aligned, and
+    apart in memory by a distance the tensor map takes (a stride of at most 2^40 bytes that spans
+    one whole weight: the two never overlap). ``split``: "n" for grouped_mm_cat (x [M, K]), "k" for
+    grouped_mm_cat_dx (x = dy [M, 2 NH])."""
+    if x.dtype not in _DTYPES or wa.dtype != x.dtype or wb.dtype != x.dtype or x.dim() != 2 or x.stride(1) != 1:
+        return False
+    if wa.dim() != 3 or wa.shape != wb.shape or wa.stride() != wb.stride() or wa.stride(1) != 1:
+        return False
+    e, k, nh = wa.shape
+    if e == 0 or k == 0 or nh == 0 or not (_aligned(wa, (0, 2)) and _aligned(wb, (0, 2)) and _aligned(x, (0,))):
+        return False
+    es = wa.element_size()
+    span = ((e - 1) * wa.stride(0) + (nh - 1) * wa.stride(2) + k) * es
+    gap = abs(wb.data_ptr() - wa.data_ptr())
+    if gap < span or gap >= _TMA_STRIDE_LIMIT or _pair_tile(nh, split) is None:
+        return False
+    return x.shape[1] == (k if split == "n" else 2 * nh) and (2 * nh if split == "n" else k) % 8 == 0
+
+
+def pair_desc(wa: torch.Tensor, wb: torch.Tensor, block: list[int]):
+    """(descriptor [2, E, NH, K] over the lower-addressed weight's storage, FLIP: wa's index in it)."""
+    flip = int(wb.data_ptr() < wa.data_ptr())
+    lo, hi = (wb, wa) if flip else (wa, wb)
+    es = lo.element_size()
+    e, k, nh = lo.shape
+    gap = (hi.data_ptr() - lo.data_ptr()) // es
+    return TensorDescriptor(lo, [2, e, nh, k], [gap, lo.stride(0), lo.stride(2), 1], block), flip
+
+
+def grouped_mm_pair(x: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, offsets: torch.Tensor,
+                    split: str) -> torch.Tensor:
+    """split "n": [x @ wa[e] | x @ wb[e]] -> [M, 2 NH]; split "k": x[:, :NH] @ wa[e]^T + x[:, NH:] @
+    wb[e]^T -> [M, K]. One launch of ``_tma_gmm_kernel`` (PAIR); needs ``pair_supported(x, wa, wb, split)``."""
+    e, k, nh = wa.shape
+    m = x.shape[0]
+    n = 2 * nh if split == "n" else k
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    cfg = _config(n)
+    bm, bk = cfg["BM"], cfg["BK"]
+    bn = _pair_tile(nh, "n") if split == "n" else cfg["BN"]
+    kk = x.shape[1]
+    b_desc, flip = pair_desc(wa, wb, [1, 1, bn, bk] if split == "n" else [1, 1, bk, bn])
+    a_desc = TensorDescriptor(x, [m, kk], [x.stride(0), 1], [bm, bk])
+    c_desc = TensorDescriptor(y, [m, n], [y.stride(0), 1], [bm, bn // 2])
+    progs = max(1, min((triton.cdiv(m, bm) + e) * triton.cdiv(n, bn), num_sms(x.device)))
+    _tma_gmm_kernel[(progs,)](
+        a_desc, b_desc, c_desc, y, y, offsets, m, n, kk, e, n, nh, flip, y.stride(0), 0, progs,
+        B_NK=split == "n", B3D=True, PAIR=True, HAS_BIAS=False, E_P2=triton.next_power_of_2(e),
+        BM=bm, BN=bn, BK=bk, GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return y

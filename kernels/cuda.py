@@ -20,6 +20,8 @@ What runs where (all sync-free: no .item()/.tolist()/nonzero, static launch shap
                                AUTO_TRITON_MAX_ROWS_PER_GROUP rows per expert on average)
                 otherwise      Triton persistent grouped GEMM (fp32 via tf32x3 / tf32 following
                                torch.get_float32_matmul_precision()), bias in the epilogue
+    grouped_mm_cat(_dx) sm90   one TMA launch over two weights of one layout (torchtitan's w1 / w3: one
+                               descriptor [2, E, I, H] spanning both), else two grouped_mm
     grouped_mm_list            one strided view + the grouped_mm path when the weights are evenly
                                spaced views of one buffer; else Triton reading each expert in place
                                through a cached table of offsets in pinned host memory (no copy;
@@ -236,6 +238,38 @@ def grouped_mm_list(x: torch.Tensor, ws: list[torch.Tensor], offsets: torch.Tens
     return _triton_moe.rows_fixup(y, offsets, None)
 
 
+def pairs_in_one_launch(device: torch.device) -> bool:
+    """grouped_mm_cat(_dx) runs as one TMA launch here (when the weights allow: ``_triton_tma.pair_supported``):
+    the lowering emits it only then (elsewhere its halves and the cat would be one copy more than two GEMMs)."""
+    return triton is not None and GMM_BACKEND in ("auto", "tma") and _tma_device(torch.empty(0, device=device))
+
+
+def grouped_mm_cat(x: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, offsets: torch.Tensor):
+    """[x @ wa[e] | x @ wb[e]] -> [M, Na + Nb]: one TMA launch over both weights where they allow it, else
+    each half through the grouped_mm path."""
+    offsets = offsets.to(torch.int32) if offsets.dtype != torch.int32 else offsets.contiguous()
+    if GMM_BACKEND in ("auto", "tma") and x.shape[0] > 0 and _tma_device(x):
+        from . import _triton_tma
+
+        if _triton_tma.pair_supported(x, wa, wb, "n"):
+            return _triton_tma.grouped_mm_pair(x, wa, wb, offsets, "n")
+    return torch.cat([grouped_mm(x, wa, offsets), grouped_mm(x, wb, offsets)], dim=1)
+
+
+def grouped_mm_cat_dx(dy: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, offsets: torch.Tensor):
+    """dy[:, :Na] @ wa[e]^T + dy[:, Na:] @ wb[e]^T -> [M, K]: one TMA launch with K = Na + Nb (one fp32
+    sum) where the weights allow it, else two grouped GEMMs added."""
+    offsets = offsets.to(torch.int32) if offsets.dtype != torch.int32 else offsets.contiguous()
+    if GMM_BACKEND in ("auto", "tma") and dy.shape[0] > 0 and _tma_device(dy):
+        from . import _triton_tma
+
+        if _triton_tma.pair_supported(dy, wa, wb, "k"):
+            return _triton_tma.grouped_mm_pair(dy, wa, wb, offsets, "k")
+    na = wa.shape[2]
+    return (grouped_mm(dy[:, :na].contiguous(), wa.transpose(1, 2), offsets)
+            + grouped_mm(dy[:, na:].contiguous(), wb.transpose(1, 2), offsets))
+
+
 def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, num_experts: int):
     """dw[e] = x[rows e]^T @ dy[rows e] as fp32 [E, K, N]; 0 for empty groups."""
     return _wgrad(x, dy, offsets, num_experts, torch.float32)
@@ -360,6 +394,8 @@ _ALL = {
     "permute_scale_backward": permute_scale_backward,
     "grouped_mm": grouped_mm,
     "grouped_mm_list": grouped_mm_list,
+    "grouped_mm_cat": grouped_mm_cat,
+    "grouped_mm_cat_dx": grouped_mm_cat_dx,
     "grouped_mm_wgrad": grouped_mm_wgrad,
     "grouped_bias_grad": grouped_bias_grad,
     "unpermute_combine": unpermute_combine,

@@ -257,6 +257,77 @@ def _list_cat_bwd(ctx, dy):
 grouped_mm_list_cat.register_autograd(_list_cat_bwd, setup_context=_list_cat_setup)
 
 
+# --------------------------------------------------------------------------- grouped_mm_cat
+def _check_cat(op, x, wa, wb, offsets, k_dim):
+    for w in (wa, wb):
+        check(w.dim() == 3, op, f"wa and wb must be 3-D [E, K, N], got {tuple(w.shape)}")
+    check(wa.shape[:2] == wb.shape[:2] and wa.dtype == wb.dtype, op,
+          f"wa {tuple(wa.shape)} {wa.dtype} and wb {tuple(wb.shape)} {wb.dtype} must share E, K and dtype")
+    k = wa.shape[1] if k_dim == 1 else wa.shape[2] + wb.shape[2]
+    check_gmm(op, x, (k, 0), wa.dtype, offsets, wa.shape[0])
+
+
+@torch.library.custom_op("moe_compile::grouped_mm_cat", mutates_args=())
+def grouped_mm_cat(x: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Two sibling grouped linears of one input with stacked weights (torchtitan's w1 and w3, each
+    [E, K, N*] as grouped_mm takes them): [x @ wa[e] | x @ wb[e]] per group -> [M, Na + Nb], one output
+    that the SwiGLU op reads whole. On Hopper one TMA grouped GEMM addresses both weights where they
+    allow it (``_triton_tma.pair_supported``), else each half is its own GEMM."""
+    _check_cat("grouped_mm_cat", x, wa, wb, offsets, 1)
+    return implementation("grouped_mm_cat", x)(x, wa, wb, offsets)
+
+
+@grouped_mm_cat.register_fake
+def _(x, wa, wb, offsets):
+    return x.new_empty(x.shape[0], wa.shape[2] + wb.shape[2])
+
+
+@torch.library.custom_op("moe_compile::grouped_mm_cat_dx", mutates_args=())
+def grouped_mm_cat_dx(dy: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Input gradient of grouped_mm_cat: dy[:, :Na] @ wa[e]^T + dy[:, Na:] @ wb[e]^T per group -> [M, K],
+    one fp32 accumulation over both halves (one GEMM with K = Na + Nb where the kernel allows it)."""
+    _check_cat("grouped_mm_cat_dx", dy, wa, wb, offsets, 2)
+    return implementation("grouped_mm_cat_dx", dy)(dy, wa, wb, offsets)
+
+
+@grouped_mm_cat_dx.register_fake
+def _(dy, wa, wb, offsets):
+    return dy.new_empty(dy.shape[0], wa.shape[1])
+
+
+def cat_in_one_launch(device: torch.device) -> bool:
+    """The lowering emits grouped_mm_cat for two sibling linears with 3-D weights on ``device``: on CPU (the
+    reference, where the rewrite is tested) and where the CUDA kernels run it as one launch (sm90); on other
+    GPUs its two halves and their cat would cost one copy more than the two grouped_mm it replaces."""
+    if device.type == "cpu":
+        return True
+    if device.type != "cuda":
+        return False
+    from . import cuda
+
+    return cuda.pairs_in_one_launch(device)
+
+
+def _cat_setup(ctx, inputs, output):
+    x, wa, wb, offsets = inputs
+    ctx.save_for_backward(x, wa, wb, offsets)
+
+
+def _cat_bwd(ctx, dy):
+    x, wa, wb, offsets = ctx.saved_tensors
+    dy = dy.contiguous()
+    na = wa.shape[2]
+    dx = grouped_mm_cat_dx(dy, wa, wb, offsets) if ctx.needs_input_grad[0] else None
+    dwa = (_weight_grad(x, dy[:, :na], offsets, wa.shape[0], wa.dtype, wa.stride(-2) == 1)
+           if ctx.needs_input_grad[1] else None)
+    dwb = (_weight_grad(x, dy[:, na:], offsets, wb.shape[0], wb.dtype, wb.stride(-2) == 1)
+           if ctx.needs_input_grad[2] else None)
+    return dx, dwa, dwb, None
+
+
+grouped_mm_cat.register_autograd(_cat_bwd, setup_context=_cat_setup)
+
+
 # --------------------------------------------------------------------------- weight gradients
 @torch.library.custom_op("moe_compile::grouped_mm_wgrad_lowp", mutates_args=())
 def grouped_mm_wgrad_lowp(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -85,6 +85,18 @@ def grouped_mm_list(x: torch.Tensor, ws: list[torch.Tensor], offsets: torch.Tens
     return out
 
 
+def grouped_mm_cat(x: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """[x @ wa[e] | x @ wb[e]] per group -> [M, Na + Nb]: two grouped_mm side by side (each column
+    half rounded as its own product)."""
+    return torch.cat([grouped_mm(x, wa, offsets), grouped_mm(x, wb, offsets)], dim=1)
+
+
+def grouped_mm_cat_dx(dy: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """dy[:, :Na] @ wa[e]^T + dy[:, Na:] @ wb[e]^T per group -> [M, K], one fp32 sum rounded once
+    (wa, wb [E, K, N*] as grouped_mm_cat takes them)."""
+    return grouped_mm(dy, torch.cat([wa, wb], dim=2).transpose(1, 2), offsets)
+
+
 def grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, num_experts: int):
     """dw[e] = x[rows e].T @ dy[rows e] -> [E, K, N] (zeros for empty groups)."""
     ct = torch.promote_types(x.dtype, torch.float32)

@@ -56,6 +56,8 @@ OPS = {
     "grouped_mm_wgrad_lowp": gemm_ops.grouped_mm_wgrad_lowp,
     "grouped_bias_grad": gemm_ops.grouped_bias_grad,
     "grouped_mm_list": gemm_ops.grouped_mm_list,
+    "grouped_mm_cat": gemm_ops.grouped_mm_cat,
+    "grouped_mm_cat_dx": gemm_ops.grouped_mm_cat_dx,
     "grouped_mm_list_cat": gemm_ops.grouped_mm_list_cat,
     "grouped_mm_list_cat_dx": gemm_ops.grouped_mm_list_cat_dx,
     "swiglu": activation_ops.swiglu,

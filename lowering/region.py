@@ -13,6 +13,7 @@ After, inserted after the region's last write (or its output)::
                                        or grouped_mm_list(h, [W_e], offs, [b_e], transposed=True)
                                           (ModuleList nn.Linear weights [N, K], no per-expert view)
             sibling linears of one input (SwiGLU w1, w3) -> one grouped_mm_list_cat(h, [W1_e], [W3_e], ...)
+                                       or, 3-D [E, N, K] weights, one grouped_mm_cat(h, W1^T, W3^T, offs)
     out = moe_compile.unpermute_combine(h_last, inv, weights[T,K], offs).to(dtype) (+ base)
           | moe_compile.unpermute_sum(h_last, perm, inv, offs, K)   (unweighted, or weights on the input)
 
@@ -128,18 +129,87 @@ def _is_list_linear(region: Region, step) -> bool:
     return len(ws) > 1 and val(ws[0]).dim() == 2 and stacked_source(ws) is None
 
 
-def _sibling_linears(region: Region) -> dict[int, int]:
-    """{i: j}: expert steps i < j are list linears of the same input and weight dtype (SwiGLU's
-    w1 and w3): lowered as one grouped_mm_list_cat, one GEMM once the weights share a buffer."""
+def _kn_view(b: GraphBuilder, w: fx.Node, layout: str) -> fx.Node:
+    return w if layout == "kn" else b.method("transpose", w, 1, 2)
+
+
+def _stacked_kn(region: Region, step) -> torch.Tensor | None:
+    """The [E, K, N] value of a linear whose experts share one 3-D weight stored [E, N, K] (torchtitan's
+    w1, w3: the operand is column-major), no bias; else None."""
+    if step.linear is None or step.linear[1] is not None:
+        return None
+    ws = region.experts.slots[step.linear[0]]
+    w = val(ws[0]) if len(ws) == 1 else None
+    if not isinstance(w, torch.Tensor) or w.dim() != 3:
+        return None
+    w = w if step.linear[2] == "kn" else w.transpose(1, 2)
+    return w if w.stride(1) == 1 else None
+
+
+def _is_stacked_linear(region: Region, step) -> bool:
+    return _stacked_kn(region, step) is not None
+
+
+def _siblings(region: Region, si, sj) -> bool:
+    """Steps si, sj are two linears of one input, weights of one dtype: list linears (ModuleList), or 3-D
+    weights of one shape run in one dtype (``cat_in_one_launch`` says where that is one GEMM)."""
+    if not _same_value(region, sj.args[0], si.args[0]):
+        return False
+    wa, wb = val(region.experts.slots[si.linear[0]][0]), val(region.experts.slots[sj.linear[0]][0])
+    if wa.dtype != wb.dtype:
+        return False
+    if _is_list_linear(region, si):
+        return _is_list_linear(region, sj)
+    ka, kb = _stacked_kn(region, si), _stacked_kn(region, sj)
+    return (ka is not None and kb is not None and ka.shape == kb.shape and si.dtype == sj.dtype
+            and _ops.cat_in_one_launch(wa.device))
+
+
+_PURE_METHODS = {"to", "bfloat16", "float", "half", "type", "contiguous", "view", "reshape"}
+
+
+def _same_value(region: Region, a, b) -> bool:
+    """Operands a, b of expert steps are one value: the same, or two steps of one cast or view (pure: not a
+    dropout) on the same operands (torchtitan casts the rows ``x.bfloat16()`` once per GEMM)."""
+    if a == b:
+        return True
+    if not (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 2 and a[0] == b[0] == "step"):
+        return False
+    sa, sb = region.experts.steps[a[1]], region.experts.steps[b[1]]
+    return (sa.op == sb.op == "call_method" and sa.target in _PURE_METHODS and sa.target == sb.target
+            and sa.kwargs == sb.kwargs and len(sa.args) == len(sb.args)
+            and all(_same_value(region, x, y) for x, y in zip(sa.args, sb.args)))
+
+
+_INPLACE_OPERATORS = {operator.setitem} | {getattr(operator, f"i{name}") for name in (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift", "matmul")}
+
+
+def _writes(step) -> bool:
+    """The step may write a tensor in place: an in-place method or function (``add_``, ``+=``, ``t[i] = v``),
+    ``inplace=True`` or an ``out=`` argument. Names only: anything not named so returns a new tensor."""
+    name = step.target if isinstance(step.target, str) else getattr(step.target, "__name__", "")
+    name = name.split(".")[0]   # an OpOverload's name: add_.Tensor
+    kwargs = dict(step.kwargs)
+    return (step.target in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
+            or kwargs.get("inplace") is True or "out" in kwargs)
+
+
+def _sibling_linears(region: Region, ep=None) -> dict[int, int]:
+    """{i: j}: expert steps i < j are sibling linears (``_siblings``: SwiGLU's w1 and w3): list linears
+    lowered as one grouped_mm_list_cat, one GEMM once the weights share a buffer; 3-D weights (not under
+    expert parallelism, whose weights are views of a rank's shard) as one grouped_mm_cat."""
     pairs, used = {}, set()
-    steps, slots = region.experts.steps, region.experts.slots
+    steps = region.experts.steps
+    # one op computes both at the first one's place: a write before the second (to its input, an alias of
+    # it, or what a cast of it reads) would be read by eager's second linear and not by the pair (found by
+    # review: rows += 1 between w1 and w3, rewritten 0.79 off); such experts keep their linears apart
+    first_write = next((n for n, step in enumerate(steps) if _writes(step)), len(steps))
     for i, si in enumerate(steps):
-        if i in used or not _is_list_linear(region, si):
+        if i in used or not (_is_list_linear(region, si) or ep is None and _is_stacked_linear(region, si)):
             continue
         for j in range(i + 1, len(steps)):
-            sj = steps[j]
-            if j not in used and _is_list_linear(region, sj) and sj.args[0] == si.args[0] \
-                    and val(slots[sj.linear[0]][0]).dtype == val(slots[si.linear[0]][0]).dtype:
+            if j not in used and j < first_write and steps[j].linear is not None and _siblings(region, si, steps[j]):
                 pairs[i] = j
                 used.update((i, j))
                 break
@@ -147,11 +217,18 @@ def _sibling_linears(region: Region) -> dict[int, int]:
 
 
 def _emit_sibling_linears(b: GraphBuilder, region: Region, h: fx.Node, si, sj, offs: fx.Node):
+    if _is_stacked_linear(region, si):   # [E, N, K] weights: one output [M, Na + Nb] of both
+        wa, wb = (_kn_view(b, _cast(b, region.experts.slots[s.linear[0]][0], si.dtype), s.linear[2]) for s in (si, sj))
+        y = b.fn(OPS.grouped_mm_cat.default, _cast(b, h, si.dtype), wa, wb, offs)
+        return _halves(b, y, _stacked_kn(region, si).shape[2])
     ws_a, ws_b = list(region.experts.slots[si.linear[0]]), list(region.experts.slots[sj.linear[0]])
     cd = si.dtype if si.dtype == sj.dtype else None    # under autocast, as _emit_linear
     h, ws_a, ws_b = _cast(b, h, cd), [_cast(b, w, cd) for w in ws_a], [_cast(b, w, cd) for w in ws_b]
     y = b.fn(OPS.grouped_mm_list_cat.default, h, ws_a, ws_b, offs, True)  # [N, K] weights as they are
-    na = val(ws_a[0]).shape[0]
+    return _halves(b, y, val(ws_a[0]).shape[0])
+
+
+def _halves(b: GraphBuilder, y: fx.Node, na: int) -> tuple[fx.Node, fx.Node]:
     return (b.fn(operator.getitem, y, (slice(None), slice(None, na))),
             b.fn(operator.getitem, y, (slice(None), slice(na, None))))
 
@@ -348,7 +425,7 @@ def _emit_experts(b: GraphBuilder, region: Region, rows: fx.Node, gemm_offs: fx.
     ``done``: the rows are already the output of the first step (``region_forms.input_rows``)."""
     steps = region.experts.steps
     env = {"in": rows, **({0: rows} if done else {})}
-    siblings = _sibling_linears(region)
+    siblings = _sibling_linears(region, ep)
     for i, step in enumerate(steps):
         if i in env:
             continue  # the second of two sibling linears, emitted with the first

@@ -36,7 +36,7 @@ from .normalize import canon, source_name, val
 
 MATMULS = {"linear", "matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum", "_grouped_mm", "grouped_mm",
            "transformers::grouped_mm_fallback", "moe_compile::grouped_mm", "moe_compile::grouped_mm_list",
-           "moe_compile::grouped_mm_list_cat"}
+           "moe_compile::grouped_mm_list_cat", "moe_compile::grouped_mm_cat"}
 # ops that keep a parameter a parameter (views, casts, per-expert indexing)
 PARAM_VIEWS = {"view", "reshape", "transpose", "permute", "t", "contiguous", "to", "float", "half", "bfloat16",
                "type_as", "getitem", "index_select", "unflatten", "flatten", "expand", "chunk", "split",

@@ -264,6 +264,32 @@ def test_hypothesis_ops_vs_naive(t, k, e, h, kind, seed):
         assert rel_err(g, r) <= OP_FP32_REL if r.norm() > 0 else g.norm() == 0
 
 
+@pytest.mark.parametrize("rows", [0, 1, 11])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_cat_vs_two_grouped_mm(dtype, rows):
+    """torchtitan's w1 and w3 ([E, N, K] Parameters, used as their [E, K, N] transposes) as one op equal two
+    grouped_mm side by side: outputs, the input's and both weights' gradients; its dx op in one sum."""
+    torch.manual_seed(4)
+    k, e, h, i = 2, 4, 8, 6
+    ids = torch.randint(0, e, (rows, k))
+    if rows:
+        ids[0] = e + 1  # a dropped pair
+    _, _, offs = ops.route_permute(ids, e)
+    x = torch.randn(rows * k, h, dtype=dtype, requires_grad=True)
+    w1, w3 = (torch.nn.Parameter(torch.randn(e, i, h, dtype=dtype)) for _ in range(2))
+    y = ops.grouped_mm_cat(x, w1.transpose(1, 2), w3.transpose(1, 2), offs)
+    ref = torch.cat([ops.grouped_mm(x, w1.transpose(1, 2), offs), ops.grouped_mm(x, w3.transpose(1, 2), offs)], 1)
+    tol = OP_BF16_REL if dtype == torch.bfloat16 else OP_FP32_REL
+    assert y.shape == (rows * k, 2 * i) and rel_err(y, ref) <= tol
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, [x, w1, w3], dy)
+    want = torch.autograd.grad(ref, [x, w1, w3], dy)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and (rel_err(g, w) <= tol if w.norm() > 0 else g.norm() == 0)
+    torch.library.opcheck(ops.grouped_mm_cat, (x, w1.transpose(1, 2), w3.transpose(1, 2), offs))
+    torch.library.opcheck(ops.grouped_mm_cat_dx, (dy, w1.transpose(1, 2).detach(), w3.transpose(1, 2).detach(), offs))
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("side_by_side", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

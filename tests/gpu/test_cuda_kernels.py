@@ -360,6 +360,70 @@ def test_tma_tile_edges(h, n, routing, gen, monkeypatch):
     assert len(calls) == len(layouts)
 
 
+def _sibling_weights(e, nh, h, dtype, gen, order):
+    """torchtitan's w1, w3 ([E, NH, H] each, two allocations) as grouped_mm takes them ([E, H, NH] views):
+    "ab" w1 at the lower address, "ba" w3 there (the descriptor's FLIP), "apart" with other memory between."""
+    first = rand((e, nh, h), dtype, gen, h ** -0.5)
+    between = torch.empty(1 << 20, dtype=dtype, device=DEV) if order == "apart" else None
+    second = rand((e, nh, h), dtype, gen, h ** -0.5)
+    del between
+    lo, hi = sorted((first, second), key=lambda w: w.data_ptr())
+    w1, w3 = (hi, lo) if order == "ba" else (lo, hi)
+    return w1.transpose(1, 2), w3.transpose(1, 2)
+
+
+@pytest.mark.parametrize("order", ["ab", "ba", "apart"])
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("t,e,h,nh", [(1, 4, 64, 64), (37, 5, 72, 128), (2048, 16, 136, 192), (4096, 8, 256, 768)])
+def test_grouped_mm_cat_one_launch(t, e, h, nh, routing, order, gen, monkeypatch):
+    """grouped_mm_cat over two separate [E, NH, H] weights in one TMA launch (one descriptor [2, E, NH, H]
+    spanning both): bit-equal to two grouped_mm side by side (same tiles, same k order); its dx (one fp32
+    sum over both halves, K = 2 NH) against the reference; rows past the last group are 0."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the TMA grouped GEMM runs on sm90 only")
+    from moe_compile.kernels import _triton_tma
+
+    k, dtype = 2, torch.bfloat16
+    _, _, offsets = kcuda.route_permute(make_ids(t, k, e, routing, gen), e)
+    m, total = t * k, total_rows(offsets)
+    wa, wb = _sibling_weights(e, nh, h, dtype, gen, order)
+    x, dy = rand((m, h), dtype, gen), rand((m, 2 * nh), dtype, gen)
+    assert _triton_tma.pair_supported(x, wa, wb, "n") and _triton_tma.pair_supported(dy, wa, wb, "k")
+    calls = count_calls(monkeypatch, _triton_tma, "grouped_mm_pair")
+    poison(((m, 2 * nh), dtype), ((m, h), dtype))
+    y = kcuda.grouped_mm_cat(x, wa, wb, offsets)
+    dx = kcuda.grouped_mm_cat_dx(dy, wa, wb, offsets)
+    assert len(calls) == (2 if m else 0), "a silent fallback must fail"
+    assert torch.equal(y, torch.cat([kcuda.grouped_mm(x, wa, offsets), kcuda.grouped_mm(x, wb, offsets)], 1))
+    assert not dx.isnan().any() and torch.all(dx[total:] == 0), "unwritten or dropped rows"
+    assert rel(dx, reference.grouped_mm_cat_dx(dy, wa, wb, offsets)) <= BF16_GEMM_REL
+
+
+def test_grouped_mm_cat_falls_back_where_one_descriptor_cannot_serve(gen, monkeypatch):
+    """Weights that one descriptor cannot address (overlapping views of one buffer, NH not a multiple of
+    the tile, row-major [E, K, N] storage, fp32) take two grouped GEMMs, with the same values."""
+    from moe_compile.kernels import _triton_tma
+
+    t, k, e, h = 64, 2, 4, 64
+    _, _, offsets = kcuda.route_permute(make_ids(t, k, e, "uniform", gen), e)
+    x = rand((t * k, h), torch.bfloat16, gen)
+    both = rand((e, 2 * 128, h), torch.bfloat16, gen, h ** -0.5)
+    cases = {"interleaved": (both[:, :128].transpose(1, 2), both[:, 128:].transpose(1, 2)),
+             "nh_40": tuple(rand((e, 40, h), torch.bfloat16, gen, h ** -0.5).transpose(1, 2) for _ in range(2)),
+             "row_major": tuple(rand((e, h, 128), torch.bfloat16, gen, h ** -0.5) for _ in range(2)),
+             "fp32": tuple(rand((e, 128, h), torch.float32, gen, h ** -0.5).transpose(1, 2) for _ in range(2))}
+    calls = count_calls(monkeypatch, _triton_tma, "grouped_mm_pair")
+    for name, (wa, wb) in cases.items():
+        xx = x.to(wa.dtype)
+        dy = rand((t * k, 2 * wa.shape[2]), wa.dtype, gen)
+        tol = FP32_GEMM_REL if wa.dtype == torch.float32 else BF16_GEMM_REL
+        y = kcuda.grouped_mm_cat(xx, wa, wb, offsets)
+        assert rel(y, reference.grouped_mm_cat(xx, wa, wb, offsets)) <= tol, name
+        assert rel(kcuda.grouped_mm_cat_dx(dy, wa, wb, offsets),
+                   reference.grouped_mm_cat_dx(dy, wa, wb, offsets)) <= 2 * tol, name   # two roundings, then a sum
+    assert not calls
+
+
 @pytest.mark.parametrize("backend", ["cutlass", "triton", "quack:dynamic", "quack:static", "quack:auto"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("routing", ROUTINGS)
