@@ -76,13 +76,14 @@ _SELECTIONS = {"eq", "one_hot", "nonzero", "argwhere"}
 
 
 
-def _reach(starts) -> set[fx.Node]:
-    """Nodes computed from ``starts``; an in-place op also taints the tensor it writes into."""
+def _reach(starts, stop: set = frozenset()) -> set[fx.Node]:
+    """Nodes computed from ``starts``, not entering ``stop``; an in-place op also taints the tensor it
+    writes into."""
     seen: set[fx.Node] = set()
     stack = list(starts)
     while stack:
         n = stack.pop()
-        if n in seen or n.op == "output":
+        if n in seen or n.op == "output" or n in stop:
             continue
         seen.add(n)
         stack.extend(n.users)
@@ -234,10 +235,10 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
         if region is None or c.module:   # a region on the root claims by its nodes and router alone: the root
             claimed_modules.append(c.module)   # path is every node's in a function (fn(x, w1, w2): one layer per call)
     out = []
+    after = _reach(combined)   # what reads a region's combined output: the next layer, not a second expert set
     for router, ids, e, k in routers:
-        if router in claimed_roots:   # (what reads a region's combined output is the next layer, not a second set)
-            skip = claimed_nodes | _reach(combined)
-            out.extend(_second_expert_set(router, ids, e, k, params, weights, skip, order, tokens))
+        if router in claimed_roots:
+            out.extend(_second_expert_set(router, ids, e, k, params, weights, claimed_nodes, after, order, tokens))
             continue
         reach = _reach(ids)
         if any(r in reach for r in claimed_roots):
@@ -270,12 +271,13 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
     return out + unrouted(gm, params, weights, claimed_nodes, claimed_modules, out, disabled)
 
 
-def _second_expert_set(router, ids, e, k, params, weights, skip, order, tokens) -> list[Unclaimed]:
-    """A router that a region uses, whose ids also reach expert matmuls no region covers (``skip``: the
-    regions' nodes and what reads their combined outputs): a second expert set on the same routing
-    (``ys = [experts(x[order // K]) for experts in sets]``, each combined on its own). The region takes one
-    set; the other is compiled as written and listed here (``second_expert_set``)."""
-    found = [(kd, n) for kd, n in _evidence(router, _reach(ids), params, weights, e, skip, order, tokens)
+def _second_expert_set(router, ids, e, k, params, weights, claimed, after, order, tokens) -> list[Unclaimed]:
+    """A router that a region uses, whose ids also reach expert matmuls that no region covers (``claimed``)
+    short of what reads a region's combined output (``after``: the search stays in the layer, so a deep
+    model costs one pass over each layer): a second expert set on the same routing (``ys =
+    [experts(x[order // K]) for experts in sets]``, each combined on its own). The region takes one set; the
+    other is compiled as written and listed here (``second_expert_set``)."""
+    found = [(kd, n) for kd, n in _evidence(router, _reach(ids, after), params, weights, e, claimed, order, tokens)
              if kd in ("stacked", "selected", "listed")]
     if not found:
         return []
