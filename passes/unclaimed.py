@@ -222,9 +222,11 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
     weights = _weights(gm, params | sliced_inputs(gm, params))   # and stacked weights passed as arguments
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     tokens: list[set] = []   # token_values(gm.graph, params), computed when first needed
-    claimed_roots, claimed_nodes, claimed_modules, combined = set(), set(), [], []
+    claimed_roots, claimed_nodes, claimed_modules, combined, unassembled = set(), set(), [], [], []
     for c in candidates:
         region = getattr(c, "region", None)
+        if region is None:
+            unassembled.append(c.module)
         if region is not None:
             root = router_root(region.router.ids)
             if root is not None:
@@ -238,7 +240,8 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
     after = _reach(combined)   # what reads a region's combined output: the next layer, not a second expert set
     for router, ids, e, k in routers:
         if router in claimed_roots:
-            out.extend(_second_expert_set(router, ids, e, k, params, weights, claimed_nodes, after, order, tokens))
+            found = _second_expert_set(router, ids, e, k, params, weights, claimed_nodes, after, order, tokens)
+            out.extend(u for u in found if not any(_claimed_by(u.detail["module"], m, u.module) for m in unassembled))
             continue
         reach = _reach(ids)
         if any(r in reach for r in claimed_roots):
@@ -276,14 +279,17 @@ def _second_expert_set(router, ids, e, k, params, weights, claimed, after, order
     short of what reads a region's combined output (``after``: the search stays in the layer, so a deep
     model costs one pass over each layer): a second expert set on the same routing (``ys =
     [experts(x[order // K]) for experts in sets]``, each combined on its own). The region takes one set; the
-    other is compiled as written and listed here (``second_expert_set``)."""
+    other is compiled as written and listed here (``second_expert_set``), unless a candidate refused before
+    its region was assembled names its module (listed already: a loop refused as ``rows_of_next_layer``
+    beside the rewritten one)."""
     found = [(kd, n) for kd, n in _evidence(router, _reach(ids, after), params, weights, e, claimed, order, tokens)
              if kd in ("stacked", "selected", "listed")]
     if not found:
         return []
     first = found[0][1]
     detail = {"k": k, "e": e, "router": router_kind(router, k), "router_at": where_in_user_code(router) or "?",
-              "node": first.name, "at": where_in_user_code(first) or "?"}
+              "node": first.name, "at": where_in_user_code(first) or "?",
+              "module": common_module([router] + [n for _, n in found])}   # router and set: for _claimed_by
     return [Unclaimed(common_module([n for _, n in found]), detail["at"], e, k, detail, "second_expert_set")]
 
 
