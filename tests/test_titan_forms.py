@@ -68,13 +68,19 @@ class TitanMoE(nn.Module):
         order = torch.argsort(sel.view(-1), stable=True)
         return order, torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
 
-    def _expert_rows(self, x):
-        """Route, sort and count, then the two grouped GEMMs over the rows x[order // K], in sorted
-        order: (x [T, H], top-k weights [T, K], order, expert rows). The combine is the caller's."""
+    def _routed_rows(self, x):
+        """Route, sort and count: (x [T, H], top-k weights [T, K], order, token of each sorted row,
+        cumulative group ends, the rows x[token] in sorted order)."""
         x, top, sel = self._top_k(x)
         order, n = self._sort_and_count(sel)
-        offs = torch.cumsum(n, dim=0, dtype=torch.int32)
-        y = _gmm(F.silu(_gmm(x[order // K], self.w1, offs, self.dtype)), self.w2, offs, self.dtype)
+        tok = order // K
+        return x, top, order, tok, torch.cumsum(n, dim=0, dtype=torch.int32), x[tok]
+
+    def _expert_rows(self, x):
+        """The two grouped GEMMs over the routed rows: (x [T, H], top-k weights [T, K], order, expert
+        rows). The combine is the caller's."""
+        x, top, order, _, offs, rows = self._routed_rows(x)
+        y = _gmm(F.silu(_gmm(rows, self.w1, offs, self.dtype)), self.w2, offs, self.dtype)
         return x, top, order, y
 
     def _sorted_experts(self, x, order, n, top, w1=None, w2=None):
@@ -214,11 +220,7 @@ class W3OnOtherRows(TitanMoE):
         self.other = other
 
     def forward(self, x):
-        x, top, sel = self._top_k(x)
-        order, n = self._sort_and_count(sel)
-        tok = order // K
-        offs = torch.cumsum(n, dim=0, dtype=torch.int32)
-        rows = x[tok]
+        x, top, order, tok, offs, rows = self._routed_rows(x)
         other = rows * 2 if self.other == "scaled" else rows.bfloat16().float()
         h = F.silu(_gmm(rows, self.w1, offs, self.dtype)) * _gmm(other, self.w3, offs, self.dtype)
         y = _gmm(h, self.w2, offs, self.dtype)
@@ -261,11 +263,7 @@ class RowsWrittenBetweenW1AndW3(TitanMoE):
     w1's place, rewritten 0.79 off."""
 
     def forward(self, x):
-        x, top, sel = self._top_k(x)
-        order, n = self._sort_and_count(sel)
-        tok = order // K
-        offs = torch.cumsum(n, dim=0, dtype=torch.int32)
-        rows = x[tok]
+        x, top, order, tok, offs, rows = self._routed_rows(x)
         alias = rows
         a = _gmm(rows, self.w1, offs, torch.bfloat16)
         alias += 1
