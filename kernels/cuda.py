@@ -106,12 +106,13 @@ def _cutlass_device(t: torch.Tensor) -> bool:
 _TMA_DEVICE: dict[int | None, bool] = {}
 
 
-def _tma_device(t: torch.Tensor) -> bool:
+def _tma_device(device: torch.device) -> bool:
     """sm90 (Hopper): where the TMA grouped GEMM (``_triton_tma``) was tuned and measured."""
-    ok = _TMA_DEVICE.get(t.device.index)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    ok = _TMA_DEVICE.get(index)
     if ok is None:
-        ok = torch.cuda.get_device_capability(t.device)[0] == 9
-        _TMA_DEVICE[t.device.index] = ok
+        ok = torch.cuda.get_device_capability(index)[0] == 9
+        _TMA_DEVICE[index] = ok
     return ok
 
 
@@ -172,7 +173,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: to
 
     offsets = offsets.to(torch.int32) if offsets.dtype != torch.int32 else offsets.contiguous()
     large = GMM_BACKEND == "cutlass" or x.shape[0] > AUTO_TRITON_MAX_ROWS_PER_GROUP * w.shape[0]
-    if GMM_BACKEND in ("auto", "tma") and x.shape[0] > 0 and _tma_device(x):
+    if GMM_BACKEND in ("auto", "tma") and x.shape[0] > 0 and _tma_device(x.device):
         from . import _triton_tma
 
         if _triton_tma.supported(x, w):
@@ -241,14 +242,14 @@ def grouped_mm_list(x: torch.Tensor, ws: list[torch.Tensor], offsets: torch.Tens
 def pairs_in_one_launch(device: torch.device) -> bool:
     """grouped_mm_cat(_dx) runs as one TMA launch here (when the weights allow: ``_triton_tma.pair_supported``):
     the lowering emits it only then (elsewhere its halves and the cat would be one copy more than two GEMMs)."""
-    return triton is not None and GMM_BACKEND in ("auto", "tma") and _tma_device(torch.empty(0, device=device))
+    return triton is not None and GMM_BACKEND in ("auto", "tma") and _tma_device(device)
 
 
 def grouped_mm_cat(x: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, offsets: torch.Tensor):
     """[x @ wa[e] | x @ wb[e]] -> [M, Na + Nb]: one TMA launch over both weights where they allow it, else
     each half through the grouped_mm path."""
     offsets = offsets.to(torch.int32) if offsets.dtype != torch.int32 else offsets.contiguous()
-    if GMM_BACKEND in ("auto", "tma") and x.shape[0] > 0 and _tma_device(x):
+    if GMM_BACKEND in ("auto", "tma") and x.shape[0] > 0 and _tma_device(x.device):
         from . import _triton_tma
 
         if _triton_tma.pair_supported(x, wa, wb, "n"):
@@ -260,7 +261,7 @@ def grouped_mm_cat_dx(dy: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, offs
     """dy[:, :Na] @ wa[e]^T + dy[:, Na:] @ wb[e]^T -> [M, K]: one TMA launch with K = Na + Nb (one fp32
     sum) where the weights allow it, else two grouped GEMMs added."""
     offsets = offsets.to(torch.int32) if offsets.dtype != torch.int32 else offsets.contiguous()
-    if GMM_BACKEND in ("auto", "tma") and dy.shape[0] > 0 and _tma_device(dy):
+    if GMM_BACKEND in ("auto", "tma") and dy.shape[0] > 0 and _tma_device(dy.device):
         from . import _triton_tma
 
         if _triton_tma.pair_supported(dy, wa, wb, "k"):
@@ -284,7 +285,7 @@ def _wgrad(x, dy, offsets, num_experts, out_dtype):
     from . import _quack, _triton_gmm, _triton_moe
 
     offsets = offsets.to(torch.int32) if offsets.dtype != torch.int32 else offsets.contiguous()
-    if WGRAD_BACKEND != "cutlass" and GMM_BACKEND != "triton" and _tma_device(x):
+    if WGRAD_BACKEND != "cutlass" and GMM_BACKEND != "triton" and _tma_device(x.device):
         if WGRAD_BACKEND not in WGRAD_BACKENDS:
             raise ValueError(f"moe_compile.kernels.cuda.WGRAD_BACKEND is {WGRAD_BACKEND!r}; use one of {WGRAD_BACKENDS}")
         if WGRAD_SCHEDULER not in WGRAD_SCHEDULERS:
