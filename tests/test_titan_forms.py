@@ -812,3 +812,32 @@ def test_second_expert_set_search_stays_in_each_layer(monkeypatch):
     report = moe_compile.explain(EightLayers(), make_input((2, 5, H)))
     assert [r.status for r in report.regions] == ["rewritten"] * 8, report
     assert len(visited) == 8 and sum(visited) <= max(graphs), (visited, graphs)
+
+
+@pytest.mark.parametrize("layer", ["TitanLayer", "TitanV2Layer", "TitanV2Layer_scores_after"])
+def test_the_benchmark_layers_are_rewritten(layer):
+    """examples/benchmark/moe_layer.py's torchtitan layers (before v0.2: gather + scatter_add; v0.2: rows
+    ``x[order // k]`` and the unsort combine, scores on the input or in the bmm) at small widths: one
+    region rewritten with w1 and w3 as one grouped_mm_cat, outputs and every gradient as eager's, so a
+    benchmark row of them cannot time stock code by accident."""
+    import os
+    import sys
+
+    from graphs import ops_in, rewrite
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "benchmark"))
+    import moe_layer
+
+    torch.manual_seed(19)
+    if layer == "TitanLayer":
+        model = moe_layer.TitanLayer(H, I, E, K)
+    else:
+        model = moe_layer.TitanV2Layer(H, I, E, K, score_before=layer == "TitanV2Layer")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, p.shape[-1] ** -0.5)
+    x = make_input((13, H))
+    new, records = rewrite(("fn", model, (x.detach(),)))
+    assert [r.status for r in records] == ["rewritten"], records
+    assert ops_in(new).count("grouped_mm_cat") == 1, ops_in(new)
+    check_compiled(model, (x,), expect_rewritten=1, rel=BF16_REL, grad_rel=BF16_GRAD_REL)

@@ -17,6 +17,10 @@ cuBLAS GEMM of the same M, K, N with one expert's weight: no per-group tiles, on
 routed / even is the cost of the groups' partial last tiles; even / dense the cost of grouping.
 
     python examples/benchmark/gmm_ab.py --floors --shapes qwen3_up qwen3_down moonlight_up moonlight_down
+
+``--tma-from FILE``: also time another revision of the TMA kernel ("tma_file", ratios "tma" / "tma_file"),
+e.g. ``git show REV:kernels/_triton_tma.py > /tmp/tma_rev.py`` then ``--tma-from /tmp/tma_rev.py``
+(the file is loaded as a module of moe_compile.kernels, so its relative imports resolve).
 """
 from __future__ import annotations
 
@@ -44,8 +48,22 @@ SHAPES = {
 }
 
 
-def _kernel_runs(x, w, offs) -> dict:
-    """The three kernels on the routed groups, each checked against torch._grouped_mm first."""
+def _load_tma_revision(path: str):
+    """Another revision of kernels/_triton_tma.py, as the module moe_compile.kernels._triton_tma_file."""
+    import importlib.util
+    import sys
+
+    name = "moe_compile.kernels._triton_tma_file"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _kernel_runs(x, w, offs, tma_file=None) -> dict:
+    """The three kernels on the routed groups (and a TMA kernel revision), each checked against
+    torch._grouped_mm first."""
     from ab import rel_err
 
     from moe_compile.kernels import _triton_gmm, _triton_tma
@@ -55,6 +73,8 @@ def _kernel_runs(x, w, offs) -> dict:
         "cutlass": lambda: torch._grouped_mm(x, w, offs=offs),
         "pointer": lambda: _triton_gmm.grouped_mm(x, w, offs),
     }
+    if tma_file is not None:
+        runs["tma_file"] = lambda: tma_file.grouped_mm(x, w, offs)
     ref = runs["cutlass"]()
     for kname, fn in runs.items():
         err = rel_err(fn(), ref)
@@ -78,9 +98,14 @@ def _floor_runs(x, w, offs) -> dict:
 def main():
     from ab import cell, header, interleave, parse_args, topk_offsets
 
-    args = parse_args(SHAPES, extra=lambda ap: ap.add_argument(
-        "--floors", action="store_true", help="routed vs even groups vs one dense GEMM (module docstring)"))
+    def extra(ap):
+        ap.add_argument("--floors", action="store_true", help="routed vs even groups vs one dense GEMM (module docstring)")
+        ap.add_argument("--tma-from", default=None, metavar="FILE",
+                        help="also time this revision of kernels/_triton_tma.py (module docstring)")
+
+    args = parse_args(SHAPES, extra=extra)
     header()
+    tma_file = _load_tma_revision(args.tma_from) if args.tma_from else None
     g = torch.Generator(device="cuda")
     g.manual_seed(0)
     table, names = {}, []
@@ -93,12 +118,12 @@ def main():
             w = (torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k**-0.5).transpose(1, 2)
         else:
             w = torch.randn(e, k, n, device="cuda", dtype=torch.bfloat16, generator=g) * k**-0.5
-        runs = (_floor_runs if args.floors else _kernel_runs)(x, w, offs)
+        runs = _floor_runs(x, w, offs) if args.floors else _kernel_runs(x, w, offs, tma_file)
         names = list(runs)
         flop = 2.0 * m * k * n
         for kname, ms in interleave(runs, args.rounds, warmup=25, rep=150).items():
             table[(name, kname)] = [flop / r / 1e9 for r in ms]
-    ratios = list(zip(names, names[1:])) if args.floors else [("tma", "cutlass")]
+    ratios = list(zip(names, names[1:])) if args.floors else [("tma", "cutlass")] + [("tma", "tma_file")] * bool(tma_file)
     print("\n| GEMM | " + " | ".join(f"{k} TFLOP/s (rounds)" for k in names)
           + "".join(f" | {a} / {b}" for a, b in ratios) + " |")
     print("|---|" + "---|" * (len(names) + len(ratios)))

@@ -1,5 +1,6 @@
 """One MoE layer, side by side: plain-loop eager / + Inductor, HF grouped_mm eager / + Inductor,
-torchtitan's layer as written eager / + Inductor, torch.compile(..., backend="moe") on all three, and
+torchtitan's layer as written (before v0.2: scatter_add combine; v0.2: ``titan2``, the unsort combine)
+eager / + Inductor, torch.compile(..., backend="moe") on each, and
 the moe_compile ops called by hand (what the backend should emit). One process, one GPU, bf16 parameters with random init, median of --steps steps.
 
     python examples/benchmark/moe_layer.py --shapes qwen3 gptoss mixtral --json out.json
@@ -39,8 +40,9 @@ SHAPES = {  # name: (T, H, I, E, k)
     "dsv3": (4096, 7168, 2048, 256, 8),
 }
 LABELS = {"qwen3": "Qwen3-30B-A3B", "gptoss": "GPT-OSS-20B-like", "mixtral": "Mixtral-8x7B", "dsv3": "DeepSeek-V3-like"}
-ANCHORS = ("loop_eager", "loop_inductor", "hf_eager", "hf_inductor", "titan_eager", "titan_inductor")
-VARIANTS = ANCHORS + ("loop_moe", "hf_moe", "titan_moe", "titan_moe_cg", "ops_eager", "ops_inductor", "ops_lowp_inductor", "loop_moe_cg", "hf_moe_cg", "loop_moe_ca")
+ANCHORS = ("loop_eager", "loop_inductor", "hf_eager", "hf_inductor", "titan_eager", "titan_inductor",
+           "titan2_eager", "titan2_inductor")
+VARIANTS = ANCHORS + ("loop_moe", "hf_moe", "titan_moe", "titan_moe_cg", "titan2_moe", "titan2_moe_cg", "ops_eager", "ops_inductor", "ops_lowp_inductor", "loop_moe_cg", "hf_moe_cg", "loop_moe_ca")
 SLOW = ("loop_inductor",)  # stock Inductor on the per-expert loop: minutes of compile, graph breaks
 
 
@@ -117,6 +119,38 @@ class TitanLayer(nn.Module):
         return torch.zeros_like(x).scatter_add(dim=0, index=tok.reshape(-1, 1).expand(-1, dim), src=y)
 
 
+class TitanV2Layer(TitanLayer):
+    """torchtitan v0.2's MoE layer (models/moe/moe.py): the same router, reorderer and GroupedExperts, rows
+    taken as ``x[order // k]``, and the combine that unsorts the expert rows into a zeros buffer by the
+    sort's order (``buf[order] = y``), viewed [T, k, H] and summed over k (score_before_experts=True, its
+    default; with False a bmm with the top-k scores in fp32)."""
+
+    def __init__(self, h, i, e, k, score_before=True):
+        super().__init__(h, i, e, k)
+        self.score_before = score_before
+
+    def forward(self, x):
+        t, dim = x.shape
+        scores = F.softmax(self.gate(x).to(torch.float32), dim=1)
+        top, sel = torch.topk(scores, k=self.k, dim=1)
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+        counts = torch.histc(sel.view(-1).float(), bins=self.e, min=0, max=self.e)
+        order = torch.argsort(sel.view(-1), stable=True)
+        rows = x[order // self.k]
+        if self.score_before:
+            rows = (rows.to(torch.float32) * top.view(-1)[order].reshape(-1, 1)).to(x.dtype)
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        h = F.silu(torch._grouped_mm(rows.bfloat16(), self.w1.bfloat16().transpose(-2, -1), offs=offs))
+        h = h * torch._grouped_mm(rows.bfloat16(), self.w3.bfloat16().transpose(-2, -1), offs=offs)
+        y = torch._grouped_mm(h, self.w2.bfloat16().transpose(-2, -1), offs=offs).type_as(rows)
+        unsorted = torch.zeros((t * self.k, dim), dtype=y.dtype, device=y.device)
+        unsorted[order] = y
+        unsorted = unsorted.reshape(-1, self.k, dim)
+        if self.score_before:
+            return unsorted.sum(dim=1)
+        return torch.bmm(top.reshape(-1, 1, self.k), unsorted.float()).to(x.dtype).squeeze(1)
+
+
 class _GmmLowp(torch.autograd.Function):
     """grouped_mm whose weight gradient is rounded once to bf16 inside the GEMM and produced in the
     parameter's own layout (fused.grouped_mm_weight_grad): what ops.py's backward could do."""
@@ -185,6 +219,8 @@ def build(variant, shape, moe_options=None):
                 model = PlainLoopMoE(h, i, e, k)
             elif variant.startswith("hf"):
                 model = hf_block(h, i, e, k)
+            elif variant.startswith("titan2"):
+                model = TitanV2Layer(h, i, e, k)
             elif variant.startswith("titan"):
                 model = TitanLayer(h, i, e, k)
             else:
