@@ -54,16 +54,12 @@ from ._triton_gmm import group_tiles, num_sms, tile_coords
 def _load_b(b_desc, e, n0, k0, K, N, NH, FLIP, B_NK: tl.constexpr, B3D: tl.constexpr, PAIR: tl.constexpr,
             BN: tl.constexpr, BK: tl.constexpr):
     """The [BK, BN] weight tile of expert e at (k0, n0); N is the weight's full column count. PAIR: two
-    weights of one storage layout [E, NH, *] seen by one descriptor [2, E, NH, *] (``pair_desc``), the
-    first at index FLIP of its leading dim; split along N (B_NK: the outputs side by side) or along K
-    (the sum of two products). A tile never straddles the two (NH is a multiple of the tile)."""
+    weights [E, NH, N] of one storage layout seen by one descriptor [2, E, NH, N] (``pair_desc``), the
+    first at index FLIP of its leading dim, split along K (the sum of two products: K = 2 NH). A k-step
+    never straddles the two (NH is a multiple of BK)."""
     if PAIR:
-        if B_NK:
-            half = n0 // NH
-            b = b_desc.load([half ^ FLIP, e, n0 - half * NH, k0]).reshape(BN, BK).T
-        else:
-            half = k0 // NH
-            b = b_desc.load([half ^ FLIP, e, k0 - half * NH, n0]).reshape(BK, BN)
+        half = k0 // NH
+        b = b_desc.load([half ^ FLIP, e, k0 - half * NH, n0]).reshape(BK, BN)
     elif B_NK:
         if B3D:
             b = b_desc.load([e, n0, k0]).reshape(BN, BK).T
@@ -230,37 +226,50 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
     return y
 
 
-# --------------------------------------------------------------------------- two weights, one launch
+# --------------------------------------------------------------------------- two weights of one input
+# torchtitan's w1 / w3: two [E, NH, K] Parameters (two allocations) applied to the same rows. The forward
+# runs as two launches writing the two column halves of one [M, 2 NH] output (no copy); one launch over
+# both weights (a [2, E, NH, K] descriptor, N tiles that must divide NH) was 0.48-1.00x of these two on an
+# H200 (GPT-OSS-20B widths: NH 2880 allows 64-column tiles only; examples/benchmark/pair_ab.py). The input
+# gradient runs as one launch with K = 2 NH, one fp32 sum: 1.06-1.26x of two GEMMs and their sum on four
+# of five layer widths, 0.93-0.99x on Mixtral-8x7B's (8 experts, NH 14336).
 _TMA_STRIDE_LIMIT = 1 << 40   # bytes: the largest global stride a tensor map takes
 
 
-def _pair_tile(nh: int, split: str) -> int | None:
-    """The N tile (split "n") or the K tile (split "k") that divides NH, so no tile straddles the two
-    weights: "n" the largest of 256 / 128 / 64 that ``_config`` would allow, "k" the config's BK."""
-    if split == "k":
-        return 64 if nh % 64 == 0 else None
-    return next((bn for bn in (256, 128, 64) if bn <= _config(2 * nh)["BN"] and nh % bn == 0), None)
+def halves_supported(x: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor) -> bool:
+    """``grouped_mm_halves`` can run: each weight as ``supported`` takes it, of one shape."""
+    return wa.shape == wb.shape and supported(x, wa) and supported(x, wb)
 
 
-def pair_supported(x: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, split: str) -> bool:
-    """One descriptor can address both weights: wa, wb [E, K, NH] views of [E, NH, K] storage (an
-    nn.Linear layout, torchtitan's w1 / w3) with the same shape and strides, 16-byte aligned, and
-    apart in memory by a distance the tensor map takes (a stride of at most 2^40 bytes that spans
-    one whole weight: the two never overlap). ``split``: "n" for grouped_mm_cat (x [M, K]), "k" for
-    grouped_mm_cat_dx (x = dy [M, 2 NH])."""
-    if x.dtype not in _DTYPES or wa.dtype != x.dtype or wb.dtype != x.dtype or x.dim() != 2 or x.stride(1) != 1:
+def grouped_mm_halves(x: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """[x @ wa[e] | x @ wb[e]] -> [M, 2 NH]: two launches, each writing its half of one output (the same
+    values as two ``grouped_mm`` side by side); rows past offsets[-1] are 0. Needs ``halves_supported``."""
+    m, nh = x.shape[0], wa.shape[2]
+    y = torch.empty(m, 2 * nh, dtype=x.dtype, device=x.device)
+    if m:
+        _launch(x, wa, offsets, nh, y[:, :nh])
+        _launch(x, wb, offsets, nh, y[:, nh:])
+    return y
+
+
+def pair_supported(dy: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor) -> bool:
+    """One descriptor can address both weights for ``grouped_mm_cat_dx``: wa, wb [E, K, NH] views of
+    [E, NH, K] storage (an nn.Linear layout, torchtitan's w1 / w3) with the same shape and strides,
+    16-byte aligned, NH a multiple of BK, apart in memory by a distance the tensor map takes (a stride
+    of at most 2^40 bytes that spans one whole weight: the two never overlap); dy [M, 2 NH]."""
+    if dy.dtype not in _DTYPES or wa.dtype != dy.dtype or wb.dtype != dy.dtype or dy.dim() != 2 or dy.stride(1) != 1:
         return False
     if wa.dim() != 3 or wa.shape != wb.shape or wa.stride() != wb.stride() or wa.stride(1) != 1:
         return False
     e, k, nh = wa.shape
-    if e == 0 or k == 0 or nh == 0 or not (_aligned(wa, (0, 2)) and _aligned(wb, (0, 2)) and _aligned(x, (0,))):
+    if e == 0 or k == 0 or nh == 0 or not (_aligned(wa, (0, 2)) and _aligned(wb, (0, 2)) and _aligned(dy, (0,))):
         return False
     es = wa.element_size()
     span = ((e - 1) * wa.stride(0) + (nh - 1) * wa.stride(2) + k) * es
     gap = abs(wb.data_ptr() - wa.data_ptr())
-    if gap < span or gap >= _TMA_STRIDE_LIMIT or _pair_tile(nh, split) is None:
+    if gap < span or gap >= _TMA_STRIDE_LIMIT or nh % _config(k)["BK"]:
         return False
-    return x.shape[1] == (k if split == "n" else 2 * nh) and (2 * nh if split == "n" else k) % 8 == 0
+    return dy.shape[1] == 2 * nh and k % 8 == 0
 
 
 def pair_desc(wa: torch.Tensor, wb: torch.Tensor, block: list[int]):
@@ -273,26 +282,22 @@ def pair_desc(wa: torch.Tensor, wb: torch.Tensor, block: list[int]):
     return TensorDescriptor(lo, [2, e, nh, k], [gap, lo.stride(0), lo.stride(2), 1], block), flip
 
 
-def grouped_mm_pair(x: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, offsets: torch.Tensor,
-                    split: str) -> torch.Tensor:
-    """split "n": [x @ wa[e] | x @ wb[e]] -> [M, 2 NH]; split "k": x[:, :NH] @ wa[e]^T + x[:, NH:] @
-    wb[e]^T -> [M, K]. One launch of ``_tma_gmm_kernel`` (PAIR); needs ``pair_supported(x, wa, wb, split)``."""
+def grouped_mm_cat_dx(dy: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """dy[:, :NH] @ wa[e]^T + dy[:, NH:] @ wb[e]^T -> [M, K]: one launch of ``_tma_gmm_kernel`` (PAIR) with
+    K = 2 NH; rows past offsets[-1] are 0. Needs ``pair_supported(dy, wa, wb)``."""
     e, k, nh = wa.shape
-    m = x.shape[0]
-    n = 2 * nh if split == "n" else k
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    m = dy.shape[0]
+    y = torch.empty(m, k, dtype=dy.dtype, device=dy.device)
     if m == 0:
         return y
-    cfg = _config(n)
-    bm, bk = cfg["BM"], cfg["BK"]
-    bn = _pair_tile(nh, "n") if split == "n" else cfg["BN"]
-    kk = x.shape[1]
-    b_desc, flip = pair_desc(wa, wb, [1, 1, bn, bk] if split == "n" else [1, 1, bk, bn])
-    a_desc = TensorDescriptor(x, [m, kk], [x.stride(0), 1], [bm, bk])
-    c_desc = TensorDescriptor(y, [m, n], [y.stride(0), 1], [bm, bn // 2])
-    progs = max(1, min((triton.cdiv(m, bm) + e) * triton.cdiv(n, bn), num_sms(x.device)))
+    cfg = _config(k)
+    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+    b_desc, flip = pair_desc(wa, wb, [1, 1, bk, bn])
+    a_desc = TensorDescriptor(dy, [m, 2 * nh], [dy.stride(0), 1], [bm, bk])
+    c_desc = TensorDescriptor(y, [m, k], [y.stride(0), 1], [bm, bn // 2])
+    progs = max(1, min((triton.cdiv(m, bm) + e) * triton.cdiv(k, bn), num_sms(dy.device)))
     _tma_gmm_kernel[(progs,)](
-        a_desc, b_desc, c_desc, y, y, offsets, m, n, kk, e, n, nh, flip, y.stride(0), 0, progs,
-        B_NK=split == "n", B3D=True, PAIR=True, HAS_BIAS=False, E_P2=triton.next_power_of_2(e),
+        a_desc, b_desc, c_desc, y, y, offsets, m, k, 2 * nh, e, k, nh, flip, y.stride(0), 0, progs,
+        B_NK=False, B3D=True, PAIR=True, HAS_BIAS=False, E_P2=triton.next_power_of_2(e),
         BM=bm, BN=bn, BK=bk, GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return y

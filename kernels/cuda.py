@@ -20,8 +20,10 @@ What runs where (all sync-free: no .item()/.tolist()/nonzero, static launch shap
                                AUTO_TRITON_MAX_ROWS_PER_GROUP rows per expert on average)
                 otherwise      Triton persistent grouped GEMM (fp32 via tf32x3 / tf32 following
                                torch.get_float32_matmul_precision()), bias in the epilogue
-    grouped_mm_cat(_dx) sm90   one TMA launch over two weights of one layout (torchtitan's w1 / w3: one
-                               descriptor [2, E, I, H] spanning both), else two grouped_mm
+    grouped_mm_cat    sm90     two TMA launches writing the halves of one output (torchtitan's w1 / w3),
+                               else two grouped_mm and their cat
+    grouped_mm_cat_dx sm90     one TMA launch, K = 2I, over two weights of one layout (one descriptor
+                               [2, E, I, H] spanning both), else two grouped_mm added
     grouped_mm_list            one strided view + the grouped_mm path when the weights are evenly
                                spaced views of one buffer; else Triton reading each expert in place
                                through a cached table of offsets in pinned host memory (no copy;
@@ -239,21 +241,22 @@ def grouped_mm_list(x: torch.Tensor, ws: list[torch.Tensor], offsets: torch.Tens
     return _triton_moe.rows_fixup(y, offsets, None)
 
 
-def pairs_in_one_launch(device: torch.device) -> bool:
-    """grouped_mm_cat(_dx) runs as one TMA launch here (when the weights allow: ``_triton_tma.pair_supported``):
-    the lowering emits it only then (elsewhere its halves and the cat would be one copy more than two GEMMs)."""
+def pairs_without_copy(device: torch.device) -> bool:
+    """grouped_mm_cat writes its two halves into one output and grouped_mm_cat_dx is one TMA launch here
+    (when the weights allow: ``_triton_tma.halves_supported`` / ``pair_supported``): the lowering emits the
+    pair only then (elsewhere the halves and their cat would be one copy more than two GEMMs)."""
     return triton is not None and GMM_BACKEND in ("auto", "tma") and _tma_device(device)
 
 
 def grouped_mm_cat(x: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, offsets: torch.Tensor):
-    """[x @ wa[e] | x @ wb[e]] -> [M, Na + Nb]: one TMA launch over both weights where they allow it, else
-    each half through the grouped_mm path."""
+    """[x @ wa[e] | x @ wb[e]] -> [M, Na + Nb]: two TMA launches, each writing its half of the output, where
+    the weights allow it, else each half through the grouped_mm path and their cat."""
     offsets = offsets.to(torch.int32) if offsets.dtype != torch.int32 else offsets.contiguous()
     if GMM_BACKEND in ("auto", "tma") and x.shape[0] > 0 and _tma_device(x.device):
         from . import _triton_tma
 
-        if _triton_tma.pair_supported(x, wa, wb, "n"):
-            return _triton_tma.grouped_mm_pair(x, wa, wb, offsets, "n")
+        if _triton_tma.halves_supported(x, wa, wb):
+            return _triton_tma.grouped_mm_halves(x, wa, wb, offsets)
     return torch.cat([grouped_mm(x, wa, offsets), grouped_mm(x, wb, offsets)], dim=1)
 
 
@@ -264,8 +267,8 @@ def grouped_mm_cat_dx(dy: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, offs
     if GMM_BACKEND in ("auto", "tma") and dy.shape[0] > 0 and _tma_device(dy.device):
         from . import _triton_tma
 
-        if _triton_tma.pair_supported(dy, wa, wb, "k"):
-            return _triton_tma.grouped_mm_pair(dy, wa, wb, offsets, "k")
+        if _triton_tma.pair_supported(dy, wa, wb):
+            return _triton_tma.grouped_mm_cat_dx(dy, wa, wb, offsets)
     na = wa.shape[2]
     return (grouped_mm(dy[:, :na].contiguous(), wa.transpose(1, 2), offsets)
             + grouped_mm(dy[:, na:].contiguous(), wb.transpose(1, 2), offsets))

@@ -271,8 +271,8 @@ def _check_cat(op, x, wa, wb, offsets, k_dim):
 def grouped_mm_cat(x: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Two sibling grouped linears of one input with stacked weights (torchtitan's w1 and w3, each
     [E, K, N*] as grouped_mm takes them): [x @ wa[e] | x @ wb[e]] per group -> [M, Na + Nb], one output
-    that the SwiGLU op reads whole. On Hopper one TMA grouped GEMM addresses both weights where they
-    allow it (``_triton_tma.pair_supported``), else each half is its own GEMM."""
+    that the SwiGLU op reads whole. On Hopper two TMA grouped GEMMs write the two halves of that output
+    (``_triton_tma.grouped_mm_halves``), else each half is its own GEMM and the two are concatenated."""
     _check_cat("grouped_mm_cat", x, wa, wb, offsets, 1)
     return implementation("grouped_mm_cat", x)(x, wa, wb, offsets)
 
@@ -295,17 +295,18 @@ def _(dy, wa, wb, offsets):
     return dy.new_empty(dy.shape[0], wa.shape[1])
 
 
-def cat_in_one_launch(device: torch.device) -> bool:
+def cat_without_copy(device: torch.device) -> bool:
     """The lowering emits grouped_mm_cat for two sibling linears with 3-D weights on ``device``: on CPU (the
-    reference, where the rewrite is tested) and where the CUDA kernels run it as one launch (sm90); on other
-    GPUs its two halves and their cat would cost one copy more than the two grouped_mm it replaces."""
+    reference, where the rewrite is tested) and where the CUDA kernels write its halves in place and run its
+    input gradient as one GEMM (sm90); on other GPUs its two halves and their cat would cost one copy more
+    than the two grouped_mm it replaces."""
     if device.type == "cpu":
         return True
     if device.type != "cuda":
         return False
     from . import cuda
 
-    return cuda.pairs_in_one_launch(device)
+    return cuda.pairs_without_copy(device)
 
 
 def _cat_setup(ctx, inputs, output):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from .activation_ops import swiglu, swiglu_backward, weighted_swiglu, weighted_swiglu_backward
 from .ep import ep_combine, ep_dispatch, ep_experts, ep_plan
-from .gemm_ops import (cat_in_one_launch, grouped_bias_grad, grouped_mm, grouped_mm_cat, grouped_mm_cat_dx,
+from .gemm_ops import (cat_without_copy, grouped_bias_grad, grouped_mm, grouped_mm_cat, grouped_mm_cat_dx,
                        grouped_mm_list, grouped_mm_list_cat, grouped_mm_list_cat_dx, grouped_mm_weight_grad,
                        grouped_mm_wgrad, grouped_mm_wgrad_lowp)
 from .layout import even_step, pair_view, stack_expert_weights, strided_stack
@@ -29,7 +29,7 @@ from .routing_ops import (permute_rows, permute_scale, permute_scale_backward, r
                           saved_copy, unpermute_combine, unpermute_combine_backward, unpermute_sum)
 from . import runtime_ops  # noqa: E402,F401  (the moe_compile_rt twins compiled graphs call; registered at import)
 
-__all__ = ["cat_in_one_launch", "ep_combine", "ep_dispatch", "ep_experts", "ep_plan", "even_step", "grouped_bias_grad",
+__all__ = ["cat_without_copy", "ep_combine", "ep_dispatch", "ep_experts", "ep_plan", "even_step", "grouped_bias_grad",
            "grouped_mm",
            "grouped_mm_cat", "grouped_mm_cat_dx", "grouped_mm_list", "grouped_mm_list_cat", "grouped_mm_list_cat_dx",
            "grouped_mm_weight_grad", "grouped_mm_wgrad", "grouped_mm_wgrad_lowp", "pair_view", "permute_rows",

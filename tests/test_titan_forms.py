@@ -231,8 +231,8 @@ class W3OnOtherRows(TitanMoE):
 @pytest.mark.parametrize("score_before", [False, True], ids=["scores_after", "scores_before"])
 def test_w1_and_w3_are_one_grouped_gemm(dtype, score_before):
     """torchtitan's w1 and w3 ([E, I, H] Parameters of one input, torchtitan casting the rows ``.bfloat16()``
-    once per GEMM): one grouped_mm_cat (on Hopper one TMA launch over both weights) and the swiglu op on
-    its [M, 2I] output; before: two grouped_mm and Inductor's product."""
+    once per GEMM): one grouped_mm_cat (on Hopper its halves written in place, its input gradient one TMA
+    launch) and the swiglu op on its [M, 2I] output; before: two grouped_mm and Inductor's product."""
     from graphs import ops_in, rewrite
 
     torch.manual_seed(16)

@@ -374,11 +374,13 @@ def _sibling_weights(e, nh, h, dtype, gen, order):
 
 @pytest.mark.parametrize("order", ["ab", "ba", "apart"])
 @pytest.mark.parametrize("routing", ROUTINGS)
-@pytest.mark.parametrize("t,e,h,nh", [(1, 4, 64, 64), (37, 5, 72, 128), (2048, 16, 136, 192), (4096, 8, 256, 768)])
-def test_grouped_mm_cat_one_launch(t, e, h, nh, routing, order, gen, monkeypatch):
-    """grouped_mm_cat over two separate [E, NH, H] weights in one TMA launch (one descriptor [2, E, NH, H]
-    spanning both): bit-equal to two grouped_mm side by side (same tiles, same k order); its dx (one fp32
-    sum over both halves, K = 2 NH) against the reference; rows past the last group are 0."""
+@pytest.mark.parametrize("t,e,h,nh", [(1, 4, 64, 64), (37, 5, 72, 128), (2048, 16, 136, 192), (4096, 8, 256, 768),
+                                      (300, 4, 64, 2880)])
+def test_grouped_mm_cat_halves_and_one_launch_dx(t, e, h, nh, routing, order, gen, monkeypatch):
+    """grouped_mm_cat over two separate [E, NH, H] weights: two TMA launches writing the halves of one
+    output, bit-equal to two grouped_mm side by side; its dx in one launch (one descriptor [2, E, NH, H]
+    spanning both weights, one fp32 sum over K = 2 NH) against the reference; rows past the last group
+    are 0. NH 2880 (GPT-OSS-20B): no 128- or 256-column tile divides it."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the TMA grouped GEMM runs on sm90 only")
     from moe_compile.kernels import _triton_tma
@@ -388,12 +390,13 @@ def test_grouped_mm_cat_one_launch(t, e, h, nh, routing, order, gen, monkeypatch
     m, total = t * k, total_rows(offsets)
     wa, wb = _sibling_weights(e, nh, h, dtype, gen, order)
     x, dy = rand((m, h), dtype, gen), rand((m, 2 * nh), dtype, gen)
-    assert _triton_tma.pair_supported(x, wa, wb, "n") and _triton_tma.pair_supported(dy, wa, wb, "k")
-    calls = count_calls(monkeypatch, _triton_tma, "grouped_mm_pair")
+    assert _triton_tma.halves_supported(x, wa, wb) and _triton_tma.pair_supported(dy, wa, wb)
+    halves = count_calls(monkeypatch, _triton_tma, "grouped_mm_halves")
+    pairs = count_calls(monkeypatch, _triton_tma, "grouped_mm_cat_dx")
     poison(((m, 2 * nh), dtype), ((m, h), dtype))
     y = kcuda.grouped_mm_cat(x, wa, wb, offsets)
     dx = kcuda.grouped_mm_cat_dx(dy, wa, wb, offsets)
-    assert len(calls) == (2 if m else 0), "a silent fallback must fail"
+    assert (len(halves), len(pairs)) == ((1, 1) if m else (0, 0)), "a silent fallback must fail"
     assert torch.equal(y, torch.cat([kcuda.grouped_mm(x, wa, offsets), kcuda.grouped_mm(x, wb, offsets)], 1))
     assert not dx.isnan().any() and torch.all(dx[total:] == 0), "unwritten or dropped rows"
     assert rel(dx, reference.grouped_mm_cat_dx(dy, wa, wb, offsets)) <= BF16_GEMM_REL
@@ -401,7 +404,9 @@ def test_grouped_mm_cat_one_launch(t, e, h, nh, routing, order, gen, monkeypatch
 
 def test_grouped_mm_cat_falls_back_where_one_descriptor_cannot_serve(gen, monkeypatch):
     """Weights that one descriptor cannot address (overlapping views of one buffer, NH not a multiple of
-    the tile, row-major [E, K, N] storage, fp32) take two grouped GEMMs, with the same values."""
+    the k-step, row-major [E, K, N] storage, fp32) take two grouped GEMMs and their sum for the input
+    gradient, with the same values; the forward writes its halves in place wherever the TMA kernel takes
+    each weight (not fp32)."""
     from moe_compile.kernels import _triton_tma
 
     t, k, e, h = 64, 2, 4, 64
@@ -412,7 +417,8 @@ def test_grouped_mm_cat_falls_back_where_one_descriptor_cannot_serve(gen, monkey
              "nh_40": tuple(rand((e, 40, h), torch.bfloat16, gen, h ** -0.5).transpose(1, 2) for _ in range(2)),
              "row_major": tuple(rand((e, h, 128), torch.bfloat16, gen, h ** -0.5) for _ in range(2)),
              "fp32": tuple(rand((e, 128, h), torch.float32, gen, h ** -0.5).transpose(1, 2) for _ in range(2))}
-    calls = count_calls(monkeypatch, _triton_tma, "grouped_mm_pair")
+    halves = count_calls(monkeypatch, _triton_tma, "grouped_mm_halves")
+    pairs = count_calls(monkeypatch, _triton_tma, "grouped_mm_cat_dx")
     for name, (wa, wb) in cases.items():
         xx = x.to(wa.dtype)
         dy = rand((t * k, 2 * wa.shape[2]), wa.dtype, gen)
@@ -421,7 +427,7 @@ def test_grouped_mm_cat_falls_back_where_one_descriptor_cannot_serve(gen, monkey
         assert rel(y, reference.grouped_mm_cat(xx, wa, wb, offsets)) <= tol, name
         assert rel(kcuda.grouped_mm_cat_dx(dy, wa, wb, offsets),
                    reference.grouped_mm_cat_dx(dy, wa, wb, offsets)) <= 2 * tol, name   # two roundings, then a sum
-    assert not calls
+    assert not pairs and len(halves) == (3 if torch.cuda.get_device_capability()[0] == 9 else 0), halves
 
 
 @pytest.mark.parametrize("backend", ["cutlass", "triton", "quack:dynamic", "quack:static", "quack:auto"])
