@@ -54,9 +54,10 @@ from ._triton_gmm import group_tiles, num_sms, tile_coords
 def _load_b(b_desc, e, n0, k0, K, N, NH, FLIP, B_NK: tl.constexpr, B3D: tl.constexpr, PAIR: tl.constexpr,
             BN: tl.constexpr, BK: tl.constexpr):
     """The [BK, BN] weight tile of expert e at (k0, n0); N is the weight's full column count. PAIR: two
-    weights [E, NH, N] of one storage layout seen by one descriptor [2, E, NH, N] (``pair_desc``), the
-    first at index FLIP of its leading dim, split along K (the sum of two products: K = 2 NH). A k-step
-    never straddles the two (NH is a multiple of BK)."""
+    weights [E, NH, N] of one storage layout seen by one descriptor [2, E, NH, N] (``pair_desc``; N here is
+    the output's column count, the weights' K there), the first at index FLIP of its leading dim, split
+    along K (the sum of two products: K = 2 NH). A k-step never straddles the two (NH is a multiple of
+    BK)."""
     if PAIR:
         half = k0 // NH
         b = b_desc.load([half ^ FLIP, e, k0 - half * NH, n0]).reshape(BK, BN)
@@ -238,7 +239,7 @@ _TMA_STRIDE_LIMIT = 1 << 40   # bytes: the largest global stride a tensor map ta
 
 def halves_supported(x: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor) -> bool:
     """``grouped_mm_halves`` can run: each weight as ``supported`` takes it, of one shape."""
-    return wa.shape == wb.shape and supported(x, wa) and supported(x, wb)
+    return wa.shape == wb.shape and wa.shape[2] > 0 and supported(x, wa) and supported(x, wb)
 
 
 def grouped_mm_halves(x: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -295,14 +295,15 @@ def _(dy, wa, wb, offsets):
     return dy.new_empty(dy.shape[0], wa.shape[1])
 
 
-def cat_without_copy(device: torch.device) -> bool:
-    """The lowering emits grouped_mm_cat for two sibling linears with 3-D weights on ``device``: on CPU (the
-    reference, where the rewrite is tested) and where the CUDA kernels write its halves in place and run its
-    input gradient as one GEMM (sm90); on other GPUs its two halves and their cat would cost one copy more
-    than the two grouped_mm it replaces."""
+def cat_without_copy(device: torch.device, dtype: torch.dtype, nh: int) -> bool:
+    """The lowering emits grouped_mm_cat for two sibling linears with 3-D weights [E, K, nh] run in ``dtype``
+    on ``device``: on CPU (the reference, where the rewrite is tested), and where the CUDA kernels write its
+    halves in place and run its input gradient as one GEMM (sm90, 16-bit, nh a multiple of the k-step;
+    the weights' addresses are checked at run time, where the op falls back to two GEMMs). Elsewhere its
+    halves and their cat would cost one copy more than the two grouped_mm it replaces."""
     if device.type == "cpu":
         return True
-    if device.type != "cuda":
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or nh % 64:
         return False
     from . import cuda
 

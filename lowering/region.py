@@ -152,7 +152,7 @@ def _is_stacked_linear(region: Region, step) -> bool:
 
 def _siblings(region: Region, si, sj) -> bool:
     """Steps si, sj are two linears of one input, weights of one dtype: list linears (ModuleList), or 3-D
-    weights of one shape run in one dtype (``cat_without_copy`` says where that is one GEMM)."""
+    weights of one shape run in one dtype (``cat_without_copy`` says where grouped_mm_cat costs no copy)."""
     if not _same_value(region, sj.args[0], si.args[0]):
         return False
     wa, wb = val(region.experts.slots[si.linear[0]][0]), val(region.experts.slots[sj.linear[0]][0])
@@ -162,7 +162,7 @@ def _siblings(region: Region, si, sj) -> bool:
         return _is_list_linear(region, sj)
     ka, kb = _stacked_kn(region, si), _stacked_kn(region, sj)
     return (ka is not None and kb is not None and ka.shape == kb.shape and si.dtype == sj.dtype
-            and _ops.cat_without_copy(wa.device))
+            and _ops.cat_without_copy(wa.device, si.dtype or wa.dtype, ka.shape[2]))
 
 
 _PURE_METHODS = {"to", "bfloat16", "float", "half", "type", "contiguous", "view", "reshape"}

@@ -35,7 +35,7 @@ class TitanMoE(nn.Module):
 
     counts: "histc_first" (the router counts before the reorderer sorts: torchtitan's order) |
     "histc_after" | "bincount"; entry: "gather" (torchtitan) | "index"; combine: "scatter_add"
-    (torchtitan before v0.2) | "index_add" | "unsort" (torchtitan v0.2: ``buf[order] = y`` into zeros,
+    (torchtitan up to v0.2.0) | "index_add" | "unsort" (torchtitan since v0.2.1: ``buf[order] = y`` into zeros,
     then a bmm with the top-k scores over K, or ``.sum(1)`` when they scaled the input; ``shared``: a
     shared expert's output added to it); cast: "type_as" (torchtitan) | "to"; score_before: torchtitan's
     ``score_before_experts`` (its default: the weights scale the expert input, in fp32: ``input_cast``)."""
@@ -93,7 +93,7 @@ class TitanMoE(nn.Module):
         return torch.zeros_like(x).index_add(0, tok, y * top.view(-1)[order].reshape(-1, 1))
 
     def _unsort_combine(self, x, y, order, top):
-        """torchtitan v0.2's combine: the rows unsorted into a zeros buffer by the sort's order, viewed
+        """torchtitan v0.2.1's combine: the rows unsorted into a zeros buffer by the sort's order, viewed
         [T, K, H], weighted by the top-k scores in an fp32 bmm (or summed: weights on the input)."""
         unsorted = torch.zeros((x.shape[0] * K, x.shape[1]), dtype=y.dtype, device=y.device)
         unsorted[order] = y
@@ -298,7 +298,7 @@ def test_an_input_cast_that_rounds_the_rows_keeps_the_gather_and_product_apart()
 @pytest.mark.parametrize("score_before", [False, True], ids=["scores_after", "scores_before"])
 @pytest.mark.parametrize("tokens", [0, 1, 37])
 def test_torchtitan_v0_2_unsort_combine_is_rewritten(dtype, score_before, tokens):
-    """torchtitan v0.2's combine (``buf[order] = y`` into zeros, bmm with the top-k scores over K in fp32, or
+    """torchtitan v0.2.1's combine (``buf[order] = y`` into zeros, bmm with the top-k scores over K in fp32, or
     ``.sum(1)``; a shared expert added): refused before (``unsupported_row_op``: setitem on the rows)."""
     torch.manual_seed(16 + tokens)
     layer = TitanMoE(dtype=dtype, combine="unsort", score_before=score_before, shared=True)
@@ -309,7 +309,7 @@ def test_torchtitan_v0_2_unsort_combine_is_rewritten(dtype, score_before, tokens
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [0, 1, 37])
 def test_shared_expert_output_as_the_accumulator_is_rewritten(combine, dtype, tokens):
-    """torchtitan before v0.2 with shared experts: ``out = shared(x); out = out.scatter_add(0, idx, rows)``
+    """torchtitan up to v0.2.0 with shared experts: ``out = shared(x); out = out.scatter_add(0, idx, rows)``
     (out of place): the output is the shared output plus the combined rows. Refused before
     (``unsupported_row_op``: only a zeros accumulator was taken)."""
     torch.manual_seed(19 + tokens)
@@ -708,7 +708,7 @@ def test_two_layers_counting_one_routers_ids_before_their_sorts_are_both_reporte
 
 
 class TwoExpertSetsOneOrder(TitanMoE):
-    """Two expert sets on one sort of one router's ids, each unsorted into its own buffer (torchtitan v0.2's
+    """Two expert sets on one sort of one router's ids, each unsorted into its own buffer (torchtitan v0.2.1's
     combine): a region takes the first set; the second was compiled as written and listed nowhere (found by
     review). Now listed (``second_expert_set``)."""
 
@@ -815,17 +815,17 @@ def test_second_expert_set_search_stays_in_each_layer(monkeypatch):
 
 
 @pytest.mark.parametrize("layer", ["TitanLayer", "TitanV2Layer", "TitanV2Layer_scores_after"])
-def test_the_benchmark_layers_are_rewritten(layer):
-    """examples/benchmark/moe_layer.py's torchtitan layers (before v0.2: gather + scatter_add; v0.2: rows
-    ``x[order // k]`` and the unsort combine, scores on the input or in the bmm) at small widths: one
-    region rewritten with w1 and w3 as one grouped_mm_cat, outputs and every gradient as eager's, so a
-    benchmark row of them cannot time stock code by accident."""
+def test_the_benchmark_layers_are_rewritten(layer, monkeypatch):
+    """examples/benchmark/moe_layer.py's torchtitan layers (up to v0.2.0: gather + scatter_add; since v0.2.1:
+    a biased ``topk(sorted=False)`` router, rows ``x[order // k]`` and the unsort combine, scores on the
+    input or in the bmm) at small widths: one region rewritten with w1 and w3 as one grouped_mm_cat,
+    outputs and every gradient as eager's, so a benchmark row of them cannot time stock code by accident."""
     import os
-    import sys
 
     from graphs import ops_in, rewrite
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "benchmark"))
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                             "examples", "benchmark"))
     import moe_layer
 
     torch.manual_seed(19)
@@ -841,3 +841,15 @@ def test_the_benchmark_layers_are_rewritten(layer):
     assert [r.status for r in records] == ["rewritten"], records
     assert ops_in(new).count("grouped_mm_cat") == 1, ops_in(new)
     check_compiled(model, (x,), expect_rewritten=1, rel=BF16_REL, grad_rel=BF16_GRAD_REL)
+
+
+def test_pairing_on_cuda_needs_16_bit_weights_and_whole_k_steps():
+    """On CUDA the lowering pairs w1 / w3 only where grouped_mm_cat costs no copy: 16-bit weights whose
+    width is a multiple of the TMA kernel's k-step (the input gradient's one launch); fp32 or a width of
+    40 would run two GEMMs, a cat, and two copies of the gradient's halves. Decided before any CUDA call."""
+    from moe_compile.kernels import ops as kops
+
+    cuda = torch.device("cuda", 0)
+    assert not kops.cat_without_copy(cuda, torch.float32, 768)
+    assert not kops.cat_without_copy(cuda, torch.bfloat16, 40)
+    assert kops.cat_without_copy(torch.device("cpu"), torch.float32, 40)   # the reference, where it is tested

@@ -20,7 +20,8 @@ routed / even is the cost of the groups' partial last tiles; even / dense the co
 
 ``--tma-from FILE``: also time another revision of the TMA kernel ("tma_file", ratios "tma" / "tma_file"),
 e.g. ``git show REV:kernels/_triton_tma.py > /tmp/tma_rev.py`` then ``--tma-from /tmp/tma_rev.py``
-(the file is loaded as a module of moe_compile.kernels, so its relative imports resolve).
+(the file is loaded as a module of moe_compile.kernels: its relative imports resolve to the installed
+tree, so the tile schedule it inlines from ``_triton_gmm`` is the installed one).
 """
 from __future__ import annotations
 

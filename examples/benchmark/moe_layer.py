@@ -1,5 +1,5 @@
 """One MoE layer, side by side: plain-loop eager / + Inductor, HF grouped_mm eager / + Inductor,
-torchtitan's layer as written (before v0.2: scatter_add combine; v0.2: ``titan2``, the unsort combine)
+torchtitan's layer as written (up to v0.2.0: gather + scatter_add; since v0.2.1: ``titan2``, the unsort combine)
 eager / + Inductor, torch.compile(..., backend="moe") on each, and
 the moe_compile ops called by hand (what the backend should emit). One process, one GPU, bf16 parameters with random init, median of --steps steps.
 
@@ -120,21 +120,28 @@ class TitanLayer(nn.Module):
 
 
 class TitanV2Layer(TitanLayer):
-    """torchtitan v0.2's MoE layer (models/moe/moe.py): the same router, reorderer and GroupedExperts, rows
-    taken as ``x[order // k]``, and the combine that unsorts the expert rows into a zeros buffer by the
-    sort's order (``buf[order] = y``), viewed [T, k, H] and summed over k (score_before_experts=True, its
-    default; with False a bmm with the top-k scores in fp32)."""
+    """torchtitan's MoE layer since v0.2.1 (models/moe/moe.py): the router picks on the scores plus its
+    ``expert_bias`` (auxiliary-loss-free balancing; a zeros buffer here) with ``topk(sorted=False)``,
+    takes the weights as ``scores.gather(1, ids)`` and counts ``tokens_per_expert`` under no_grad; rows
+    ``x[order // k]``; the combine unsorts the expert rows into a zeros buffer by the sort's order
+    (``buf[order] = y``), viewed [T, k, H] and summed over k (score_before_experts=True, its default;
+    with False a bmm with the top-k scores in fp32)."""
 
     def __init__(self, h, i, e, k, score_before=True):
         super().__init__(h, i, e, k)
         self.score_before = score_before
+        self.register_buffer("expert_bias", torch.zeros(e, dtype=torch.float32))
+        self.register_buffer("tokens_per_expert", torch.zeros(e, dtype=torch.float32), persistent=False)
 
     def forward(self, x):
         t, dim = x.shape
         scores = F.softmax(self.gate(x).to(torch.float32), dim=1)
-        top, sel = torch.topk(scores, k=self.k, dim=1)
+        _, sel = torch.topk(scores + self.expert_bias, k=self.k, dim=-1, sorted=False)
+        top = scores.gather(dim=1, index=sel)
         top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
         counts = torch.histc(sel.view(-1).float(), bins=self.e, min=0, max=self.e)
+        with torch.no_grad():
+            self.tokens_per_expert.add_(counts)
         order = torch.argsort(sel.view(-1), stable=True)
         rows = x[order // self.k]
         if self.score_before:

@@ -242,3 +242,38 @@ def test_sorted_topk_read_by_position_with_ties_cuda(router, monkeypatch):
     monkeypatch.setattr(router_topk_pass, "_readers_see_no_order", lambda *a: True)
     with pytest.raises(AssertionError, match="output|grad"):
         check_compiled(build(), [x], expect_rewritten=1, inductor=True, fresh_inputs=0)
+
+
+@pytest.mark.parametrize("cudagraphs", [False, True])
+@pytest.mark.parametrize("tokens", [1, 37, 300])
+@pytest.mark.parametrize("i", [128, 2880])
+@pytest.mark.parametrize("layer", ["TitanLayer", "TitanV2Layer"])
+def test_torchtitan_layer_cuda(layer, i, tokens, cudagraphs, monkeypatch):
+    """examples/benchmark/moe_layer.py's torchtitan layers (bf16 weights, w1 / w3 separate [E, I, H]
+    Parameters), Inductor and the CUDA kernels, against eager: outputs and every gradient; on Hopper the
+    w1 / w3 pair runs as grouped_mm_halves forward and one grouped_mm_cat_dx launch backward (a silent
+    fallback fails). I 2880: GPT-OSS-20B's width, which no 128- or 256-column tile divides."""
+    import os
+
+    from moe_compile.kernels import _triton_tma
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "examples", "benchmark"))
+    import moe_layer
+
+    calls = []
+    for name in ("grouped_mm_halves", "grouped_mm_cat_dx"):
+        real = getattr(_triton_tma, name)
+        monkeypatch.setattr(_triton_tma, name, lambda *a, _n=name, _r=real: calls.append(_n) or _r(*a))
+    torch.manual_seed(23)
+    h, e, k = 64, 4, 2
+    model = getattr(moe_layer, layer)(h, i, e, k).cuda()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, p.shape[-1] ** -0.5)
+    model = model.bfloat16()
+    x = make_input((tokens, h), torch.bfloat16).cuda().detach().requires_grad_()
+    check_compiled(model, [x], expect_rewritten=1, inductor=True, fresh_inputs=1,
+                   options={"triton.cudagraphs": True} if cudagraphs else None)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert "grouped_mm_halves" in calls and "grouped_mm_cat_dx" in calls, calls
