@@ -814,6 +814,65 @@ def test_second_expert_set_search_stays_in_each_layer(monkeypatch):
     assert len(visited) == 8 and sum(visited) <= max(graphs), (visited, graphs)
 
 
+class TitanDSv3(TitanMoE):
+    """torchtitan's DeepSeek-V3 MoE (since v0.2.1): sigmoid scores plus ``expert_bias`` for the choice,
+    node-limited routing (experts in groups, the top-2 sum per group, ``limited`` groups kept, the rest
+    masked to -inf), ``topk(sorted=False)``, the weights gathered from the unbiased scores, route_norm and
+    route_scale 2.5, histc counts into ``tokens_per_expert``, rows ``x[order // k]``, the unsort combine
+    (bmm with the scores, or a sum when they scaled the input), a shared expert added."""
+
+    def __init__(self, groups=4, limited=2, score_before=False, shared=True, dtype=torch.float32):
+        super().__init__(combine="unsort", dtype=dtype, score_before=score_before, shared=shared)
+        self.register_buffer("expert_bias", torch.randn(E) * 0.01)
+        self.groups, self.limited = groups, limited
+
+    def _node_limited(self, choice):
+        grouped = choice.view(-1, self.groups, E // self.groups)
+        top2, _ = grouped.topk(2, dim=-1)
+        group_scores = top2.sum(dim=-1)
+        _, group_idx = torch.topk(group_scores, k=self.limited, dim=-1, sorted=False)
+        mask = torch.ones_like(group_scores, dtype=torch.bool)
+        mask.scatter_(1, group_idx, False)
+        return grouped.masked_fill(mask.unsqueeze(-1), float("-inf")).view(-1, E)
+
+    def forward(self, x):
+        bs, slen, dim = x.shape
+        x = x.view(-1, dim)
+        scores = torch.sigmoid(self.gate(x).to(torch.float32))
+        choice = scores + self.expert_bias
+        if self.groups:
+            choice = self._node_limited(choice)
+        _, sel = torch.topk(choice, k=K, dim=-1, sorted=False)
+        top = scores.gather(dim=1, index=sel)
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+        top = top * 2.5
+        n = torch.histc(sel.view(-1).float(), bins=E, min=0, max=E)
+        with torch.no_grad():
+            self.tokens_per_expert.add_(n)
+        order = torch.argsort(sel.view(-1), stable=True)
+        rows = x[order // K]
+        if self.score_before:
+            rows = (rows.to(torch.float32) * top.view(-1)[order].reshape(-1, 1)).to(x.dtype)
+        offs = torch.cumsum(n, dim=0, dtype=torch.int32)
+        h = F.silu(_gmm(rows, self.w1, offs, self.dtype)) * _gmm(rows, self.w3, offs, self.dtype)
+        y = _gmm(h, self.w2, offs, self.dtype).type_as(rows)
+        out = self._unsort_combine(x, y, order, top)
+        return (out if self.shared is None else self.shared(x) + out).reshape(bs, slen, dim)
+
+
+@pytest.mark.parametrize("kw", [{}, {"score_before": True}, {"groups": 0, "shared": False}, {"dtype": torch.bfloat16}],
+                         ids=["default", "scores_before", "no_groups_no_shared", "bf16"])
+def test_torchtitan_deepseek_v3_router_is_rewritten(kw):
+    """torchtitan's DeepSeek-V3 router (sigmoid + expert bias + node-limited groups + sorted=False top-k +
+    gather) in front of its grouped experts and unsort combine: one region rewritten, outputs and every
+    gradient as eager's."""
+    torch.manual_seed(24)
+    low = kw.get("dtype") == torch.bfloat16
+    x = make_input((2, 5, H), kw.get("dtype", torch.float32))
+    check_compiled(TitanDSv3(**kw), (x,), expect_rewritten=1, rel=BF16_REL if low else None,
+                   grad_rel=BF16_GRAD_REL if low else None)
+
+
 @pytest.mark.parametrize("layer", ["TitanLayer", "TitanV2Layer", "TitanV2Layer_scores_after"])
 def test_the_benchmark_layers_are_rewritten(layer, monkeypatch):
     """examples/benchmark/moe_layer.py's torchtitan layers (up to v0.2.0: gather + scatter_add; since v0.2.1:
