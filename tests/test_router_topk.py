@@ -368,3 +368,58 @@ def test_unsorted_ids_returned_stay_torch_topk():
     left = _topk_nodes(new)
     assert len(left) == 1 and left[0].kwargs.get("sorted") is False and canon(left[0].args[0]) == "masked_fill", \
         [n.format_node() for n in left]
+
+
+class _ScaledInputRows(torch.nn.Module):
+    """torchtitan's score_before_experts: the routing weights scale the expert input rows in fp32
+    (lowered to ``permute_scale``), ids of a ``sorted=False`` topk, weights ``weights``: "gather"
+    (``scores.gather(1, ids)``: slots of the ids' call), "other_call" (the values of a second
+    ``sorted=False`` topk), "constant" (one weight per slot position)."""
+
+    def __init__(self, weights, h=16, i=24, e=8, k=3):
+        super().__init__()
+        self.gate = torch.nn.Linear(h, e, bias=False)
+        self.w1, self.w3 = (torch.nn.Parameter(torch.randn(e, i, h) / h ** 0.5) for _ in range(2))
+        self.w2 = torch.nn.Parameter(torch.randn(e, h, i) / i ** 0.5)
+        self.weights, self.e, self.k = weights, e, k
+
+    def forward(self, x):
+        import transformers.integrations.moe  # noqa: F401  (torch.ops.transformers.grouped_mm_fallback)
+
+        gmm = torch.ops.transformers.grouped_mm_fallback
+        x = x.reshape(-1, x.shape[-1])
+        logits = self.gate(x)
+        scores = torch.softmax(logits, dim=1)
+        _, ids = torch.topk(logits, self.k, dim=1, sorted=False)
+        if self.weights == "gather":
+            w = scores.gather(1, ids)
+        elif self.weights == "other_call":
+            w = torch.topk(scores, self.k, dim=1, sorted=False)[0]
+        else:
+            w = torch.linspace(0.6, 0.1, self.k).expand(x.shape[0], self.k)
+        order = torch.argsort(ids.view(-1), stable=True)
+        offs = torch.cumsum(torch.histc(ids.view(-1).float(), bins=self.e, min=0, max=self.e), 0, dtype=torch.int32)
+        tok = order // self.k
+        rows = (x[tok].float() * w.reshape(-1)[order].reshape(-1, 1)).to(x.dtype)
+        h = torch.nn.functional.silu(gmm(rows, self.w1.transpose(1, 2), offs=offs)) * gmm(rows, self.w3.transpose(1, 2), offs=offs)
+        return torch.zeros_like(x).index_add(0, tok, gmm(h, self.w2.transpose(1, 2), offs=offs))
+
+
+@pytest.mark.parametrize("weights,swapped", [("gather", 1), ("other_call", 0), ("constant", 0)])
+def test_input_scaled_rows_pair_the_weights_read_by_permute_scale(weights, swapped, shuffled_op, monkeypatch):
+    """permute_scale reads the routing weights pair by pair: ids of a sorted=False call paired with weights
+    that are not slots of that call (another call's values, per-position constants) keep torch.topk.
+    Found by review: permute_scale was missing from the walk's pair readers, the ids' call was swapped and
+    its ids reordered, the weights not: 0.6-0.9 off. Weights gathered by the ids are still swapped; forced
+    to swap, the constant weights no longer match eager (the test can fail)."""
+    x = helpers.make_input((2, 8, 16), requires_grad=False)
+    new, records = rewrite(("fn", _ScaledInputRows(weights), (x,)))
+    assert [r.status for r in records] == ["rewritten"] and "permute_scale" in ops_in(new), ops_in(new)
+    assert ops_in(new).count("router_topk") == swapped, ops_in(new)
+    torch.manual_seed(26)
+    helpers.check_compiled(_ScaledInputRows(weights), [helpers.make_input((2, 8, 16))], expect_rewritten=1)
+    if weights == "constant":
+        monkeypatch.setattr(router_topk_pass, "_readers_see_no_order", lambda *a: True)
+        torch.manual_seed(26)
+        with pytest.raises(AssertionError, match="output|grad"):
+            helpers.check_compiled(_ScaledInputRows(weights), [helpers.make_input((2, 8, 16))], expect_rewritten=1)
