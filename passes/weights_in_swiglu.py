@@ -22,8 +22,9 @@ before the activation's one rounding instead of after the down projection's). Wh
 combine's backward becomes a gather that does not read y [M, H], and y is not kept for the backward.
 
 Only this exact chain of moe_compile ops is matched (an expert-parallel combine reads received
-rows, not a GEMM output, so it never matches); a chain that does not match
-keeps the weighted combine (correct, a read of y slower), so nothing here is a refusal.
+rows, not a GEMM output, so it never matches), and only on activations with fp32's exponent range
+(bf16, fp32, fp64; not fp16: ``_FP32_RANGE``); a chain that does not match keeps the weighted combine
+(correct, a read of y slower), so nothing here is a refusal.
 """
 from __future__ import annotations
 
@@ -43,6 +44,13 @@ class WeightsInSwiGLUMatch:
     perm: fx.Node      # route_permute(...)[0]
     top_k: int
     out_dtype: torch.dtype | None = None   # the combine's (rows summed into a wider output), kept by the sum
+
+
+# activation dtypes with fp32's exponent range: the weighted activation rounds w * swiglu(h) once to this
+# dtype, where eager multiplies the down projection's rows by w in promote(rows, w). In fp16 (max 65504,
+# subnormal below 6e-5) that product overflowed to inf / NaN (weights 300, rows 20) or lost its digits
+# (weights 1e-5: 7e-2 off) where eager's fp32 product did not (found by review); fp16 keeps the combine.
+_FP32_RANGE = (torch.bfloat16, torch.float32, torch.float64)
 
 
 def _perm_of(rp: fx.Node) -> fx.Node | None:
@@ -85,6 +93,8 @@ def _match(c: fx.Node, order: dict) -> WeightsInSwiGLUMatch | None:
     if not isinstance(w, fx.Node) or not isinstance(wv, torch.Tensor) or not wv.is_floating_point() \
             or wv.dim() != 2 or wv.numel() != av.shape[0] or order[w] > order[a]:
         return None
+    if av.dtype not in _FP32_RANGE:
+        return None   # fp16 rows: w * swiglu(h) rounded to fp16 underflows / overflows where eager's y * w does not
     return WeightsInSwiGLUMatch(c, y, a, w, perm, wv.shape[1], c.kwargs.get("out_dtype"))
 
 

@@ -101,3 +101,39 @@ def _matches_with_an_extra_reader(opname: str, operand) -> tuple[int, int]:
 def test_values_read_elsewhere_keep_the_weighted_combine(opname, operand):
     """The expert outputs y or the SwiGLU output also read elsewhere: their values would change, no match."""
     assert _matches_with_an_extra_reader(opname, operand) == (1, 0)
+
+
+class _Fp16Experts(torch.nn.Module):
+    """fp16 SwiGLU experts in a loop, fp32 routing weights scaled by ``scale``, an fp32 accumulator: eager
+    multiplies each fp16 expert row by its fp32 weight in fp32."""
+
+    def __init__(self, scale, h=16, i=32, e=8, k=2):
+        super().__init__()
+        from helpers import SwiGLU
+
+        self.gate = torch.nn.Linear(h, e, bias=False).half()
+        self.experts = torch.nn.ModuleList(SwiGLU(h, i) for _ in range(e)).half()
+        self.scale, self.h, self.e, self.k = scale, h, e, k
+
+    def forward(self, x):
+        x = x.reshape(-1, self.h)
+        w, ids = torch.topk(torch.softmax(self.gate(x), dim=-1, dtype=torch.float32), self.k, dim=-1)
+        w = w * self.scale
+        out = torch.zeros(x.shape[0], self.h, dtype=torch.promote_types(x.dtype, torch.float32))
+        for j in range(self.e):
+            tok, slot = torch.where(ids == j)
+            out.index_add_(0, tok, self.experts[j](x[tok]) * w[tok, slot, None])
+        return out
+
+
+@pytest.mark.parametrize("scale,x_scale", [(300.0, 20.0), (1e-5, 1.0)], ids=["overflow", "underflow"])
+def test_fp16_rows_keep_the_weighted_combine(scale, x_scale):
+    """fp16 expert rows: the weighted activation would round w * swiglu(h) to fp16, where eager's y * w
+    is an fp32 product; weights 300 on rows 20 overflowed to NaN (eager finite), weights 1e-5 lost their
+    digits (7e-2 off). Found by review; fp16 keeps the weighted combine. Outputs only: eager's own fp16
+    gradients overflow in the first case, and in the second sit in fp16's subnormal range (eager's input
+    gradient 8e-2 from an fp64 run, ours 6e-2: no reference to compare with)."""
+    torch.manual_seed(25)
+    x = (make_input((32, 16), torch.float32, requires_grad=False) * x_scale).half().requires_grad_()
+    (ops,) = _compiled_ops(_Fp16Experts(scale), x, grads=False)
+    assert "unpermute_combine" in ops and "weighted_swiglu" not in ops, ops
