@@ -20,8 +20,9 @@ After, inserted after the region's last write (or its output)::
 ``AccumulateInPlace``: every reader of the finished accumulator reads ``out``; the writes into it
 are erased. ``ReplaceOutput``: readers of the output (and of its in-place aliases, after it) read
 ``out``; the region's side-effecting nodes are erased. Then the per-expert nodes, the runtime
-asserts that guarded their sizes and dead code go (``graph_edit.finish``). Invariant: no node of
-the region, and no unbacked symbol it introduced, is left in the graph.
+asserts that guarded their sizes and dead code go (``graph_edit.finish``, which the pipeline runs once
+after every region of the graph is lowered). Invariant, after it: no node of the region, and no
+unbacked symbol it introduced, is left in the graph.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from moe_compile.passes.normalize import val
 from moe_compile.passes.region import AccumulateInPlace, Region, ReplaceOutput, stacked_source
 
 from . import expert_parallel, region_forms
-from .graph_edit import GraphBuilder, finish, is_impure
+from .graph_edit import GraphBuilder, is_impure
 
 OPS = torch.ops.moe_compile
 
@@ -253,9 +254,11 @@ def _anchor(g: fx.Graph, region: Region) -> fx.Node:
 
 
 def lower_region(gm: fx.GraphModule, region: Region, ep_chunks: int = 1) -> tuple[str, ...]:
-    """Rewrite ``region`` in ``gm`` (in place), then lint and recompile; returns notes on how.
-    ``ep_chunks``: an expert-parallel region's tokens are split into this many chunks, whose
-    collectives the post_grad ``ep_overlap`` pass overlaps with the other chunks' expert GEMMs."""
+    """Rewrite ``region`` in ``gm`` (in place); returns notes on how. The replaced nodes stay until the
+    caller's ``graph_edit.finish(gm)`` (once after all regions of a graph: a dead-code and lint pass per
+    region made lowering quadratic in a whole model's depth). ``ep_chunks``: an expert-parallel region's
+    tokens are split into this many chunks, whose collectives the post_grad ``ep_overlap`` pass overlaps
+    with the other chunks' expert GEMMs."""
     _check_pairs(region)
     g = gm.graph
     anchor = _anchor(g, region)
@@ -280,7 +283,6 @@ def lower_region(gm: fx.GraphModule, region: Region, ep_chunks: int = 1) -> tupl
         _rewire_output(g, region, c, out)
     else:
         _rewire_accumulator(g, c, out)
-    finish(gm)
     return notes
 
 

@@ -112,6 +112,7 @@ def _check(s: DynamoState) -> None:
 
 def _lower(s: DynamoState) -> None:
     from moe_compile.lowering.expert_parallel import check_data_dependent_tokens
+    from moe_compile.lowering.graph_edit import finish
     from moe_compile.lowering.region import lower_region
     from moe_compile.passes.autocast import narrowed_product, wide_experts_note
 
@@ -122,6 +123,8 @@ def _lower(s: DynamoState) -> None:
         before = set(s.gm.graph.nodes)
         s.region_notes[id(region)] = lower_region(s.gm, region, s.config.ep_overlap_chunks) + ((wide,) if wide else ())
         s.region_nodes[id(region)] = set(s.gm.graph.nodes) - before
+    if s.accepted:
+        finish(s.gm)   # dead code, orphaned asserts, lint, recompile: once per graph, not per region
 
 
 def _unclaimed(s: DynamoState) -> None:
