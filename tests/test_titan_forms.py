@@ -917,8 +917,8 @@ def test_pairing_on_cuda_needs_16_bit_weights_and_whole_k_steps():
 def test_lowering_finishes_each_graph_once(monkeypatch):
     """Dead code, orphaned asserts, lint and recompile run once per graph after all its regions are
     lowered: once per region they made a whole model's lowering quadratic in its depth (2-core CPU, a
-    tiny Qwen3-MoE: the backend's Dynamo stage 3.6 / 8.8 / 33.4 s at 12 / 24 / 48 layers, 1.1 / 3.0 / 8.1 s
-    after). The eight layers are still all rewritten, with eager's gradients."""
+    tiny Qwen3-MoE: the backend's Dynamo stage 7.7 / 27.7 s at 24 / 48 layers, 3.3 / 9.6 s after). The
+    eight layers are still all rewritten, with eager's gradients."""
     from moe_compile.lowering import graph_edit
 
     calls = []
