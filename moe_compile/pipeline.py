@@ -123,8 +123,7 @@ def _lower(s: DynamoState) -> None:
         before = set(s.gm.graph.nodes)
         s.region_notes[id(region)] = lower_region(s.gm, region, s.config.ep_overlap_chunks) + ((wide,) if wide else ())
         s.region_nodes[id(region)] = set(s.gm.graph.nodes) - before
-    if s.accepted:
-        finish(s.gm)   # dead code, orphaned asserts, lint, recompile: once per graph, not per region
+    finish(s.gm)   # dead code, orphaned asserts, lint, recompile: once per graph, not per region
 
 
 def _unclaimed(s: DynamoState) -> None:
