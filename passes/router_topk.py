@@ -37,8 +37,8 @@ Walking forward in graph order, each reader of a slot tensor must be one of::
       permute_scale / w.reshape(-1)[perm]                       by expert, a token's k rows summed)
 
 and every pair input of such a region must be a slot tensor of the same call (ids paired with
-weights in another order would pair other experts and weights); a reader of route_permute's outputs
-that is neither a pair reader nor a known pair-free op (``_PAIR_FREE``) keeps torch.topk. Anything else keeps torch.topk:
+weights in another order would pair other experts and weights). Anything else keeps torch.topk: a
+reader of route_permute's outputs that is neither a pair reader nor a known pair-free op (``_PAIR_FREE``),
 a position read (``ids[:, 0]``, ``values[..., 0]``), argmax, sort, cumsum, a transpose, a graph
 output, an unknown op, an in-place write of a slot tensor into another tensor, a slot tensor of
 another topk call in the same elementwise op or region. What the swap can change is

@@ -227,7 +227,7 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
         region = getattr(c, "region", None)
         if region is None:
             unassembled.append(c.module)
-        if region is not None:
+        else:
             root = router_root(region.router.ids)
             if root is not None:
                 claimed_roots.add(root)

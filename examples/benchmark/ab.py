@@ -1,6 +1,6 @@
 """Helpers shared by the benchmarks: for the interleaved A/B ones (``gmm_ab.py``, ``fusion_ab.py``,
-``quack_ab.py``, ``glue_ab.py``) and ``moe_kernels.py`` one argument parser, one header line, one timing
-loop, one attribute patch, one relative error; for ``moe_layer.py`` and ``model_step.py`` one device/versions record; for
+``quack_ab.py``, ``glue_ab.py``) and ``moe_kernels.py`` one argument parser, one header line, one seeded
+generator, one timing loop, one attribute patch, one relative error; for ``moe_layer.py`` and ``model_step.py`` one device/versions record; for
 ``ep.py`` and ``model_step.py`` the interval arithmetic of profiler timelines (``merge``, ``length``,
 ``uncovered``)."""
 from __future__ import annotations
@@ -27,6 +27,13 @@ def header() -> None:
     import triton
 
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+
+
+def cuda_generator(seed: int = 0):
+    """A CUDA random generator seeded ``seed``: every run of a benchmark draws the same inputs."""
+    import torch
+
+    return torch.Generator(device="cuda").manual_seed(seed)
 
 
 def interleave(fns: dict, rounds: int, warmup: int, rep: int) -> dict:

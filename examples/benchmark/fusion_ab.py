@@ -54,12 +54,11 @@ def cases(name: str, g: torch.Generator) -> dict:
 
 
 def main():
-    from ab import cell, header, interleave, parse_args
+    from ab import cell, cuda_generator, header, interleave, parse_args
 
     args = parse_args(SHAPES)
     header()
-    g = torch.Generator(device="cuda")
-    g.manual_seed(0)
+    g = cuda_generator(0)
     rows = []
     for name in args.shapes:
         cs = cases(name, g)

@@ -43,11 +43,11 @@ def _zero_before(dw_ptr, offs_ptr, KN, s_e, SPLIT: tl.constexpr, BLOCK: tl.const
 
 
 def main():
-    from ab import interleave, parse_args, versions
+    from ab import cuda_generator, interleave, parse_args, versions
 
     args = parse_args({**LAYERS, **ZEROING})
     print("# " + " ".join(f"{k}={v}" for k, v in versions("cuda").items()), flush=True)
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = cuda_generator(0)
     rows = []  # (what, shape, before us, now us, MB moved)
 
     def ab(what, shape, before, now, mb):

@@ -97,7 +97,7 @@ def _floor_runs(x, w, offs) -> dict:
 
 
 def main():
-    from ab import cell, header, interleave, parse_args, topk_offsets
+    from ab import cell, cuda_generator, header, interleave, parse_args, topk_offsets
 
     def extra(ap):
         ap.add_argument("--floors", action="store_true", help="routed vs even groups vs one dense GEMM (module docstring)")
@@ -107,8 +107,7 @@ def main():
     args = parse_args(SHAPES, extra=extra)
     header()
     tma_file = _load_tma_revision(args.tma_from) if args.tma_from else None
-    g = torch.Generator(device="cuda")
-    g.manual_seed(0)
+    g = cuda_generator(0)
     table, names = {}, []
     for name in args.shapes:
         t, top_k, e, k, n, layout = SHAPES[name]

@@ -32,6 +32,7 @@ def peaks():
 
 def run(name: str, shape, steps: int = 10):
     import triton.testing as tt
+    from ab import cuda_generator
 
     from moe_compile.kernels import cuda as kcuda
     from moe_compile.kernels import ops, reference
@@ -40,8 +41,7 @@ def run(name: str, shape, steps: int = 10):
     t, h, i, e, k = shape
     n = t * k
     pk = peaks()
-    g = torch.Generator(device="cuda")
-    g.manual_seed(0)
+    g = cuda_generator(0)
     ids = torch.rand(t, e, generator=g, device="cuda").topk(k, dim=-1).indices
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
     w13 = (torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=g) * h**-0.5)

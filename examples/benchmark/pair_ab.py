@@ -62,12 +62,11 @@ def _runs(x, dy, w1, w3, offs) -> dict:
 
 
 def main():
-    from ab import cell, header, interleave, parse_args, topk_offsets
+    from ab import cell, cuda_generator, header, interleave, parse_args, topk_offsets
 
     args = parse_args(SHAPES)
     header()
-    g = torch.Generator(device="cuda")
-    g.manual_seed(0)
+    g = cuda_generator(0)
     rows = []
     for name in args.shapes:
         t, top_k, e, h, i = SHAPES[name]

@@ -169,15 +169,14 @@ def main():
     args = ap.parse_args()
     import quack
     import triton
-    from ab import interleave, rel_err, with_attr
+    from ab import cuda_generator, interleave, rel_err, with_attr
     from quack.gemm_interface import gemm_tuned
 
     from moe_compile.kernels import _quack, _triton_tma, cuda
 
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
           f"quack {quack.__version__}", flush=True)
-    g = torch.Generator(device="cuda")
-    g.manual_seed(0)
+    g = cuda_generator(0)
     if args.gated:
         for layer in args.shapes:
             gated_ab(layer, args.configs, args.rounds, args.spread, g)
