@@ -48,6 +48,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._launch import lean  # @lean kernels: a cached compiled kernel launched directly (less host work per call)
 from ._triton_gmm import group_tiles, num_sms, tile_coords
+from .layout import TMA_K_STEP
 
 
 @triton.jit
@@ -177,7 +178,7 @@ def _config(n: int) -> dict:
     # for the half-tile TMA store, one program per SM; GROUP_M 16 m-tiles share a weight column
     # block before moving on. Best of the configs tried on the layer GEMMs (module docstring).
     bn = 256 if n >= 256 else (128 if n > 64 else 64)
-    return dict(BM=128, BN=bn, BK=64, GROUP_M=16, num_warps=8, num_stages=3)
+    return dict(BM=128, BN=bn, BK=TMA_K_STEP, GROUP_M=16, num_warps=8, num_stages=3)
 
 
 def _b_desc(w: torch.Tensor, bn: int, bk: int):
@@ -194,23 +195,28 @@ def _b_desc(w: torch.Tensor, bn: int, bk: int):
     return desc, False, not b2d
 
 
-def _launch(x, w, offsets, n, c, bias=None):
-    """One persistent launch over the output tile grid [M, n]."""
-    m, k = x.shape
-    e = w.shape[0]
+def _launch(a, offsets, n, c, w=None, bias=None, pair=None):
+    """One persistent launch over the output tile grid [M, n] of a [M, K] against w [E, K, n], or against
+    both weights of ``pair`` = (wa, wb) [E, n, NH] with K = 2 NH (``pair_desc``)."""
+    m, k = a.shape
     cfg = _config(n)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
-    a_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [bm, bk])
-    b_desc, b_nk, b3d = _b_desc(w, bn, bk)
+    if pair is None:
+        e, nh, flip = w.shape[0], 0, 0
+        b_desc, b_nk, b3d = _b_desc(w, bn, bk)
+    else:
+        e, nh = pair[0].shape[0], pair[0].shape[2]
+        (b_desc, flip), b_nk, b3d = pair_desc(*pair, [1, 1, bk, bn]), False, True
+    a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [bm, bk])
     c_desc = TensorDescriptor(c, [m, n], [c.stride(0), 1], [bm, bn // 2])
     if bias is not None:
         bias = bias if bias.stride(-1) == 1 else bias.contiguous()
     upper = (triton.cdiv(m, bm) + e) * triton.cdiv(n, bn)
-    progs = max(1, min(upper, num_sms(x.device)))
+    progs = max(1, min(upper, num_sms(a.device)))
     return _tma_gmm_kernel[(progs,)](
-        a_desc, b_desc, c_desc, c, bias if bias is not None else c, offsets, m, n, k, e, w.shape[2], 0, 0,
+        a_desc, b_desc, c_desc, c, bias if bias is not None else c, offsets, m, n, k, e, n, nh, flip,
         c.stride(0), bias.stride(0) if bias is not None else 0, progs,
-        B_NK=b_nk, B3D=b3d, PAIR=False, HAS_BIAS=bias is not None, E_P2=triton.next_power_of_2(e),
+        B_NK=b_nk, B3D=b3d, PAIR=pair is not None, HAS_BIAS=bias is not None, E_P2=triton.next_power_of_2(e),
         BM=bm, BN=bn, BK=bk, GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
@@ -223,7 +229,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
     m, n = x.shape[0], w.shape[2]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m and n:
-        _launch(x, w, offsets, n, y, bias)
+        _launch(x, offsets, n, y, w, bias)
     return y
 
 
@@ -248,8 +254,8 @@ def grouped_mm_halves(x: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, offse
     m, nh = x.shape[0], wa.shape[2]
     y = torch.empty(m, 2 * nh, dtype=x.dtype, device=x.device)
     if m:
-        _launch(x, wa, offsets, nh, y[:, :nh])
-        _launch(x, wb, offsets, nh, y[:, nh:])
+        _launch(x, offsets, nh, y[:, :nh], wa)
+        _launch(x, offsets, nh, y[:, nh:], wb)
     return y
 
 
@@ -268,7 +274,7 @@ def pair_supported(dy: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor) -> bool
     es = wa.element_size()
     span = ((e - 1) * wa.stride(0) + (nh - 1) * wa.stride(2) + k) * es
     gap = abs(wb.data_ptr() - wa.data_ptr())
-    if gap < span or gap >= _TMA_STRIDE_LIMIT or nh % _config(k)["BK"]:
+    if gap < span or gap >= _TMA_STRIDE_LIMIT or nh % TMA_K_STEP:
         return False
     return dy.shape[1] == 2 * nh and k % 8 == 0
 
@@ -286,11 +292,11 @@ def pair_desc(wa: torch.Tensor, wb: torch.Tensor, block: list[int]):
 def grouped_mm_cat_dx(dy: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """dy[:, :NH] @ wa[e]^T + dy[:, NH:] @ wb[e]^T -> [M, K]: one launch of ``_tma_gmm_kernel`` (PAIR) with
     K = 2 NH; rows past offsets[-1] are 0. Needs ``pair_supported(dy, wa, wb)``."""
-    e, k, nh = wa.shape
-    m = dy.shape[0]
+    m, k = dy.shape[0], wa.shape[1]
     y = torch.empty(m, k, dtype=dy.dtype, device=dy.device)
-    if m == 0:
-        return y
+    if m:
+        _launch(dy, offsets, k, y, pair=(wa, wb))
+    return y
     cfg = _config(k)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     b_desc, flip = pair_desc(wa, wb, [1, 1, bk, bn])

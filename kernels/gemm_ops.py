@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from .common import check
-from .layout import pair_view, strided_stack
+from .layout import TMA_K_STEP, pair_view, strided_stack
 from .registry import implementation
 
 
@@ -303,7 +303,7 @@ def cat_without_copy(device: torch.device, dtype: torch.dtype, nh: int) -> bool:
     halves and their cat would cost one copy more than the two grouped_mm it replaces."""
     if device.type == "cpu":
         return True
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or nh % 64:
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or nh % TMA_K_STEP:
         return False
     from . import cuda
 

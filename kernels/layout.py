@@ -3,11 +3,15 @@
 ModuleList experts hold E separate nn.Linear weights; once re-homed into one buffer
 (``lowering/rehome.py``) they are evenly spaced views of one storage, and a grouped GEMM can read
 them as one strided 3-D tensor without copying. Used by the grouped GEMM ops and by the CUDA
-kernels; depends on nothing else in the package.
+kernels (with the TMA kernel's k-step, which the lowering asks); depends on nothing else in the package.
 """
 from __future__ import annotations
 
 import torch
+
+# The TMA grouped GEMM's k-step (``_triton_tma``'s BK): grouped_mm_cat_dx's one launch runs K = 2 NH over
+# two weights [E, K, NH], so NH must be a multiple of it (asked by the lowering before any CUDA call).
+TMA_K_STEP = 64
 
 _DATA_PTR = torch.Tensor.data_ptr  # map(_DATA_PTR, ws): the per-step address scan, ~2x a generator
 _STEP_CACHE: dict = {}   # (addresses, shape, strides, dtype, device) -> element step, 0: not evenly spaced
