@@ -253,8 +253,9 @@ def _anchor(g: fx.Graph, region: Region) -> fx.Node:
     return max(c.mutations, key=list(g.nodes).index)
 
 
-def lower_region(gm: fx.GraphModule, region: Region, ep_chunks: int = 1) -> tuple[str, ...]:
-    """Rewrite ``region`` in ``gm`` (in place); returns notes on how. The replaced nodes stay until the
+def lower_region(gm: fx.GraphModule, region: Region, ep_chunks: int = 1, with_output: bool = False):
+    """Rewrite ``region`` in ``gm`` (in place); returns notes on how (``with_output``: and the node its
+    output's readers read now; ``region_chain`` lowers a graph's regions in order). The replaced nodes stay until the
     caller's ``graph_edit.finish(gm)`` (once after all regions of a graph: a dead-code and lint pass per
     region made lowering quadratic in a whole model's depth). ``ep_chunks``: an expert-parallel region's
     tokens are split into this many chunks, whose collectives the post_grad ``ep_overlap`` pass overlaps
@@ -283,7 +284,7 @@ def lower_region(gm: fx.GraphModule, region: Region, ep_chunks: int = 1) -> tupl
         _rewire_output(g, region, c, out)
     else:
         _rewire_accumulator(g, c, out)
-    return notes
+    return (notes, out) if with_output else notes
 
 
 def _check_pairs(region: Region) -> None:

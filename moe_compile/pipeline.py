@@ -113,16 +113,16 @@ def _check(s: DynamoState) -> None:
 def _lower(s: DynamoState) -> None:
     from moe_compile.lowering.expert_parallel import check_data_dependent_tokens
     from moe_compile.lowering.graph_edit import finish
-    from moe_compile.lowering.region import lower_region
+    from moe_compile.lowering.region_chain import RegionChain
     from moe_compile.passes.autocast import narrowed_product, wide_experts_note
 
     autocast = narrowed_product(s.gm.graph.nodes) if s.accepted else None   # read before any region is lowered
-    for region in s.accepted:
+    chain = RegionChain(s.gm)   # in graph order: a region may read what an earlier one computes
+    for region in chain.in_order(s.accepted):
         check_data_dependent_tokens(region, s.config.inductor)
         wide = wide_experts_note(region, autocast)
-        before = set(s.gm.graph.nodes)
-        s.region_notes[id(region)] = lower_region(s.gm, region, s.config.ep_overlap_chunks) + ((wide,) if wide else ())
-        s.region_nodes[id(region)] = set(s.gm.graph.nodes) - before
+        notes, added = chain.lower(region, s.config.ep_overlap_chunks)
+        s.region_notes[id(region)], s.region_nodes[id(region)] = notes + ((wide,) if wide else ()), added
     finish(s.gm)   # dead code, orphaned asserts, lint, recompile: once per graph, not per region
 
 
