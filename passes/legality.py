@@ -44,7 +44,7 @@ from .grouped_state import GMM_OPS
 from .normalize import ancestors, arg, canon, descendants, val, where_in_user_code
 from .region import AccumulateInPlace, Candidate, Finding, Region, ReplaceOutput
 from .token_paths import MATMULS
-from .writes import foreign_write, written
+from .writes import foreign_write, graph_order, written
 
 
 @dataclass(frozen=True)
@@ -252,14 +252,19 @@ def weights_path(region: Region) -> Finding | None:
         return None
     c = region.combine
     sinks = set(c.mutations) if isinstance(c, AccumulateInPlace) else {c.output}
+    order = graph_order(w.graph)
+    # walks bounded by graph order: only nodes between the weights and the last sink are looked at
+    last = max(order.get(s, len(order)) for s in sinks)
+    past = (lambda n: order.get(n, last) > last)   # a node not in the order (none expected): walked past
     rows = set()   # values computed from an expert output
     for n in region.nodes:
         if canon(n) in _EXPERT_LINEARS:
-            rows |= descendants([n])
+            rows |= descendants([n], past)
     # rows written into a buffer (torchtitan's ``buf[perm] = rows``): what reads the buffer reads expert rows
-    rows |= descendants([t for m in region.nodes if m in rows and (t := written(m)) is not None])
-    ahead = ancestors(sinks)
-    for n in sorted(descendants([w]) & ahead, key=_order(w.graph).__getitem__):
+    rows |= descendants([t for m in region.nodes if m in rows and (t := written(m)) is not None], past)
+    first = order.get(w, 0)
+    ahead = ancestors(sinks, lambda n: order.get(n, first) < first)
+    for n in sorted(descendants([w], past) & ahead, key=order.__getitem__):
         if n is w or n in sinks:
             continue
         if any(i in rows for i in n.all_input_nodes):
@@ -278,10 +283,6 @@ def _mask_op(n: fx.Node, w: fx.Node) -> bool:
     if op == "mul":
         return all(isinstance(val(a), torch.Tensor) and not val(a).is_floating_point() for a in others)
     return op == "where" and len(n.args) == 3 and n.args[2] == 0
-
-
-def _order(graph: fx.Graph) -> dict:
-    return {n: i for i, n in enumerate(graph.nodes)}
 
 
 # ops that map a zero row to a zero row (and a zero intermediate to zero gradients of the weights
@@ -303,7 +304,7 @@ def input_weights(region: Region) -> Finding | None:
     c = region.combine
     sinks = set(c.mutations) if isinstance(c, AccumulateInPlace) else {c.output}
     rows = descendants([region.x])   # the input rows and everything computed from them
-    for n in sorted(descendants([router.weights]) & ancestors(sinks), key=_order(region.x.graph).__getitem__):
+    for n in sorted(descendants([router.weights]) & ancestors(sinks), key=graph_order(region.x.graph).__getitem__):
         if n is router.weights or n in sinks or any(i in rows for i in n.all_input_nodes):
             continue  # where the weights meet the input rows, or after it
         if canon(n) not in _TRANSPARENT:
@@ -313,7 +314,7 @@ def input_weights(region: Region) -> Finding | None:
     desc_w = descendants([router.weights])
     meet = [n for n in desc_w - {router.weights} if any(i in rows and i not in desc_w for i in n.all_input_nodes)]
     fn_nodes = set().union(*(descendants([m]) for m in meet)) & ancestors([c.output])
-    for n in sorted(fn_nodes, key=_order(region.x.graph).__getitem__):
+    for n in sorted(fn_nodes, key=graph_order(region.x.graph).__getitem__):
         op = canon(n)
         if op in _ZERO_TO_ZERO and not _has_bias(n):
             continue

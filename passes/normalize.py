@@ -219,9 +219,10 @@ def _reachable(starts, step) -> set[fx.Node]:
     return seen
 
 
-def descendants(nodes) -> set[fx.Node]:
-    """``nodes`` and every node computed from them."""
-    return _reachable(nodes, lambda n: n.users)
+def descendants(nodes, stop=None) -> set[fx.Node]:
+    """``nodes`` and every node computed from them; with ``stop``, not walked past a node for which
+    ``stop(node)`` holds (the node itself is included)."""
+    return _reachable(nodes, lambda n: () if stop is not None and stop(n) else n.users)
 
 
 def ancestors(nodes, stop=None) -> set[fx.Node]:

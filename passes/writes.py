@@ -206,8 +206,7 @@ def foreign_write(region: Region) -> fx.Node | None:
     rewrite reads them once, after its last node); on a tensor computed inside the region or from
     the router's outputs on the way to it (offsets, a routing matrix, gathered weights: the rewrite
     computes its own from ids and weights), anywhere between its definition and the region's end."""
-    nodes = list(region.x.graph.nodes)
-    order = {n: i for i, n in enumerate(nodes)}
+    order, writes = _graph_writes(region.x.graph)
     span = [order[n] for n in region.nodes if n in order]
     if not span:
         return None
@@ -226,8 +225,13 @@ def foreign_write(region: Region) -> fx.Node | None:
     # computed from the router's outputs on the way into the region (not the router itself, which stays),
     # and what those read that no input is computed from (``r = zeros(T, E); r.scatter_(1, ids, w)`` as a
     # statement: the combine reads the zeros node, whose zeros the rewrite assumes)
+    # (walks bounded by graph order: a node computed from the router's outputs comes after the first of them,
+    # one the region's nodes are computed from comes before its end; a whole-model graph holds many layers)
     outputs = [router.ids, router.weights]
-    derived = (descendants(outputs) & ancestors(region.nodes) - ancestors(outputs)) | set(region.nodes)
+    lo = min(order[o] for o in outputs if o is not None)
+    before, past = (lambda n: order.get(n, lo) < lo), (lambda n: order.get(n, end) > end)   # unknown: walked
+    derived = (descendants(outputs, past) & ancestors(region.nodes, before) - ancestors(outputs, before)) \
+        | set(region.nodes)
     derived |= ancestors(derived) - ancestors(inputs)
     memo: dict = {}
     since: dict = {}   # storage -> order from which a write to it counts
@@ -255,13 +259,34 @@ def foreign_write(region: Region) -> fx.Node | None:
             if b in since and storage_base(n, memo) is not b:
                 since[b] = min(since[b], order[n])
                 first_read[b] = min(first_read.get(b, order[n]), order[n])
-    for n in nodes[:end]:
-        target = written(n)
-        if target is not None and n not in own:
+    for i, n, target in writes:
+        if i >= end:
+            break
+        if n not in own:
             b = storage_base(target, memo)
             if b in since and order[n] > since[b] and not _builds_matrix(n, b, router, first_read, order, pre):
                 return n
     return None
+
+
+def graph_order(graph: fx.Graph) -> dict:
+    """{node: its index in the graph} (``per_graph``: built once per graph while the passes only read it)."""
+    return _graph_writes(graph)[0]
+
+
+def _graph_writes(graph: fx.Graph) -> tuple[dict, list]:
+    """({node: its index in the graph}, [(index, node, the tensor it writes)] of the graph's in-place writes
+    in graph order): one scan per graph while the passes only read it (``per_graph``), not one per region."""
+    def build():
+        order, writes = {}, []
+        for i, n in enumerate(graph.nodes):
+            order[n] = i
+            target = written(n)
+            if target is not None:
+                writes.append((i, n, target))
+        return order, writes
+
+    return per_graph(graph, "writes.order", build)
 
 
 def _builds_matrix(n: fx.Node, b: fx.Node, router, first_read: dict, order: dict, pre: set) -> bool:
