@@ -353,6 +353,8 @@ def mirror_layout(src: nn.Module, dst: nn.Module) -> int:
     dst_params = dict(dst.named_parameters())
     moved = 0
     for group in _shared_storage_groups(src):
+        if not _disjoint([p for _, p in group]):
+            continue  # the user's tie (``w_b.data = w_a.data``), not a layout: copying it would tie dst's too
         pairs = [(p, dst_params.get(name)) for name, p in group]
         if not all(isinstance(q, nn.Parameter) and type(q.data) is torch.Tensor and q.shape == p.shape
                    and q.stride() == p.stride() and q.dtype == p.dtype and q.device == p.device
@@ -371,3 +373,11 @@ def mirror_layout(src: nn.Module, dst: nn.Module) -> int:
                 q.data = view
         moved += len(pairs)
     return moved
+
+
+def _disjoint(params: list[torch.Tensor]) -> bool:
+    """No two of ``params`` (views of one storage) reach a common element: their element ranges, from
+    the storage offset to the last element a stride reaches, do not overlap."""
+    spans = sorted((p.storage_offset(), p.storage_offset() + sum((n - 1) * st for n, st in zip(p.shape, p.stride())))
+                   for p in params if p.numel())
+    return all(end < start for (_, end), (start, _) in zip(spans, spans[1:]))

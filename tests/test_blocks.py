@@ -356,6 +356,29 @@ def test_mirror_keeps_weights_held_by_another_tensor_where_they_are(tie, caplog)
     assert "a weight shares its storage" in caplog.text, caplog.text   # the slower path is named
 
 
+def test_mirror_does_not_copy_a_tie_of_the_first_block(caplog):
+    """The first block ties two experts' weights (``w.data = other.data``, a tie re-homing leaves in
+    place): its storage groups hold that tie, and the mirror copied it as a layout onto every other block
+    of the class: their experts 0 and 1 then shared one weight (expert 0's values overwritten with
+    expert 1's, output 8e-2 off from the second call; review helper-60). Only disjoint groups are a
+    layout; the other blocks keep their own weights and train like eager."""
+    torch._dynamo.reset()
+    eager = LoopLM()
+    model = copy.deepcopy(eager)
+    for m in (eager, model):
+        ex = m.layers[0].experts
+        ex[1].w1.weight.data = ex[0].w1.weight.data
+    moe_compile.compile_blocks(model, options=OPTS)
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    _train_like_eager(eager, model, steps=3)
+    for b in model.layers[1:]:
+        assert b.experts[0].w1.weight.data_ptr() != b.experts[1].w1.weight.data_ptr()
+        # the first block's other linears, re-homed by the backend, are still mirrored
+        assert len({ex.w2.weight.untyped_storage().data_ptr() for ex in b.experts}) == 1
+    for (n, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+        assert_close_rel(p.detach(), q.detach(), TRAIN_REL, f"{n} after 3 steps")
+
+
 # ----------------------------------------------------------------------------- refused regions
 class _RefusedBlock(nn.Module):
     def __init__(self):
