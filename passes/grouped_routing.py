@@ -322,17 +322,23 @@ def inverse_argsort(f, n, op, a0, r0, rk):
     return DONE
 
 
+def _token_input(r0, ri) -> bool:
+    """The tensor rows are gathered from is a token tensor: no role, or another region's finished output
+    (``b(a(x))``: lowering/region_chain.py gives the later region the earlier one's new output)."""
+    return r0 is None or (r0.kind == "out" and ri is not None and r0.g is not ri.g)
+
+
 def enter_getitem(f, n, op, a0, r0, rk):
     """x[perm // K] (or x[perm] for top-1)."""
     ri = f.r(n.args[1])
-    if rk is None and ri and ri.kind in ("tok", "perm") and shape(a0) and len(shape(a0)) == 2:
+    if _token_input(r0, ri) and ri and ri.kind in ("tok", "perm") and shape(a0) and len(shape(a0)) == 2:
         f.enter(n, a0, ri)
         return DONE
 
 
 def enter_index_select(f, n, op, a0, r0, rk):
     ri = f.r(arg(n, 2, "index"))
-    if rk is None and arg(n, 1, "dim") == 0 and ri and ri.kind in ("tok", "perm"):
+    if _token_input(r0, ri) and arg(n, 1, "dim") == 0 and ri and ri.kind in ("tok", "perm"):
         f.enter(n, a0, ri)
         return DONE
 
@@ -342,11 +348,12 @@ def enter_gather(f, n, op, a0, r0, rk):
     reorderer). Only an index that spans every column of x in each row: a narrower one gathers some
     columns only."""
     idx = arg(n, 2, "index")
-    if rk is not None or arg(n, 1, "dim") not in (0, -2) or canon(idx) != "expand" or not shape(a0) \
-            or len(shape(a0)) != 2:
+    if arg(n, 1, "dim") not in (0, -2) or canon(idx) != "expand" or not shape(a0) or len(shape(a0)) != 2:
         return None
     col = idx.args[0]
     ri = f.r(col.args[0]) if isinstance(col, fx.Node) and col.args else None
+    if not _token_input(r0, ri):
+        return None
     n_rows = shape(col)[0] if shape(col) else None
     if canon(col) in ("unsqueeze", "view", "reshape") and ri and ri.kind in ("tok", "perm") \
             and shape(col) == (n_rows, 1) and shape(idx) == (n_rows, shape(a0)[1]):

@@ -76,12 +76,24 @@ class Chain(nn.Module):
 
 
 @pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("first", ["loop", "sorted_in_place"])
+@pytest.mark.parametrize("first", ["loop", "sorted_in_place", "sorted"])
 @pytest.mark.parametrize("tokens", [0, 1, 13])
-def test_second_layer_reads_the_first_layers_accumulator(first, residual, tokens):
+def test_second_layer_reads_the_first_layers_output(first, residual, tokens):
+    """Also a sorted layer's rows gathered straight from another sorted layer's output (``b(a(x))``): the
+    finder took a tensor another region computed for no token input, and the second layer was compiled
+    as written, reported as moe_unmatched (or not at all: ``test_one_layer_called_twice``)."""
     torch.manual_seed(0)
-    a = LoopIntoZeros() if first == "loop" else Sorted(in_place=True)
+    a = LoopIntoZeros() if first == "loop" else Sorted(in_place=first == "sorted_in_place")
     check_compiled(Chain(a, Sorted(in_place=False), residual), (make_input((tokens, H)),), expect_rewritten=2)
+
+
+def test_one_layer_called_twice():
+    """``a(a(x))`` with a sorted layer: both calls rewritten. Before, the second call's rows (gathered from
+    the first call's output) were not found, and the unclaimed detector took the layer's module as claimed
+    by the first call: one call compiled as written with no record (review helper-59)."""
+    torch.manual_seed(2)
+    layer = Sorted(in_place=False)
+    check_compiled(Chain(layer, layer, residual=False), (make_input((9, H)),), expect_rewritten=2)
 
 
 def test_three_layers_each_reading_the_previous_accumulator():
