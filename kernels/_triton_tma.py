@@ -297,14 +297,3 @@ def grouped_mm_cat_dx(dy: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, offs
     if m:
         _launch(dy, offsets, k, y, pair=(wa, wb))
     return y
-    cfg = _config(k)
-    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
-    b_desc, flip = pair_desc(wa, wb, [1, 1, bk, bn])
-    a_desc = TensorDescriptor(dy, [m, 2 * nh], [dy.stride(0), 1], [bm, bk])
-    c_desc = TensorDescriptor(y, [m, k], [y.stride(0), 1], [bm, bn // 2])
-    progs = max(1, min((triton.cdiv(m, bm) + e) * triton.cdiv(k, bn), num_sms(dy.device)))
-    _tma_gmm_kernel[(progs,)](
-        a_desc, b_desc, c_desc, y, y, offsets, m, k, 2 * nh, e, k, nh, flip, y.stride(0), 0, progs,
-        B_NK=False, B3D=True, PAIR=True, HAS_BIAS=False, E_P2=triton.next_power_of_2(e),
-        BM=bm, BN=bn, BK=bk, GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return y

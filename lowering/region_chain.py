@@ -13,7 +13,7 @@ node instead (a whole model in one graph: ``h = a(x); b(h)`` where ``a`` accumul
     followed: b.x = y_a; b's rows = permute_rows(y_a, ...)
 
 A later region that reads such a node before the earlier region ends (regions interleaved in the
-graph) is not lowered: ``lower_in_order`` raises (a ``lowering_error``, listed by explain()).
+graph) is not lowered: ``RegionChain.lower`` raises (a ``lowering_error``, listed by explain()).
 """
 from __future__ import annotations
 
