@@ -64,8 +64,8 @@ from .id_range import holds_ids
 from .moe_source import Frame, _enclosing_function, declares_experts_implementation, enclosing_class, in_moe_code  # noqa: F401
 from .normalize import canon, common_module, module_path, source_name, val, where_in_user_code
 from .token_paths import MATMULS, ep_experts_of, graph_params, param_of, router_params, token_values
-from .unclaimed_base import (_GATHERS, Unclaimed, _claimed_by, _dims, _expert_choice, _near, _same_block,
-                             sliced_inputs)
+from .unclaimed_base import (_GATHERS, Unclaimed, _claimed_by, _dims, _expert_choice, _near, _past_output,
+                             _routed_matmul, _same_block, sliced_inputs)
 from .unrouted import unrouted
 from .writes import basic_index, written
 
@@ -276,14 +276,17 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
 
 def _second_expert_set(router, ids, e, k, params, weights, claimed, after, order, tokens) -> list[Unclaimed]:
     """A router that a region uses, whose ids also reach expert matmuls that no region covers (``claimed``)
-    short of what reads a region's combined output (``after``: the search stays in the layer, so a deep
+    short of what reads a region's combined output (``after``, except what also reads the routing itself:
+    ``_past_output``; the search stays in the layer, so a deep
     model costs one pass over each layer): a second expert set on the same routing (``ys =
     [experts(x[order // K]) for experts in sets]``, each combined on its own). The region takes one set; the
     other is compiled as written and listed here (``second_expert_set``), unless a candidate refused before
     its region was assembled names its module (listed already: a loop refused as ``rows_of_next_layer``
     beside the rewritten one)."""
-    found = [(kd, n) for kd, n in _evidence(router, _reach(ids, after), params, weights, e, claimed, order, tokens)
-             if kd in ("stacked", "selected", "listed")]
+    inner = _reach(ids, after)
+    found = [(kd, n) for kd, n in _evidence(router, inner | _past_output(inner, after, claimed), params, weights, e,
+                                            claimed, order, tokens)
+             if kd in ("stacked", "selected", "listed") and (n in inner or _routed_matmul(n, inner))]
     if not found:
         return []
     first = found[0][1]

@@ -131,3 +131,28 @@ def _transposed_scores(n, e: int, params: set, hops: int = 4) -> bool:
             return False
         n, hops = ins[0], hops - 1
     return False
+
+
+def _routed_matmul(n: fx.Node, inner: set) -> bool:
+    """A matmul past the output that the routing itself feeds: its group ends (``grouped_mm(.., offs)``)
+    or its rows gathered by a routed index (``h[tok]``). A dense head after the layer whose input also
+    carries an auxiliary loss term built from the ids is not one."""
+    if (canon(n) or "") not in MATMULS:
+        return False
+    return any(a in inner or (canon(a) or "") in _GATHERS and any(b in inner for b in a.all_input_nodes[1:])
+               for a in n.all_input_nodes)
+
+
+def _past_output(inner: set, after: set, claimed: set, hops: int = 3) -> set[fx.Node]:
+    """Nodes of ``after`` (what reads a region's combined output) outside every region (``claimed``) that
+    read the routing ``inner`` itself, and their users up to ``hops`` further: a second expert set run on
+    the first one's output with the same sort (``h = combine(a(x[tok]), offs)``; ``b(h[tok], offs)``)
+    reads both (a region's own combine, e.g. a bmm with the top-k weights after the unsort, is no such
+    node; past the output only matmuls the routing feeds count as evidence, ``_routed_matmul``).
+    Bounded, so the search still stays in the layer."""
+    out = {u for n in inner for u in n.users if u in after and u not in claimed}
+    edge = set(out)
+    for _ in range(hops):
+        edge = {u for n in edge for u in n.users if u.op != "output" and u not in claimed} - out
+        out |= edge
+    return out

@@ -728,6 +728,71 @@ class TwoExpertSetsOneOrder(TitanMoE):
         return out
 
 
+class TwoExpertSetsInSequence(TitanMoE):
+    """The second expert set run on the first set's combined output with the first's sort (rows ``tok``,
+    group ends ``offs``, sorted weights ``w``), with or without a residual between them (found by review):
+    the region took the first set and the second was compiled as written and listed nowhere (1 rewritten,
+    0 refused). Now listed (``second_expert_set``)."""
+
+    def __init__(self, residual):
+        super().__init__()
+        self.residual = residual
+        self.v1 = nn.Parameter(torch.randn(E, I, H) / math.sqrt(H))
+        self.v2 = nn.Parameter(torch.randn(E, H, I) / math.sqrt(I))
+
+    def forward(self, x):
+        x, top, order, tok, offs, rows = self._routed_rows(x)
+        w = top.view(-1)[order].unsqueeze(-1)
+        h = torch.zeros_like(x).index_add(0, tok, _gmm(F.silu(_gmm(rows, self.w1, offs, self.dtype)), self.w2,
+                                                       offs, self.dtype) * w)
+        if self.residual:
+            h = h + x
+        y = _gmm(F.silu(_gmm(h[tok], self.v1, offs, self.dtype)), self.v2, offs, self.dtype)
+        return torch.zeros_like(x).index_add(0, tok, y * w)
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["chained", "residual"])
+def test_second_expert_set_on_the_first_sets_output_is_listed(residual):
+    torch.manual_seed(8)
+    x = make_input((2, 5, H))
+    torch._dynamo.reset()
+    report = moe_compile.explain(TwoExpertSetsInSequence(residual), x)
+    assert sorted((r.status, r.code) for r in report.regions) == [("refused", "second_expert_set"),
+                                                                  ("rewritten", "")], report
+    check_compiled(TwoExpertSetsInSequence(residual), (x,), expect_rewritten=1, expect_refused=1, fresh_inputs=0)
+
+
+class BalanceTermThenHead(TitanMoE):
+    """The layer, a balance term built from the routing folded into its output (``y + 0 * aux``, or
+    ``y * max(n) / sum(n)`` of the counts), then a dense head that is a ModuleList element: not a second
+    expert set (the search past the output listed it as one; review helper-63)."""
+
+    def __init__(self, how):
+        super().__init__(combine="index_add")
+        self.how = how
+        self.head = nn.ModuleList([nn.Linear(H, H)])
+
+    def forward(self, x):
+        x, top, sel = self._top_k(x)
+        order, n = self._sort_and_count(sel)
+        y = self._sorted_experts(x, order, n, top)
+        if self.how == "aux":
+            frac = F.one_hot(sel.view(-1), E).float().mean(0)
+            y = y + 0.0 * (frac * frac).sum()
+        else:
+            y = y * (n.max() / n.sum().clamp(min=1))
+        return self.head[0](y)
+
+
+@pytest.mark.parametrize("how", ["aux", "counts"])
+def test_a_dense_head_after_a_routing_term_is_not_a_second_expert_set(how):
+    torch.manual_seed(8)
+    x = make_input((2, 5, H))
+    torch._dynamo.reset()
+    report = moe_compile.explain(BalanceTermThenHead(how), x)
+    assert [(r.status, r.code) for r in report.regions] == [("rewritten", "")], report
+
+
 class MixedAfterTheLayer(TitanMoE):
     """A 3-D Parameter whose first dim is E applied to the combined output (the next layer's work, not a
     second expert set; found by review: listed as ``second_expert_set``)."""
