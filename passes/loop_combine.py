@@ -156,10 +156,13 @@ def expert_rows(a, n: fx.Node, src: fx.Node, ids, e: int, enum) -> Rows:
     it (``xin = out.view(T, H)``, ``out[:]``, ``out.detach()``): the same storage.
 
     Rows that the next MoE layer's experts gather from the accumulator itself (another router's, or
-    expert e's of the same router after expert e already added its output here) would keep reading
-    the accumulator's first value once this layer is rewritten (their own rewrite takes ``src`` as its
-    input): this accumulator is refused. Through a view taken after the sum (``x = out.reshape(-1, H)``
-    in the next layer), the view is one of the accumulator's readers, which the rewrite rewires."""
+    expert e's of the same router after expert e already added its output here) are noted
+    (``row_reads``): read once every expert has added (the layers one after the other), they are the
+    finished sum's readers, which the rewrite rewires (and ``region_chain`` gives the next layer's
+    own rewrite the new sum); read before (the layers interleaved), they would see a partial sum
+    that the rewrite never makes: ``rows_of_next_layer`` (``loop_regions``). Through a view taken
+    after the sum (``x = out.reshape(-1, H)`` in the next layer), the view is one of the
+    accumulator's readers already."""
     s, view = a.storage_of.get(src), None
     if s is None:
         s = a.storage_of.get(storage_base(src, {}))
@@ -168,7 +171,7 @@ def expert_rows(a, n: fx.Node, src: fx.Node, ids, e: int, enum) -> Rows:
         at = where_in_user_code(n) or "?"
         if e in s.contribs or any(c.rows.ids.root is not ids.root for c in s.contribs.values()):
             if view is None or (view, s.version) not in s.readers:
-                s.findings.append(Finding.of("rows_of_next_layer", n, reader=n.name, at=at))
+                s.row_reads.append((n, s.version))
         elif ids.k != 1:
             s.findings.append(Finding.of("partial_read", n, reader=n.name, at=at))
     return Rows(src, ids, e, enum)

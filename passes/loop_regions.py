@@ -116,6 +116,9 @@ def _findings(a: Analysis, s: Storage, functions: dict, order: dict) -> list[Fin
     for c in cs:
         if a.row_findings.get(expert_key(c)):
             return a.row_findings[expert_key(c)][:1]
+    early = [n for n, v in s.row_reads if v < s.version]
+    if early:   # the next layer's rows read a partial sum (loop_combine.expert_rows)
+        return [Finding.of("rows_of_next_layer", early[0], reader=early[0].name, at=where_in_user_code(early[0]))]
     partial = [n for n, v in s.readers if 0 < v < s.version]
     if partial:
         return [Finding.of("partial_read", partial[0], reader=partial[0].name, at=where_in_user_code(partial[0]))]
@@ -190,7 +193,7 @@ def find_loop_regions(gm: fx.GraphModule, analysis: Analysis | None = None) -> l
         slots = tuple(zip(*(operands for _, operands in built)))  # slot i -> expert 0..E-1's operand
         combine = AccumulateInPlace(
             acc=s.alloc, base=s.base, dtype=val(s.alloc).dtype, aliases=tuple(s.aliases),
-            mutations=tuple(s.mutations), readers=tuple(n for n, v in s.readers if v == s.version),
+            mutations=tuple(s.mutations), readers=tuple(n for n, v in s.readers + s.row_reads if v == s.version),
             overwrite=s.overwrite and s.base is not None)
         router = Router(ids=c0.rows.ids.root, weights=c0.w, top_k=k, num_experts=len(s.contribs))
         region = Region(module, form, where, c0.rows.x, router, ExpertMLP(tuple(built[0][0]), slots), combine,

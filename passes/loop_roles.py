@@ -151,6 +151,7 @@ class Storage:
     aliases: set = dataclasses.field(default_factory=set)      # nodes whose value is this storage
     version: int = 0
     readers: list = dataclasses.field(default_factory=list)    # (node, version) reads outside the pattern
+    row_reads: list = dataclasses.field(default_factory=list)  # (node, version) the next layer's expert rows
     findings: list = dataclasses.field(default_factory=list)   # region.Finding: why it cannot be rewritten
     forked: bool = False                 # a functional index_add made a newer copy of it
     overwrite: bool = False              # top-1 `acc[idx] = c` over a base: routed rows replaced

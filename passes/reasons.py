@@ -38,10 +38,11 @@ REASONS: dict[str, Reason] = {
         "finished sum, which the rewrite gives as a new tensor",
         "take the view after the expert loop (or read the accumulator itself)"),
     "rows_of_next_layer": Reason(
-        "another MoE layer gathers its experts' rows straight from this layer's accumulator (`{reader}` at {at}); "
-        "the rewrite gives this layer's sum as a new tensor, which that gather would not read",
-        "give the next layer a tensor of its own (e.g. a residual add or a norm between the layers, or "
-        "`out = out.clone()` after the expert loop)"),
+        "another MoE layer gathers its experts' rows straight from this layer's accumulator (`{reader}` at {at}) "
+        "before every expert of this layer has added to it (the two expert loops interleave); the rewrite computes "
+        "the finished sum only, which that gather would not read",
+        "finish this layer's expert loop before the next layer reads its accumulator, or give the next layer a "
+        "tensor of its own (e.g. `out = out.clone()` after this layer's expert loop)"),
     "acc_is_input": Reason(
         "the accumulator is a graph input (mutating it in place is a side effect the rewrite would drop)",
         "accumulate into a fresh tensor (torch.zeros_like(x)) and return it"),
