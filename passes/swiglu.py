@@ -5,7 +5,8 @@ Contract (finds and checks, never mutates)::
     h = moe_compile.grouped_mm*(...)                  [M, 2N] (w1|w3 side by side, or HF gate_up)
     g = h[:, :N]   | h[..., :N]   | h.chunk(2, -1)[0]
     u = h[:, N:]   | h[..., N:]   | h.chunk(2, -1)[1]
-    a = silu(g) * u   (either operand order)          [M, N], h's dtype
+    a = silu(g) * u   (either operand order; ``s = silu(g); s *= u`` when nothing else reads s)
+                                                      [M, N], h's dtype
   -> SwiGLUMatch(mul=a, h=h, n=N); ``lowering/swiglu.py`` replaces a with moe_compile.swiglu(h).
 
 Only GEMM outputs of the rewrite are considered, so user code outside MoE regions is never touched.
@@ -18,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from .normalize import arg, canon, val
+from .writes import writes_in_place, written
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +81,9 @@ def find_swiglu(gm: fx.GraphModule) -> list[SwiGLUMatch]:
             gh, uh = (_half(g) if g is not None else None), _half(other)
             if gh is None or uh is None or gh[0] is not uh[0] or (gh[1], uh[1]) != (0, 1):
                 continue
+            if writes_in_place(node) and not (written(node) is act and set(act.users) == {node}):
+                break   # ``s *= u`` writes s (a view of it, ``s0 = s[:, :N]`` taken before, sees the
+                #         product) and ``u *= silu(g)`` writes h: swiglu(h) is a new tensor, no such write
             h, out = val(gh[0]), val(node)
             n = h.shape[1] // 2
             if isinstance(out, torch.Tensor) and out.dtype == h.dtype and tuple(out.shape) == (h.shape[0], n):

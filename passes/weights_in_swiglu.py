@@ -23,8 +23,9 @@ combine's backward becomes a gather that does not read y [M, H], and y is not ke
 
 Only this exact chain of moe_compile ops is matched (an expert-parallel combine reads received
 rows, not a GEMM output, so it never matches), and only on activations with fp32's exponent range
-(bf16, fp32, fp64; not fp16: ``_FP32_RANGE``); a chain that does not match keeps the weighted combine
-(correct, a read of y slower), so nothing here is a refusal.
+(bf16, fp32, fp64; not fp16: ``_FP32_RANGE``), the swiglu's and every cast's before the down
+projection; a chain that does not match keeps the weighted combine (correct, a read of y slower),
+so nothing here is a refusal.
 """
 from __future__ import annotations
 
@@ -78,6 +79,14 @@ def _through_casts(x):
     return x
 
 
+def _chain(x: fx.Node, a: fx.Node) -> list[fx.Node]:
+    """The nodes from ``x`` down to ``a`` through ``_through_casts``' casts, both ends included."""
+    out = [x]
+    while out[-1] is not a:
+        out.append(out[-1].args[0])
+    return out
+
+
 def _match(c: fx.Node, order: dict) -> WeightsInSwiGLUMatch | None:
     if len(c.args) != 4 or set(c.kwargs) - {"out_dtype"}:
         return None
@@ -93,8 +102,9 @@ def _match(c: fx.Node, order: dict) -> WeightsInSwiGLUMatch | None:
     if not isinstance(w, fx.Node) or not isinstance(wv, torch.Tensor) or not wv.is_floating_point() \
             or wv.dim() != 2 or wv.numel() != av.shape[0] or order[w] > order[a]:
         return None
-    if av.dtype not in _FP32_RANGE:
-        return None   # fp16 rows: w * swiglu(h) rounded to fp16 underflows / overflows where eager's y * w does not
+    if any(val(n).dtype not in _FP32_RANGE for n in _chain(y.args[0], a)):
+        return None   # fp16 rows (swiglu's or a cast's before the down GEMM): w * swiglu(h) rounded to fp16
+        #               underflows / overflows where eager's y * w does not
     return WeightsInSwiGLUMatch(c, y, a, w, perm, wv.shape[1], c.kwargs.get("out_dtype"))
 
 
