@@ -152,17 +152,19 @@ def _is_stacked_linear(region: Region, step) -> bool:
 
 
 def _siblings(region: Region, si, sj) -> bool:
-    """Steps si, sj are two linears of one input, weights of one dtype: list linears (ModuleList), or 3-D
-    weights of one shape run in one dtype (``cat_without_copy`` says where grouped_mm_cat costs no copy)."""
+    """Steps si, sj are two linears of one input, weights of one dtype, run in one dtype (autocast's,
+    or none): list linears (ModuleList), or 3-D weights of one shape (``cat_without_copy`` says where grouped_mm_cat costs no copy)."""
     if not _same_value(region, sj.args[0], si.args[0]):
         return False
     wa, wb = val(region.experts.slots[si.linear[0]][0]), val(region.experts.slots[sj.linear[0]][0])
     if wa.dtype != wb.dtype:
         return False
+    if si.dtype != sj.dtype:   # run in two dtypes (autocast around one of them): one GEMM would run both in one
+        return False
     if _is_list_linear(region, si):
         return _is_list_linear(region, sj)
     ka, kb = _stacked_kn(region, si), _stacked_kn(region, sj)
-    return (ka is not None and kb is not None and ka.shape == kb.shape and si.dtype == sj.dtype
+    return (ka is not None and kb is not None and ka.shape == kb.shape
             and _ops.cat_without_copy(wa.device, si.dtype or wa.dtype, ka.shape[2]))
 
 
@@ -223,7 +225,7 @@ def _emit_sibling_linears(b: GraphBuilder, region: Region, h: fx.Node, si, sj, o
         y = b.fn(OPS.grouped_mm_cat.default, _cast(b, h, si.dtype), wa, wb, offs)
         return _halves(b, y, _stacked_kn(region, si).shape[2])
     ws_a, ws_b = list(region.experts.slots[si.linear[0]]), list(region.experts.slots[sj.linear[0]])
-    cd = si.dtype if si.dtype == sj.dtype else None    # under autocast, as _emit_linear
+    cd = si.dtype    # under autocast, as _emit_linear (``_siblings``: both steps run in it)
     h, ws_a, ws_b = _cast(b, h, cd), [_cast(b, w, cd) for w in ws_a], [_cast(b, w, cd) for w in ws_b]
     y = b.fn(OPS.grouped_mm_list_cat.default, h, ws_a, ws_b, offs, True)  # [N, K] weights as they are
     return _halves(b, y, val(ws_a[0]).shape[0])

@@ -220,3 +220,71 @@ def test_mixed_dtype_experts_raise_as_eager_outside_autocast(where):
         want, got = model(x), compiled(x)
     assert_close_rel(got.float(), want.float(), BF16_REL, "output")
     assert records.counters[records.REWRITTEN] - before.get(records.REWRITTEN, 0) == 1
+
+
+class _Expert(torch.nn.Module):
+    """A bias-free SwiGLU expert; ``autocast``: "w1" | "w3" runs that linear alone under CPU bf16 autocast."""
+
+    def __init__(self, autocast, h=16, i=24):
+        super().__init__()
+        self.autocast = autocast
+        self.w1, self.w3 = torch.nn.Linear(h, i, bias=False), torch.nn.Linear(h, i, bias=False)
+        self.w2 = torch.nn.Linear(i, h, bias=False)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast == "w1"):
+            a = self.w1(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast == "w3"):
+            b = self.w3(x)
+        return self.w2(torch.nn.functional.silu(a) * b)
+
+
+class _PartlyAutocastMoE(torch.nn.Module):
+    def __init__(self, autocast, k, e=4, h=16):
+        super().__init__()
+        self.k = k
+        self.gate = torch.nn.Linear(h, e, bias=False)
+        self.experts = torch.nn.ModuleList(_Expert(autocast) for _ in range(e))
+
+    def forward(self, x):
+        w, ids = torch.topk(torch.softmax(self.gate(x), -1), self.k, -1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, (w[tok, slot, None] * expert(x[tok])).to(out.dtype))
+        return out
+
+
+# one linear of the pair in bf16 (autocast around it alone), the other in fp32, on both sides: the fp32
+# summation order differs, which flips the bf16 rounding of a few elements (up to 2e-4 seen); the pair
+# fused into one fp32 GEMM was 3e-3 - 7e-3 off
+PARTLY_AUTOCAST_REL = 1e-3
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("autocast", ["w1", "w3"])
+def test_gate_and_up_run_in_two_dtypes_are_not_paired(autocast, k, gemm_dtypes):
+    """w1 and w3 of one input are paired into one GEMM (grouped_mm_list_cat) when they run in one dtype.
+    With autocast around one of them only, the pair ran both in fp32 (review helper-64): the output
+    3e-3 off eager, every gradient 3e-3 - 7e-3, reported rewritten. Now each runs in its own dtype."""
+    torch.manual_seed(0)
+    eager = _PartlyAutocastMoE(autocast, k)
+    model = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
+    with records.recording() as graphs:
+        for t in (64, 7, 0):
+            x = make_input((t, 16), seed=t)
+            x_ref = x.detach().clone().requires_grad_()
+            got, want = compiled(x), eager(x_ref)
+            got.square().sum().backward()
+            want.square().sum().backward()
+            assert_close_rel(got, want, PARTLY_AUTOCAST_REL, f"T={t}: output")
+            assert_close_rel(x.grad, x_ref.grad, PARTLY_AUTOCAST_REL, f"T={t}: input gradient")
+            for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+                assert_close_rel(p.grad, q.grad, PARTLY_AUTOCAST_REL, f"T={t}: grad of {name}")
+            model.zero_grad(set_to_none=True)
+            eager.zero_grad(set_to_none=True)
+    recs = [r for g in graphs for r in g]   # one graph per size seen (recompiles)
+    assert recs and all(r.status == records.REWRITTEN for r in recs), [(r.status, r.code, r.reason) for r in recs]
+    assert (torch.bfloat16, torch.bfloat16) in gemm_dtypes and (torch.float32, torch.float32) in gemm_dtypes, gemm_dtypes
