@@ -1369,6 +1369,40 @@ def test_experts_selected_without_a_topk_router_are_listed(form, caplog):
     assert len(warned) == 1 and "region gap" in warned[0], caplog.text
 
 
+class _CheckpointedLoopAtRoot(nn.Module):
+    """The block compiled on its own (the root module): its router outside the checkpoint, the expert
+    loop a method given the ids, the ModuleList two modules down (``self.box.inner.experts``)."""
+
+    def __init__(self, e=4):
+        super().__init__()
+        self.e = e
+        self.gate = nn.Linear(16, e, bias=False)
+        self.box = nn.Module()
+        self.box.inner = nn.Module()
+        self.box.inner.experts = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+                                               for _ in range(e))
+
+    def _body(self, x, w, ids):
+        out = torch.zeros_like(x)
+        for e in range(self.e):
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, w[tok, slot, None] * self.box.inner.experts[e](x[tok]))
+        return out
+
+    def forward(self, x):
+        w, ids = self.gate(x).softmax(-1).topk(2, -1)
+        return torch.utils.checkpoint.checkpoint(self._body, x, w, ids, use_reentrant=False)
+
+
+def test_checkpointed_expert_loop_of_the_root_block_is_listed():
+    """The body's nodes belong to no module (path ''), the experts to ``box.inner.experts``: the selections
+    were dropped as outside the experts' block, and nothing was listed (0 rewritten, 0 refused; review
+    helper-62). Listed as ids_outside now."""
+    torch._dynamo.reset()
+    rep = moe_compile.explain(_CheckpointedLoopAtRoot(), make_input((24, 16)))
+    assert [(r.module, r.code) for r in rep.refused] == [("box.inner.experts", "ids_outside")], str(rep)
+
+
 def test_module_list_expert_choice_on_transposed_scores_counts_the_experts():
     """The top-k over the last dim of the transposed [E, T] scores: 4 experts (was "over 16 experts")."""
     class _T(_ListExpertsRouting):
