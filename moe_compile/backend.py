@@ -410,9 +410,25 @@ def _moe_backend(gm, example_inputs, mode, options):
                 raise
             log.warning("moe_compile: the after_compile passes failed (%s: %s); the rewritten graph runs without "
                         "them", type(exc).__name__, exc)
+    if new_gm is not gm:
+        _drop_graph_args(new_gm)
     if not records:
         return compiled
     return records_mod.PublishOnFirstCall(compiled, records, session, gm)
+
+
+def _drop_graph_args(gm) -> None:
+    """Dynamo drops its graph's ``meta["grapharg"]`` once the backend returns (``OutputGraph.cleanup``);
+    the copy the passes rewrote kept them, and with them a weak reference to every Parameter input for
+    as long as the compiled code lives: ``torch.utils.swap_tensors`` refuses a tensor with one, so
+    ``model.to(dtype)`` under ``torch.__future__.set_swap_module_params_on_conversion(True)`` failed
+    after any moe compile (review helper-60). The copy's subgraphs too, and the placeholders the
+    lowering erased (stacked expert weights), which the graph's namespace still names."""
+    for mod in gm.modules():
+        if isinstance(mod, torch.fx.GraphModule):
+            named = getattr(getattr(mod.graph, "_graph_namespace", None), "_obj_to_name", {})
+            for node in [*mod.graph.nodes, *(n for n in named if isinstance(n, torch.fx.Node))]:
+                node.meta.pop("grapharg", None)
 
 
 moe_backend.moe_capture_ctx = capture_ctx

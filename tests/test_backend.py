@@ -465,3 +465,26 @@ def test_compiled_module_pickles_and_the_copy_is_rewritten():
     got = again(x)
     assert records.counters[records.REWRITTEN] - before == 1
     assert_close_rel(got, model(x), FP32_REL, "output of the unpickled compiled model")
+
+
+@pytest.mark.parametrize("inductor", [False, True])
+def test_model_to_with_swapped_parameters_after_a_compile(inductor):
+    """``model.to(dtype)`` under ``set_swap_module_params_on_conversion(True)`` swaps each Parameter's
+    contents in place, which torch refuses for a tensor something holds a weak reference to. The
+    rewritten graph copy kept Dynamo's graph args (weak references to every Parameter input, the
+    stacked experts' erased placeholders too): "Couldn't swap Linear.weight" after any moe compile
+    (review helper-60). Now it converts, and the compiled model matches eager in the new dtype."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        torch._dynamo.reset()
+        model = make_model(spelling="index_add", e=4, k=2)
+        ref = copy.deepcopy(model)
+        compiled = torch.compile(model, backend="moe", options={"moe.inductor": inductor})
+        compiled(make_input((9, 16))).sum().backward()
+        model.to(torch.float64)
+        ref.to(torch.float64)
+        x = make_input((9, 16)).double()
+        assert_close_rel(compiled(x), ref(x), FP32_REL, "output after .to(float64)")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
