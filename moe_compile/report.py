@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+from collections import Counter
 
 import torch
 
@@ -122,12 +123,14 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
         finally:
             if in_place is not None:
                 fn._compiled_call_impl = in_place
-    records = list(dict.fromkeys([r for g in published for r in g] + list(getattr(failure, "records", ()))))
+    found = [r for g in published for r in g]
+    times = Counter(found)   # one module called twice (``a(a(x))``): two equal records, one row
+    records = list(dict.fromkeys(found + list(getattr(failure, "records", ()))))
     seen = {r.where for r in records if r.is_break}
     records += [r for r in _earlier_skips(fn, tried) if r.where not in seen]
     records += eager_probe.records(fn, eager, [r for r in records if r.is_break])
     regions = tuple(r for r in records if not r.is_break)
-    regions = tuple(_explain_notes(r) for r in regions)
+    regions = tuple(_explain_notes(_times_note(r, times[r])) for r in regions)
     breaks = tuple(dict.fromkeys(GraphBreak(r.where, r.reason, r.fix, r.source, r.code)
                                  for r in records if r.is_break))
     from .blocks import explain_notes
@@ -194,6 +197,14 @@ def _unwrap(fn):
     """The user's module or function behind a torch.compile wrapper."""
     fn = getattr(fn, "_orig_mod", fn)
     return getattr(fn, "_torchdynamo_orig_callable", fn)
+
+
+def _times_note(r: RegionRecord, times: int) -> RegionRecord:
+    """One row for a region found ``times`` > 1 times (the compile's counters count each)."""
+    if times < 2:
+        return r
+    return dataclasses.replace(r, notes=(f"found {times} times in the traced graphs (a module called {times} times, "
+                                         f"or in {times} graphs): each one {r.status}",) + r.notes)
 
 
 def _explain_notes(r: RegionRecord) -> RegionRecord:

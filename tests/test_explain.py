@@ -354,3 +354,21 @@ def test_explain_of_a_model_compiled_in_place(called, disable):
     expected = [("refused", "moe_unmatched")] if disable else [("rewritten", "")]
     assert [(r.status, r.code) for r in report.regions] == expected, str(report)
     assert where == [p.data_ptr() for p in model.experts.parameters()]
+
+
+class _CalledTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = make_model(spelling="index_add", e=4, k=2)
+
+    def forward(self, x):
+        return self.a(x + self.a(x))
+
+
+def test_a_module_called_twice_is_one_row_that_says_so():
+    """The compile counts both calls (2 rewritten); explain listed one row with nothing to say there
+    were two."""
+    torch._dynamo.reset()
+    rep = moe_compile.explain(_CalledTwice(), make_input((9, 16)))
+    assert [r.module for r in rep.rewritten] == ["a"], str(rep)
+    assert rep.rewritten[0].notes[0].startswith("found 2 times in the traced graphs"), str(rep)
