@@ -215,6 +215,22 @@ def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict
         state_dict[prefix + name] = rows
 
 
+def _held_by_a_live_graph(param: nn.Parameter, rows: int) -> bool:
+    """An autograd graph still alive holds ``param``'s gradient node, which keeps the shape it had when that
+    graph was built: cut to ``rows`` rows (as ``_shard`` cuts it), the node's shape would no longer match
+    (torch keeps one node per leaf while a graph holds it, and makes a new one, of the current shape,
+    otherwise). The Parameter is left as it was."""
+    if not param.requires_grad or rows == param.shape[0]:
+        return False
+    full = param.data
+    try:
+        param.data = full[:rows]
+        meta = getattr(torch.autograd.graph.get_gradient_edge(param).node, "_input_metadata", None)
+        return bool(meta) and tuple(meta[0].shape) != tuple(param.shape)
+    finally:
+        param.data = full
+
+
 def _shard(path: str, module: nn.Module, num_experts: int, names: tuple[str, ...], mesh: DeviceMesh,
            max_tokens: int | None) -> None:
     ep, rank = mesh.size(), mesh.get_local_rank()
@@ -274,7 +290,15 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, max_tokens: int |
         where = f"parallelize_experts: '{path or type(module).__name__}'"
         if num_experts % mesh.size():
             raise ValueError(f"{where} has {num_experts} experts, not divisible by the ep mesh size {mesh.size()}; "
-                             "nothing was sharded")
+                             "nothing was sharded. If it holds no experts (a [N, ...] weight of another kind, e.g. "
+                             "per-head projections), name the expert containers instead: torch.distributed.tensor."
+                             "parallel.parallelize_module(model, mesh, {\"<path of the experts>\": ExpertParallel()})")
+        held = next((n for n in names if _held_by_a_live_graph(module._parameters[n], num_experts // mesh.size())), None)
+        if held is not None:
+            raise ValueError(f"{where}: an autograd graph of an earlier forward still holds '{held}' at its full "
+                             f"[{num_experts}, ...] shape (a loss or an output kept from a step before sharding): "
+                             "that backward and the next one would fail with a shape error; drop those references "
+                             "(del loss) before calling parallelize_experts; nothing was sharded")
         if any(isinstance(module._parameters[n], DTensor) for n in names):   # FSDP's (or a DTensor plan's)
             raise ValueError(f"{where}: its expert weights are DTensors already (fully_shard, or another "
                              "DTensor sharding, came first); call parallelize_experts on the plain model, then "

@@ -84,7 +84,9 @@ class Report:
 
 def explain(model_or_fn, *args, **kwargs) -> Report:
     """Trace ``model_or_fn(*args, **kwargs)`` once with the moe backend and report every MoE region,
-    every MoE-like piece of code no region covers, and every graph break in MoE code.
+    every MoE-like piece of code no region covers, and every graph break in MoE code. It runs the model
+    once: with experts sharded by ``parallelize_experts``, call it on every rank of the mesh (its
+    collectives wait for the others), and print on one.
 
     Without side effects: the user's compiled model keeps its compiled code (no Dynamo reset, so no
     recompile after explain), its parameters keep their storage, buffers and RNG state are restored,

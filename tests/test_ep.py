@@ -402,6 +402,18 @@ def body_parallel(rank, ep, tmp):
     with pytest.raises(ValueError, match="not divisible by the ep mesh size .*; nothing was sharded"):
         parallelize_experts(two, mesh)
     assert not moe_compile.parallel.ep_infos(two) and two.a.experts.gate_up.shape[0] == 2 * ep
+    with pytest.raises(ValueError, match="name the expert containers instead: .*ExpertParallel"):
+        parallelize_experts(TinyMoE(e=3), mesh)
+    # a loss of a forward before sharding still alive (review helper-66): its graph holds the experts'
+    # gradient nodes at the full shape, and the next backward failed with "invalid gradient at index 2"
+    kept = TinyMoE(e=2 * ep, bias=True, seed=5)
+    loss = kept(*case_inputs("random_top2", ep, rank, 2 * ep, 5, 2, 8)).square().sum()
+    with pytest.raises(ValueError, match="an autograd graph of an earlier forward still holds .*del loss"):
+        parallelize_experts(kept, mesh)
+    assert not moe_compile.parallel.ep_infos(kept) and kept.experts.gate_up.shape[0] == 2 * ep
+    del loss
+    parallelize_experts(kept, mesh)
+    assert kept.experts._parameters["gate_up"].shape[0] == 2
     # the marker's backward (traced if a graph keeps it): the global gradient's rows of this rank
     ctx = types.SimpleNamespace(rows=el, group_name=mesh.get_group().group_name)
     grad = torch.randn(2 * ep, 3)
