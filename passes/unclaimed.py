@@ -62,7 +62,7 @@ import torch.fx as fx
 from .expert_ids import ID_VIEWS, OTHER_ROUTERS, router_kind, router_root, routers as _routers
 from .id_range import holds_ids
 from .moe_source import Frame, _enclosing_function, declares_experts_implementation, enclosing_class, in_moe_code  # noqa: F401
-from .normalize import canon, common_module, module_path, source_name, val, where_in_user_code
+from .normalize import _clean_module_path, canon, common_module, module_path, source_name, val, where_in_user_code
 from .token_paths import MATMULS, ep_experts_of, graph_params, param_of, router_params, token_values
 from .unclaimed_base import (_GATHERS, Unclaimed, _claimed_by, _dims, _expert_choice, _near, _past_output,
                              _routed_matmul, _same_block, sliced_inputs)
@@ -194,11 +194,24 @@ def _evidence(router: fx.Node, reach: set, params: set, weights: set, e: int, sk
 
 def _listed(rmod: str, n: fx.Node, params: set, own: set) -> bool:
     """``n`` is a matmul-class op on a 2-D Parameter (not the router's own) of an nn.ModuleList element
-    below the router's block: a digit segment in its module path past the common prefix."""
+    below the router's block: a digit segment in its module path past the common prefix, not the
+    number of an nn.Sequential's child (``mlp.0``: one MLP, not experts)."""
     if (canon(n) or "") not in MATMULS or not any(
             len(_dims(p)) == 2 and p not in own for a in n.all_input_nodes if (p := param_of(a, params)) is not None):
         return False
-    return any(p.isdigit() for p in _past_common(rmod, module_path(n))[1])
+    path, seq = module_path(n), _sequentials(n)
+    rest, segs = _past_common(rmod, path)[1], path.split(".")
+    return any(p.isdigit() and ".".join(segs[:len(segs) - len(rest) + i]) not in seq for i, p in enumerate(rest))
+
+
+def _sequentials(n: fx.Node) -> set[str]:
+    """The module paths of the nn.Sequential modules ``n`` was computed inside."""
+    out = set()
+    for path, kind in (n.meta.get("nn_module_stack") or {}).values():
+        name = kind if isinstance(kind, str) else getattr(kind, "__qualname__", "")
+        if isinstance(kind, type) and issubclass(kind, torch.nn.Sequential) or name.endswith("Sequential"):
+            out.add(_clean_module_path(path))
+    return out
 
 
 def _near_listed(rmod: str, n: fx.Node, params: set, own: set) -> bool:

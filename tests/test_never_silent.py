@@ -1369,6 +1369,29 @@ def test_experts_selected_without_a_topk_router_are_listed(form, caplog):
     assert len(warned) == 1 and "region gap" in warned[0], caplog.text
 
 
+class _MixtureOfDepths(nn.Module):
+    """Mixture-of-Depths: the top-k tokens by a score through one dense MLP, an nn.Sequential (its
+    children are numbered ``mlp.0`` / ``mlp.2`` as a ModuleList's elements are)."""
+
+    def __init__(self, k=4):
+        super().__init__()
+        self.k = k
+        self.score = nn.Linear(16, 1)
+        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Linear(32, 16))
+
+    def forward(self, x):
+        w, ids = self.score(x).squeeze(-1).topk(self.k)
+        return x.index_add(0, ids, self.mlp(x[ids]) * w.sigmoid().unsqueeze(-1))
+
+
+def test_one_sequential_mlp_on_top_k_tokens_is_not_moe():
+    """Was listed moe_unmatched ("a top-4 router over 8 experts ... the nn.ModuleList experts' linears";
+    review helper-68): an nn.Sequential's numbered children counted as list elements."""
+    torch._dynamo.reset()
+    rep = moe_compile.explain(_MixtureOfDepths(), make_input((8, 16)))
+    assert not rep.regions, str(rep)
+
+
 class _CheckpointedLoopAtRoot(nn.Module):
     """The block compiled on its own (the root module): its router outside the checkpoint, the expert
     loop a method given the ids, the ModuleList two modules down (``self.box.inner.experts``)."""
