@@ -293,16 +293,16 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, max_tokens: int |
                              "nothing was sharded. If it holds no experts (a [N, ...] weight of another kind, e.g. "
                              "per-head projections), name the expert containers instead: torch.distributed.tensor."
                              "parallel.parallelize_module(model, mesh, {\"<path of the experts>\": ExpertParallel()})")
+        if any(isinstance(module._parameters[n], DTensor) for n in names):   # FSDP's (or a DTensor plan's)
+            raise ValueError(f"{where}: its expert weights are DTensors already (fully_shard, or another "
+                             "DTensor sharding, came first); call parallelize_experts on the plain model, then "
+                             "fully_shard_experts and fully_shard (README, expert parallelism); nothing was sharded")
         held = next((n for n in names if _held_by_a_live_graph(module._parameters[n], num_experts // mesh.size())), None)
         if held is not None:
             raise ValueError(f"{where}: an autograd graph of an earlier forward still holds '{held}' at its full "
                              f"[{num_experts}, ...] shape (a loss or an output kept from a step before sharding): "
                              "that backward and the next one would fail with a shape error; drop those references "
                              "(del loss) before calling parallelize_experts; nothing was sharded")
-        if any(isinstance(module._parameters[n], DTensor) for n in names):   # FSDP's (or a DTensor plan's)
-            raise ValueError(f"{where}: its expert weights are DTensors already (fully_shard, or another "
-                             "DTensor sharding, came first); call parallelize_experts on the plain model, then "
-                             "fully_shard_experts and fully_shard (README, expert parallelism); nothing was sharded")
     _check_not_tied(model, found)
     _MESHES[mesh.get_group().group_name] = mesh
     _ROOTS.setdefault(mesh.get_group().group_name, weakref.WeakSet()).add(model)
