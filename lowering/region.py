@@ -153,7 +153,8 @@ def _is_stacked_linear(region: Region, step) -> bool:
 
 def _siblings(region: Region, si, sj) -> bool:
     """Steps si, sj are two linears of one input, weights of one dtype, run in one dtype (autocast's,
-    or none): list linears (ModuleList), or 3-D weights of one shape (``cat_without_copy`` says where grouped_mm_cat costs no copy)."""
+    or none): list linears (ModuleList), or 3-D weights of one shape (``cat_without_copy`` says where
+    grouped_mm_cat costs no copy)."""
     if not _same_value(region, sj.args[0], si.args[0]):
         return False
     wa, wb = val(region.experts.slots[si.linear[0]][0]), val(region.experts.slots[sj.linear[0]][0])

@@ -290,9 +290,9 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
 def _second_expert_set(router, ids, e, k, params, weights, claimed, after, order, tokens) -> list[Unclaimed]:
     """A router that a region uses, whose ids also reach expert matmuls that no region covers (``claimed``)
     short of what reads a region's combined output (``after``, except what also reads the routing itself:
-    ``_past_output``; the search stays in the layer, so a deep
-    model costs one pass over each layer): a second expert set on the same routing (``ys =
-    [experts(x[order // K]) for experts in sets]``, each combined on its own). The region takes one set; the
+    ``_past_output``; the search stays in the layer, so a deep model costs one pass over each layer): a
+    second expert set on the same routing (``ys = [experts(x[order // K]) for experts in sets]``, each
+    combined on its own; or the second run on the first one's output, same sort). The region takes one set; the
     other is compiled as written and listed here (``second_expert_set``), unless a candidate refused before
     its region was assembled names its module (listed already: a loop refused as ``rows_of_next_layer``
     beside the rewritten one)."""
