@@ -205,8 +205,9 @@ def _times_note(r: RegionRecord, times: int) -> RegionRecord:
     """One row for a region found ``times`` > 1 times (the compile's counters count each)."""
     if times < 2:
         return r
-    return dataclasses.replace(r, notes=(f"found {times} times in the traced graphs (a module called {times} times, "
-                                         f"or in {times} graphs): each one {r.status}",) + r.notes)
+    return dataclasses.replace(r, notes=(f"found {times} times in the traced graphs (one module called {times} times, "
+                                         f"in {times} graphs, or layers this report cannot tell apart): each one "
+                                         f"{r.status}",) + r.notes)
 
 
 def _explain_notes(r: RegionRecord) -> RegionRecord:

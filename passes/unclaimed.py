@@ -296,10 +296,10 @@ def _second_expert_set(router, ids, e, k, params, weights, claimed, after, order
     other is compiled as written and listed here (``second_expert_set``), unless a candidate refused before
     its region was assembled names its module (listed already: a loop refused as ``rows_of_next_layer``
     beside the rewritten one)."""
-    inner = _reach(ids, after)
+    inner = _reach(ids, after)   # past the output only [E, ...] weights the routing feeds (_routed_matmul)
     found = [(kd, n) for kd, n in _evidence(router, inner | _past_output(inner, after, claimed), params, weights, e,
-                                            claimed, order, tokens)
-             if kd in ("stacked", "selected", "listed") and (n in inner or _routed_matmul(n, inner))]
+                                            claimed, order, tokens) if kd in ("stacked", "selected", "listed")
+             and (n in inner or kd == "stacked" and _routed_matmul(n, inner))]
     if not found:
         return []
     first = found[0][1]

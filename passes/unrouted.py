@@ -312,9 +312,8 @@ def unrouted(gm, params, weights, claimed_nodes, claimed_modules, listed, disabl
                 for u in _consumers(m):
                     sel += _selectors([a for a in u.all_input_nodes if not _near(a, lambda x: x is m)],
                                       i, e, scores, weights, 4)
-                found += [(i, kind, n, rows) for kind, n, rows in sel   # a node of no module: a function's
-                          if (_under(module_path(n), own) or not module_path(n))   # (a checkpointed method)
-                          and not (listed_ and _under(module_path(n), key))]
+                found += [(i, kind, n, rows) for kind, n, rows in sel
+                          if _under(module_path(n), own) and not (listed_ and _under(module_path(n), key))]
             if found:
                 break
         # per expert: its experts must be gated by different numbers (rows picked once, by one or two numbers,

@@ -1417,10 +1417,13 @@ class _CheckpointedLoopAtRoot(nn.Module):
         return torch.utils.checkpoint.checkpoint(self._body, x, w, ids, use_reentrant=False)
 
 
+@pytest.mark.xfail(strict=True, reason="known gap: the checkpoint body's selections belong to no module; counting "
+                   "those listed an ordinary multi-task model (task ids routing nested heads) as ids_outside")
 def test_checkpointed_expert_loop_of_the_root_block_is_listed():
     """The body's nodes belong to no module (path ''), the experts to ``box.inner.experts``: the selections
-    were dropped as outside the experts' block, and nothing was listed (0 rewritten, 0 refused; review
-    helper-62). Listed as ids_outside now."""
+    are dropped as outside the experts' block, and nothing is listed (0 rewritten, 0 refused; review
+    helper-62). Counting selections of no module listed it, and listed a multi-task model routing task
+    ids to ``model.heads.heads[t]`` as MoE too (review helper-67): reverted, the gap stays."""
     torch._dynamo.reset()
     rep = moe_compile.explain(_CheckpointedLoopAtRoot(), make_input((24, 16)))
     assert [(r.module, r.code) for r in rep.refused] == [("box.inner.experts", "ids_outside")], str(rep)
