@@ -70,20 +70,15 @@ def _bias_free_down(y: fx.Node, offs: fx.Node) -> bool:
     return False
 
 
-def _through_casts(x):
-    """The node under a chain of ``.to(float dtype)`` casts that are each read once (x if none)."""
+def _cast_chain(x) -> list:
+    """``x``, then the nodes under it through a chain of ``.to(float dtype)`` casts that are each read once:
+    the last is the node under the casts (``x`` if none)."""
+    out = [x]
     while isinstance(x, fx.Node) and canon(x) == "to" and len(x.users) == 1 and isinstance(x.args[0], fx.Node) \
             and isinstance(val(x), torch.Tensor) and val(x).is_floating_point() \
             and tuple(val(x).shape) == tuple(val(x.args[0]).shape):
         x = x.args[0]
-    return x
-
-
-def _chain(x: fx.Node, a: fx.Node) -> list[fx.Node]:
-    """The nodes from ``x`` down to ``a`` through ``_through_casts``' casts, both ends included."""
-    out = [x]
-    while out[-1] is not a:
-        out.append(out[-1].args[0])
+        out.append(x)
     return out
 
 
@@ -95,14 +90,15 @@ def _match(c: fx.Node, order: dict) -> WeightsInSwiGLUMatch | None:
     if rp is None or route_permute_output(offs, "offsets") is not rp or not isinstance(y, fx.Node) \
             or not _bias_free_down(y, offs):
         return None
-    a, perm = _through_casts(y.args[0]), _perm_of(rp)
+    chain = _cast_chain(y.args[0])
+    a, perm = chain[-1], _perm_of(rp)
     if not isinstance(a, fx.Node) or canon(a) != "moe_compile::swiglu" or len(a.users) != 1 or perm is None:
         return None
     wv, av = val(w), val(a)
     if not isinstance(w, fx.Node) or not isinstance(wv, torch.Tensor) or not wv.is_floating_point() \
             or wv.dim() != 2 or wv.numel() != av.shape[0] or order[w] > order[a]:
         return None
-    if any(val(n).dtype not in _FP32_RANGE for n in _chain(y.args[0], a)):
+    if any(val(n).dtype not in _FP32_RANGE for n in chain):
         return None   # fp16 rows (swiglu's or a cast's before the down GEMM): w * swiglu(h) rounded to fp16
         #               underflows / overflows where eager's y * w does not
     return WeightsInSwiGLUMatch(c, y, a, w, perm, wv.shape[1], c.kwargs.get("out_dtype"))
