@@ -241,6 +241,7 @@ def stack_expert_params(gm: fx.GraphModule, example_inputs, may_move: bool = Tru
         for seg_w, seg_ph in zip(c.weights, c.placeholders):
             for w_node, ph in zip(seg_w, seg_ph):
                 for n in _chain(w_node, ph):
+                    n.meta.pop("grapharg", None)   # its weak reference to the Parameter (backend._drop_graph_args)
                     gm.graph.erase_node(n)
         stacks.append(Stack(tuple(tuple(index[p] for p in seg) for seg in c.placeholders), rows, shape))
         # the compile's example input is the fake value: AOTAutograd would give a real tensor it has

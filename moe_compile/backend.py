@@ -422,12 +422,11 @@ def _drop_graph_args(gm) -> None:
     the copy the passes rewrote kept them, and with them a weak reference to every Parameter input for
     as long as the compiled code lives: ``torch.utils.swap_tensors`` refuses a tensor with one, so
     ``model.to(dtype)`` under ``torch.__future__.set_swap_module_params_on_conversion(True)`` failed
-    after any moe compile (review helper-60). The copy's subgraphs too, and the placeholders the
-    lowering erased (stacked expert weights), which the graph's namespace still names."""
+    after any moe compile (review helper-60). The copy's subgraphs too; the placeholders the lowering
+    erases (stacked expert weights, lowering/expert_stack.py) drop theirs as they are erased."""
     for mod in gm.modules():
         if isinstance(mod, torch.fx.GraphModule):
-            named = getattr(getattr(mod.graph, "_graph_namespace", None), "_obj_to_name", {})
-            for node in [*mod.graph.nodes, *(n for n in named if isinstance(n, torch.fx.Node))]:
+            for node in mod.graph.nodes:
                 node.meta.pop("grapharg", None)
 
 
