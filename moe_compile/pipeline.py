@@ -61,13 +61,10 @@ class DynamoState:
     region_nodes: dict = dataclasses.field(default_factory=dict)  # id(region) -> nodes its lowering added
     unclaimed: list = dataclasses.field(default_factory=list)     # RegionRecord: MoE-like code no region covers
     graph_notes: list = dataclasses.field(default_factory=list)   # notes for every rewritten region of the graph
+    routed_inputs: frozenset = frozenset()   # a checkpoint body's placeholders fed a top-k's indices by its caller
 
 
 # ------------------------------------------------------------------------------- dynamo stage
-def _normalize(s: DynamoState) -> None:
-    annotate(s.gm.graph)
-
-
 def _finder(name: str, module: str, fn: str):
     def run(s: DynamoState) -> None:
         import importlib
@@ -134,7 +131,7 @@ def _unclaimed(s: DynamoState) -> None:
 
     try:
         disabled = tuple(n for n in ("loop_regions", "grouped_regions") if n in s.config.disable)
-        s.unclaimed += unclaimed_records(s.gm, s.example_inputs, s.candidates, disabled)
+        s.unclaimed += unclaimed_records(s.gm, s.example_inputs, s.candidates, disabled, s.routed_inputs)
     except Exception as exc:  # a detector bug must not stop the rewrite of what was found
         if s.config.strict:
             raise
@@ -246,7 +243,8 @@ def _rehome(state) -> None:
 
 
 PASSES: tuple[Pass, ...] = (
-    Pass("normalize", "dynamo", _normalize, False, "name every call node's op once (passes/normalize.py)"),
+    Pass("normalize", "dynamo", lambda s: annotate(s.gm.graph), False,
+         "name every call node's op once (passes/normalize.py)"),
     Pass("loop_regions", "dynamo", _finder("loop_regions", "moe_compile.passes.loop_regions", "find_loop_regions"),
          True, "find per-expert loops (passes/loop_regions.py)"),
     Pass("grouped_regions", "dynamo",
@@ -353,7 +351,7 @@ def run_dynamo_stage(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.Gra
         return gm, []
     t0 = time.perf_counter()
     top = DynamoState(copy_graph_module(gm), example_inputs, config)
-    states = [top] + [DynamoState(b.body, list(b.example_inputs), config)
+    states = [top] + [DynamoState(b.body, list(b.example_inputs), config, routed_inputs=b.routed_inputs)
                       for b in checkpoint_bodies(top.gm, example_inputs)]
     verbose = config.debug or log.isEnabledFor(logging.DEBUG)
     graphs = [("dynamo graph", top.gm.print_readable(print_output=False))] if verbose else []

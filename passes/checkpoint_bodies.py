@@ -14,7 +14,8 @@ The dynamo stage runs its passes on each body as on a graph of its own (moe_comp
 AOTAutograd inlines the body with recompute tags, so the ops a rewrite puts there are recomputed in
 the backward like the code they replace. Finds only: returns ``CheckpointBody`` records (the body,
 the example values of its placeholders: the caller's real inputs where an operand is one of its
-placeholders, else the operand's fake value), edits nothing.
+placeholders, else the operand's fake value; the placeholders the caller feeds a top-k's indices),
+edits nothing.
 """
 from __future__ import annotations
 
@@ -32,18 +33,39 @@ class CheckpointBody:
     name: str                  # the subgraph's attribute on the outer GraphModule
     body: fx.GraphModule
     example_inputs: tuple      # one per placeholder of ``body``
+    routed_inputs: frozenset = frozenset()   # its placeholders given a top-k's indices by the caller (the
+    # router outside the checkpoint: passes/unrouted.py lists the expert loop they select for)
 
 
-def checkpoint_bodies(gm: fx.GraphModule, example_inputs) -> list[CheckpointBody]:
+def checkpoint_bodies(gm: fx.GraphModule, example_inputs, routed: frozenset = frozenset()) -> list[CheckpointBody]:
     """One record per distinct checkpoint body called from ``gm``'s graph, then the bodies nested in
-    each (a checkpoint inside a checkpointed function), outermost first."""
+    each (a checkpoint inside a checkpointed function), outermost first. ``routed``: ``gm``'s own
+    placeholders that carry a top-k's indices (``gm`` a body itself)."""
     out = []
-    for b in _bodies(gm, example_inputs):
-        out += [b, *checkpoint_bodies(b.body, b.example_inputs)]
+    for b in _bodies(gm, example_inputs, routed):
+        out += [b, *checkpoint_bodies(b.body, b.example_inputs, b.routed_inputs)]
     return out
 
 
-def _bodies(gm: fx.GraphModule, example_inputs) -> list[CheckpointBody]:
+# what may stand between a caller's top-k indices and the operand it hands a body
+_PASS_THROUGH = {"view", "reshape", "flatten", "contiguous", "to", "long", "int", "clone", "detach", "squeeze",
+                 "unsqueeze"}
+
+
+def _topk_indices(a, routed: frozenset) -> bool:
+    """The caller's operand ``a`` is a top-k's indices (through views and casts), or a placeholder of the
+    caller that carries them (``routed``)."""
+    while isinstance(a, fx.Node):
+        op = canon(a) or ""
+        if a in routed or op == "getitem" and a.args[1:2] == (1,) and canon(a.args[0]) == "topk":
+            return True
+        if op not in _PASS_THROUGH or not a.args:
+            return False
+        a = a.args[0]
+    return False
+
+
+def _bodies(gm: fx.GraphModule, example_inputs, routed: frozenset) -> list[CheckpointBody]:
     outer = dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs))
     out, seen = [], set()
     for node in gm.graph.nodes:
@@ -59,5 +81,7 @@ def _bodies(gm: fx.GraphModule, example_inputs) -> list[CheckpointBody]:
         seen.add(sub.target)
         values = tuple(outer[a] if a in outer else a.meta.get("example_value") if isinstance(a, fx.Node) else a
                        for a in operands)
-        out.append(CheckpointBody(sub.target, body, values))
+        holders = body.graph.find_nodes(op="placeholder")
+        ids = frozenset(h for h, a in zip(holders, operands) if _topk_indices(a, routed))
+        out.append(CheckpointBody(sub.target, body, values, ids))
     return out

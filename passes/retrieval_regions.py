@@ -11,7 +11,9 @@ Each expert is a single vector: the layer is already one gathered batched produc
 and no host sync, and a grouped GEMM of width 1 per expert would only be slower. It is not rewritten,
 and not silently: every such layer becomes a refused candidate with reason ``retrieval_experts``.
 Rows that meet nothing of the token but the routing (``softmax(top-k scores) * values(ids)``:
-a memory layer, a kNN read; ``passes/token_paths.py``) are retrieval, not experts, and not reported.
+a memory layer, a kNN read; ``passes/token_paths.py``) are retrieval, not experts, and not reported;
+nor are the rows of a router whose scores are computed from a table it gathers (``topk(q @ K.weight.t())``
+then ``K(ids)``, ``V(ids)``: attention over the nearest memory keys, Memorizing Transformers).
 """
 from __future__ import annotations
 
@@ -43,6 +45,17 @@ def _from_topk(ids: fx.Node, limit: int = 32) -> fx.Node | None:
     return None
 
 
+def _reads(router: fx.Node, limit: int = 64) -> set:
+    """What the router's scores are computed from (at most ``limit`` nodes back)."""
+    seen, stack = set(), list(router.all_input_nodes)
+    while stack and len(seen) < limit:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
 def _parent_module(n: fx.Node) -> str:
     """The module that owns the embedding table (the MoE layer), not the nn.Embedding itself."""
     stack = list((n.meta.get("nn_module_stack") or {}).values())
@@ -52,13 +65,14 @@ def _parent_module(n: fx.Node) -> str:
 def find_retrieval_regions(gm: fx.GraphModule) -> list[Candidate]:
     found: dict[str, Candidate] = {}
     tokens = None
-    for n in gm.graph.nodes:
-        if canon(n) != "embedding" or len(n.args) < 2:
-            continue
-        ids, table = n.args[0], n.args[1]
-        router = _from_topk(ids) if isinstance(ids, fx.Node) and isinstance(table, fx.Node) else None
+    gathers = [(n, _from_topk(n.args[0])) for n in gm.graph.nodes if canon(n) == "embedding" and len(n.args) >= 2
+               and isinstance(n.args[0], fx.Node) and isinstance(n.args[1], fx.Node)]
+    # a router whose scores read a table its ids gather: nearest memory keys, not experts
+    knn = {r for r in {r for _, r in gathers if r is not None}
+           if any(g.args[1] in _reads(r) for g, q in gathers if q is r)}
+    for n, router in gathers:
         users = [u for u in n.users if canon(u) in ("matmul", "bmm", "mul", "einsum")]
-        if router is None or not users:
+        if router is None or router in knn or not users:
             continue
         tokens = token_values(gm.graph, graph_params(gm, None)) if tokens is None else tokens
         if not any(a is not n and a in tokens for u in users for a in u.all_input_nodes):
@@ -66,7 +80,7 @@ def find_retrieval_regions(gm: fx.GraphModule) -> list[Candidate]:
         module = _parent_module(n)
         if module in found:
             continue
-        s, ts = shape(ids), shape(table)
+        s, ts = shape(n.args[0]), shape(n.args[1])
         where = where_in_user_code(n)
         finding = Finding.of("retrieval_experts", n, node=n.name)
         found[module] = Candidate(module, "retrieval/embedding", where, None, (finding,),

@@ -146,11 +146,6 @@ def _stacked(n: fx.Node, weights: set, e: int) -> fx.Node | None:
     return None
 
 
-def _near_stacked(n: fx.Node, weights: set, e: int) -> bool:
-    """``n`` is the output of a stacked matmul, through at most 4 single-input ops."""
-    return _near(n, lambda m: _stacked(m, weights, e) is not None)
-
-
 def _evidence(router: fx.Node, reach: set, params: set, weights: set, e: int, skip: set, order: dict, tokens: list
               ) -> list[tuple[str, fx.Node]]:
     """(kind, node) of the expert compute that the router's selection reaches, in its MoE block
@@ -159,6 +154,8 @@ def _evidence(router: fx.Node, reach: set, params: set, weights: set, e: int, sk
     selected = _reach([n for n in reach if (canon(n) or "") in _SELECTIONS
                        or (canon(n) == "where" and len(n.args) == 1)])
     own = router_params(router, params)     # a classifier's weight reused after its argmax is not an expert
+    # the ids gather a table the scores read (topk(q @ K.t()), then K(ids), V(ids)): a kNN memory, not experts
+    knn = any(canon(n) in _GATHERS and any(param_of(a, params) in own for a in n.all_input_nodes) for n in reach)
     found = []
     for n in sorted(reach, key=order.__getitem__):
         if n in skip or not _local(rmod, module_path(n)):
@@ -179,11 +176,12 @@ def _evidence(router: fx.Node, reach: set, params: set, weights: set, e: int, sk
             if srcs and users and not tokens:
                 tokens.append(token_values(n.graph, params))
             # the gathered rows meet the token itself, not only the routing (a kNN / memory read)
-            if srcs and any(a is not n and a in tokens[0] for u in users for a in u.all_input_nodes):
+            if srcs and not knn and any(a is not n and a in tokens[0] for u in users for a in u.all_input_nodes):
                 found.append(("gathered", n))
                 continue
-        if op in ("mul", "einsum", "bmm", "matmul"):
-            if any(a not in reach and _near_stacked(a, weights, e) for a in n.all_input_nodes):
+        if op in ("mul", "einsum", "bmm", "matmul"):   # by a stacked matmul's output (<= 4 single-input ops on)
+            if any(a not in reach and _near(a, lambda m: _stacked(m, weights, e) is not None)
+                   for a in n.all_input_nodes):
                 found.append(("weighted", n))
                 continue
         if op in MATMULS and _listed(rmod, n, params, own) or op == "mul" and any(
@@ -228,7 +226,7 @@ _DESCRIBE = {
 }
 
 
-def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tuple = ()) -> list[Unclaimed]:
+def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tuple = (), routed=frozenset()) -> list:
     """Routers that look like MoE routers but that no candidate region claims (see the module doc)."""
     routers = list(_routers(gm.graph))
     params = graph_params(gm, example_inputs)
@@ -284,7 +282,7 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
             detail.update(dtype=str(val(narrow).dtype).removeprefix("torch."), node=narrow.name, last=e - 1)
         code = "router_draws" if canon(router) in OTHER_ROUTERS else "ids_cast_narrow" if narrow else "moe_unmatched"
         out.append(Unclaimed(module, at, e, k, detail, code))
-    return out + unrouted(gm, params, weights, claimed_nodes, claimed_modules, out, disabled)
+    return out + unrouted(gm, params, weights, claimed_nodes, claimed_modules, out, disabled, routed)
 
 
 def _second_expert_set(router, ids, e, k, params, weights, claimed, after, order, tokens) -> list[Unclaimed]:
@@ -478,7 +476,7 @@ def nested_regions(gm: fx.GraphModule) -> list[tuple[str, str, int, int]]:
     return out
 
 
-def unclaimed_records(gm: fx.GraphModule, example_inputs, candidates, disabled: tuple = ()) -> list:
+def unclaimed_records(gm: fx.GraphModule, example_inputs, candidates, disabled: tuple = (), routed=frozenset()) -> list:
     """The refused ``RegionRecord``s of one graph for what no candidate covers: MoE-like routers
     (``moe_unmatched``) and the graph break that ended the graph in MoE code (``break_*``)."""
     from moe_compile.records import REFUSED, RegionRecord
@@ -487,7 +485,7 @@ def unclaimed_records(gm: fx.GraphModule, example_inputs, candidates, disabled: 
 
     out = [RegionRecord(u.module, "unmatched", REFUSED, reasons.message(u.code, u.detail), (), u.where,
                         u.num_experts, u.top_k, code=u.code, fix=reasons.fix(u.code))
-           for u in find_unclaimed(gm, example_inputs, candidates, disabled)]
+           for u in find_unclaimed(gm, example_inputs, candidates, disabled, routed)]
     for name, where, e, k in nested_regions(gm):
         detail = {"k": k, "e": e, "subgraph": name, "at": where}
         out.append(RegionRecord(name, "nested region", REFUSED, reasons.message("nested_region", detail), (), where,

@@ -288,8 +288,11 @@ def _consumers(m: fx.Node, hops: int = 4) -> list[fx.Node]:
     return out
 
 
-def unrouted(gm, params, weights, claimed_nodes, claimed_modules, listed, disabled) -> list[Unclaimed]:
-    """Expert sets that a per-expert selection gates with no top-k router (module doc, "selections")."""
+def unrouted(gm, params, weights, claimed_nodes, claimed_modules, listed, disabled, routed=frozenset()
+             ) -> list[Unclaimed]:
+    """Expert sets that a per-expert selection gates with no top-k router (module doc, "selections").
+    ``routed``: placeholders of a checkpoint body that its caller fed a top-k's indices; comparisons of
+    those count wherever they sit (a checkpointed method of the root block belongs to no module)."""
     out: list[Unclaimed] = []
     for key, (e, owner, members, listed_) in _experts(gm, params, weights).items():
         if any(m in claimed_nodes for m in members):
@@ -313,7 +316,8 @@ def unrouted(gm, params, weights, claimed_nodes, claimed_modules, listed, disabl
                     sel += _selectors([a for a in u.all_input_nodes if not _near(a, lambda x: x is m)],
                                       i, e, scores, weights, 4)
                 found += [(i, kind, n, rows) for kind, n, rows in sel
-                          if _under(module_path(n), own) and not (listed_ and _under(module_path(n), key))]
+                          if (_under(module_path(n), own) or kind == "compare" and _source(_compared(n)[0]) in routed)
+                          and not (listed_ and _under(module_path(n), key))]
             if found:
                 break
         # per expert: its experts must be gated by different numbers (rows picked once, by one or two numbers,
@@ -332,6 +336,13 @@ def unrouted(gm, params, weights, claimed_nodes, claimed_modules, listed, disabl
             continue
         out.append(_unrouted_record(key, e, members, found, module, disabled))
     return out
+
+
+def _source(n: fx.Node) -> fx.Node:
+    """``n`` before views and casts."""
+    while (canon(n) or "") in _VIEWS and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n
 
 
 def _chained(members: dict) -> bool:

@@ -938,6 +938,23 @@ def _per_head_topk_arguments(q, k_cache, v_cache):
     return torch.stack(out, 1)
 
 
+class _KnnAttention(nn.Module):
+    """Memorizing Transformers' kNN attention: the top-k memory keys nearest the query, gathered as
+    ``nn.Embedding`` rows (``by_index``: ``weight[ids]``), softmax attention over them (review helper-68)."""
+
+    def __init__(self, by_index=False, n=32, k=4):
+        super().__init__()
+        self.by_index, self.k = by_index, k
+        self.wq, self.mem_k, self.mem_v = nn.Linear(8, 8), nn.Embedding(n, 8), nn.Embedding(n, 8)
+
+    def forward(self, x):
+        q = self.wq(x)
+        _, ids = (q @ self.mem_k.weight.t()).topk(self.k, -1)
+        kk, vv = (self.mem_k.weight[ids], self.mem_v.weight[ids]) if self.by_index else (self.mem_k(ids), self.mem_v(ids))
+        att = torch.matmul(kk, q.unsqueeze(-1)).squeeze(-1).div(8 ** 0.5).softmax(-1)
+        return torch.matmul(att.unsqueeze(1), vv).squeeze(1)
+
+
 def _recall_at_topk(logits, y):                         # named *topk*, syncs: a metric, not a router
     return (logits.topk(2, -1).indices == y[:, None]).any(-1).float().sum().item()
 
@@ -947,7 +964,8 @@ _NOT_MOE = ["accuracy", "sampler", "position_hash", "greedy_until_eos", "knn_vot
             "select_correct", "class_activation_map", "topk_named_metric", "product_key_memory",
             "memory_layer_scaled_topk", "memory_layer_detached_topk", "memory_layer_noisy_topk",
             "memory_layer_masked_topk", "memory_layer_viewed_topk", "memory_layer_clamped_topk",
-            "binary_positives", "beam_eos", "topk_kv_cache_arguments", "per_head_topk_arguments"]
+            "binary_positives", "beam_eos", "topk_kv_cache_arguments", "per_head_topk_arguments", "knn_attention",
+            "knn_attention_by_index"]
 
 
 @pytest.mark.parametrize("case", _NOT_MOE)
@@ -983,7 +1001,9 @@ def test_code_that_is_not_moe_is_not_reported(case):
                 "per_head_topk_arguments": (_per_head_topk_arguments, (torch.randn(6, 2, 4), torch.randn(2, 32, 4),
                                                                        torch.randn(2, 32, 4))),
                 "binary_positives": (_PredictionMasks("binary"), (torch.randn(6, 8),)),
-                "beam_eos": (_PredictionMasks("beam_eos"), (torch.randn(6, 8),))}[case]
+                "beam_eos": (_PredictionMasks("beam_eos"), (torch.randn(6, 8),)),
+                "knn_attention": (_KnnAttention(), (torch.randn(6, 8),)),
+                "knn_attention_by_index": (_KnnAttention(by_index=True), (torch.randn(6, 8),))}[case]
     rep = moe_compile.explain(fn, *args)
     assert not rep.refused and not rep.graph_breaks, str(rep)
 
@@ -1417,16 +1437,46 @@ class _CheckpointedLoopAtRoot(nn.Module):
         return torch.utils.checkpoint.checkpoint(self._body, x, w, ids, use_reentrant=False)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: the checkpoint body's selections belong to no module; counting "
-                   "those listed an ordinary multi-task model (task ids routing nested heads) as ids_outside")
 def test_checkpointed_expert_loop_of_the_root_block_is_listed():
     """The body's nodes belong to no module (path ''), the experts to ``box.inner.experts``: the selections
-    are dropped as outside the experts' block, and nothing is listed (0 rewritten, 0 refused; review
-    helper-62). Counting selections of no module listed it, and listed a multi-task model routing task
-    ids to ``model.heads.heads[t]`` as MoE too (review helper-67): reverted, the gap stays."""
+    were dropped as outside the experts' block, and nothing was listed (0 rewritten, 0 refused; review
+    helper-62). The caller hands the body a top-k's indices: comparisons of those count wherever they sit."""
     torch._dynamo.reset()
     rep = moe_compile.explain(_CheckpointedLoopAtRoot(), make_input((24, 16)))
     assert [(r.module, r.code) for r in rep.refused] == [("box.inner.experts", "ids_outside")], str(rep)
+
+
+class _TaskHeads(nn.Module):
+    """A multi-task model: task ids given as an input pick a head three modules down
+    (``model.heads.heads[t]``), in the root block's forward or in a checkpointed method of it. Not MoE:
+    the ids come from no router (review helper-67)."""
+
+    def __init__(self, checkpointed):
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.model = nn.Module()
+        self.model.heads = nn.Module()
+        self.model.heads.heads = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def _body(self, x, task):
+        out = torch.zeros_like(x)
+        for t in range(3):
+            rows = torch.where(task == t)[0]
+            out = out.index_add(0, rows, self.model.heads.heads[t](x[rows]))
+        return out
+
+    def forward(self, x, task):
+        if self.checkpointed:
+            return torch.utils.checkpoint.checkpoint(self._body, x, task, use_reentrant=False)
+        return self._body(x, task)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_task_ids_given_as_input_picking_nested_heads_are_not_listed(checkpointed):
+    torch._dynamo.reset()
+    task = torch.arange(24) % 3
+    rep = moe_compile.explain(_TaskHeads(checkpointed), make_input((24, 16)), task)
+    assert not rep.refused and not rep.rewritten, str(rep)
 
 
 def test_module_list_expert_choice_on_transposed_scores_counts_the_experts():
