@@ -186,6 +186,14 @@ def _reduces_slots(u: fx.Node, slots: dict) -> bool:
     return dim is None or dims == () or any(_is_last(d, ndim) for d in dims)
 
 
+def _counts_slots(u: fx.Node, slots: dict) -> bool:
+    """``histc(ids.float(), bins=E)``, ``bincount(ids)``: counts over every entry (no weights), the same
+    for every order (torchtitan's ``tokens_per_expert``); no gradient flows through either."""
+    n = _reads_only(u, slots, 0, "input")
+    return (n is not None and not _writes_first_arg(u) and _op_of(u) in ("histc", "bincount")
+            and not any(isinstance(a, fx.Node) for a in (*u.args[1:], *u.kwargs.values())))
+
+
 def _writes_a_set(u: fx.Node, slots: dict) -> bool:
     """``m.scatter_(-1, idx, 1.0)`` / ``m.scatter(-1, idx, 1.0)``: one number written at each index of
     a row (m no slot tensor): the rows of m come out the same for every order."""
@@ -306,7 +314,7 @@ def _readers_see_no_order(topk: fx.Node, k: int, pos: dict) -> bool:
             _enqueue_readers(u, pos, waiting, queue)
         elif pair is not None and _slot_args(u, slots) == [pair[1]]:
             routes.add(pair[0])
-        elif not (_reduces_slots(u, slots) or _writes_a_set(u, slots)):
+        elif not (_reduces_slots(u, slots) or _counts_slots(u, slots) or _writes_a_set(u, slots)):
             return False
     return all(x in slots for r in routes for x in _pair_inputs(r))
 

@@ -423,3 +423,26 @@ def test_input_scaled_rows_pair_the_weights_read_by_permute_scale(weights, swapp
         torch.manual_seed(26)
         with pytest.raises(AssertionError, match="output|grad"):
             helpers.check_compiled(_ScaledInputRows(weights), [helpers.make_input((2, 8, 16))], expect_rewritten=1)
+
+
+def _titan(kind):
+    from test_titan_forms import TitanDSv3, TitanMoE
+
+    torch.manual_seed(5)
+    return {"histc_first": lambda: TitanMoE(counts="histc_first"), "histc_after": lambda: TitanMoE(counts="histc_after"),
+            "histc_unsort": lambda: TitanMoE(counts="histc_after", combine="unsort", score_before=True),
+            "dsv3": lambda: TitanDSv3()}[kind]()
+
+
+@pytest.mark.parametrize("disable", WEIGHTS_READ_BY)
+@pytest.mark.parametrize("kind,swapped", [("histc_first", 1), ("histc_after", 1), ("histc_unsort", 1), ("dsv3", 3)])
+def test_torchtitan_routers_counting_their_ids_use_the_op(kind, swapped, disable, shuffled_op):
+    """torchtitan counts the router's ids with ``histc`` (into ``tokens_per_expert`` too; ``bincount`` is
+    read the same way, but breaks Dynamo's default capture): counts over every entry, the same for every order, which the walk took for a reader that may see the
+    order, so its routers kept torch.topk (review helper-65; DeepSeek-V3's last ``sorted=False`` call too).
+    Now swapped; outputs and every gradient against eager with the op's entries shuffled."""
+    x = helpers.make_input((2, 5, 32), requires_grad=False)
+    new, _ = rewrite(("fn", _titan(kind), (x,)), disable=disable)
+    assert ops_in(new).count("router_topk") == swapped and not _topk_nodes(new), ops_in(new)
+    helpers.check_compiled(_titan(kind), [helpers.make_input((2, 5, 32))], expect_rewritten=1,
+                           options={"moe.disable": disable})
