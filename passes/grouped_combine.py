@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from .grouped_state import CASTS, DONE, FRESH
 from .normalize import arg, canon, distinct_per_row, shape, val, where_in_user_code
+from .writes import basic_index
 
 
 def row_weights(f, g, other, ro):
@@ -143,8 +144,8 @@ def combine_add(f, g, n, op, acc, src, onto: bool = False) -> bool:
         # ([N, 1] or [N, H / 2] would add some columns only; unsqueeze(0).expand(H, N) other tokens)
         col = idx.args[0]
         n_rows = shape(src)[0] if shape(src) else None
-        if canon(col) in ("unsqueeze", "view", "reshape") and shape(col) == (n_rows, 1) \
-                and shape(idx) == shape(src):
+        if (canon(col) in ("unsqueeze", "view", "reshape") or canon(col) == "getitem" and basic_index(col)) \
+                and shape(col) == (n_rows, 1) and shape(idx) == shape(src):   # [:, None]: a getitem
             base = col.args[0]
             ok = f.r(base) and f.r(base).kind == "tok" and f.r(base).g is g
     if not ok or arg(n, 1, "dim") != 0 or (not onto and [u for u in acc.users if f.order[u] < f.order[n]]):

@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from .loop_roles import (STOP, AccRead, AccSum, Contrib, Index, Rows, ScatterIndex, Storage, TokMask, as_contrib,
                          expert_key)
-from .normalize import arg, canon, where_in_user_code
+from .normalize import arg, canon, val, where_in_user_code
 from .region import Finding
 from .writes import storage_base
 
@@ -70,6 +70,11 @@ def combine(a, n: fx.Node, op: str, r0):
         return STOP
     if s.overwrite and op != "setitem":
         return a.refuse_write(s, n, "overwrite_then_add", None, acc=s.alloc.name)
+    if op in ("index_add_", "index_add", "scatter_add_", "index_put_"):
+        src = arg(n, 2, "values") if op == "index_put_" else arg(n, 3, "src" if op == "scatter_add_" else "source")
+        mismatch = _dtypes(acc, src)
+        if mismatch:   # eager raises ("self (Float) and source (Double) must have the same scalar type")
+            return a.refuse_write(s, n, "accumulator_dtype", as_contrib(src, a.r(src)), op=op, **mismatch)
     if op in ("index_add_", "index_add"):
         dim, index, src = arg(n, 1, "dim"), arg(n, 2, "index"), arg(n, 3, "source")
         ri, c = a.r(index), as_contrib(src, a.r(src))
@@ -111,6 +116,14 @@ def combine(a, n: fx.Node, op: str, r0):
     if c is not None and not _edits_expert_input(a, s, c):
         return a.refuse_write(s, n, "overwrite_topk", c)
     return STOP
+
+
+def _dtypes(acc, src) -> dict:
+    """{"src": .., "dtype": ..} when the added values' dtype is not the accumulator's, else {}."""
+    va, vs = val(acc), val(src)
+    if getattr(va, "dtype", None) is None or getattr(vs, "dtype", None) in (None, va.dtype):
+        return {}
+    return {"src": str(vs.dtype).removeprefix("torch."), "dtype": str(va.dtype).removeprefix("torch.")}
 
 
 def _edits_expert_input(a, s: Storage, c: Contrib) -> bool:

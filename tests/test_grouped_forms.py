@@ -43,7 +43,7 @@ def _gmm(x, w, offs):
 class SortedMoE(nn.Module):
     """sort -> gather -> grouped_mm -> unsort, in several spellings.
 
-    counts: histc | one_hot;  combine: inv (inv[perm] = arange) | argsort | index_add | scatter_add;
+    counts: histc | one_hot;  combine: inv (inv[perm] = arange) | argsort | index_add | scatter_add(_none);
     weigh: "sorted" (before unsort) | "view" (on the [T, K, H] view, only with inv/argsort);
     key: what is sorted: "ids" (flattened token-major) | "stacked" (the same ids rebuilt by a stack) |
     "times2" (ids * 2: the same order) | "kmajor" (``ids.t().reshape(-1)``, slot-major, while rows are
@@ -114,8 +114,10 @@ class SortedMoE(nn.Module):
             out = y.sum(dim=1)
         elif self.combine == "index_add":
             out = torch.zeros_like(x).index_add_(0, perm // k, h.to(x.dtype))
-        else:
+        elif self.combine == "scatter_add":
             out = torch.zeros_like(x).scatter_add_(0, (perm // k).unsqueeze(-1).expand(-1, self.h), h.to(x.dtype))
+        else:   # "scatter_add_none": the column index spelled (perm // k)[:, None] (review helper-69: refused)
+            out = torch.zeros_like(x).scatter_add_(0, (perm // k)[:, None].expand(-1, self.h), h.to(x.dtype))
         return out.to(x.dtype).view(shape)
 
 
@@ -217,6 +219,7 @@ SORTED_SPELLINGS = [
     dict(counts="one_hot", combine="argsort", weigh="view", sort="argsort"),
     dict(combine="index_add"),
     dict(combine="scatter_add", bias=True),                    # torchtitan-style scatter back
+    dict(combine="scatter_add_none"),                          # its index as (perm // k)[:, None]
     dict(bias=True),                                           # GPT-OSS-style per-expert biases
     dict(sentinel=True),                                       # transformers 5.17: EP sentinel masks
     dict(sentinel=True, bias=True),

@@ -609,3 +609,51 @@ def test_float64_experts_are_refused_and_match_eager_to_float64_precision():
                    grad_rel=FP64_REL)
     rep = moe_compile.explain(model, make_input((T, H)).double())
     assert [r.code for r in rep.refused] == ["float64"], str(rep)
+
+
+class _WideWeightsIntoNarrowOutput(nn.Module):
+    """The routing weights cast to float64 and the expert outputs added into a float32 output: eager's
+    ``index_add_`` / ``index_put_`` / ``scatter_add_`` raise ("must have the same scalar type")."""
+
+    def __init__(self, write, e=4, h=16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.write, self.e = write, e
+        self.gate = nn.Linear(h, e, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(h, h) for _ in range(e))
+
+    def forward(self, x):
+        w, ids = self.gate(x).softmax(-1).topk(2, -1)
+        w = w.double()
+        out = torch.zeros_like(x)
+        for e in range(self.e):
+            tok, slot = torch.where(ids == e)
+            y = self.experts[e](x[tok]) * w[tok, slot, None]
+            if self.write == "index_add_":
+                out.index_add_(0, tok, y)
+            elif self.write == "index_put_":
+                out.index_put_((tok,), y, accumulate=True)
+            else:
+                out.scatter_add_(0, tok[:, None].expand(-1, y.shape[1]), y)
+        return out
+
+
+@pytest.mark.parametrize("write", ["index_add_", "index_put_", "scatter_add_"])
+def test_wider_outputs_added_into_a_narrower_tensor_raise_as_eager(write):
+    """Was rewritten (review helper-69): the combine cast the float64 rows and returned a float32 result where
+    eager raises. Now refused (accumulator_dtype) and left as written: without Inductor it raises eager's
+    error. (Inductor's own kernel for the refused code casts instead of raising, as stock Inductor does
+    for the same graph, where Dynamo captures the loop.) ``scatter_add_``: Dynamo raises while tracing."""
+    from moe_compile.records import recording
+
+    model = _WideWeightsIntoNarrowOutput(write)
+    x = make_input((13, 16), requires_grad=False)
+    error = "same scalar type|dtypes match|to be equal"
+    with pytest.raises(RuntimeError, match=error):
+        model(x)
+    torch._dynamo.reset()
+    compiled = torch.compile(copy.deepcopy(model), backend="moe", options={"moe.inductor": False})
+    with recording() as graphs, pytest.raises(Exception, match=error):
+        compiled(x)
+    found = [(r.status, r.code) for g in graphs for r in g]
+    assert found == ([] if write == "scatter_add_" else [("refused", "accumulator_dtype")]), found
