@@ -149,21 +149,6 @@ def _rows_fixup_kernel(y_ptr, offs_ptr, b_ptr, M, N, E, sym, sbe,
 
 @lean
 @triton.jit
-def _wgrad_finish_kernel(src_ptr, dst_ptr, offs_ptr, KN, s_se, BLOCKS, BLOCK: tl.constexpr):
-    """dst[e] = float(src[e]) if group e has rows else 0 (the CUTLASS 2Dx2D output for an empty
-    group is not guaranteed to be written). src/dst [E, K*N] with contiguous rows of K*N; program
-    e * BLOCKS + b does block b of expert e."""
-    e = tl.program_id(0) // BLOCKS
-    i = (tl.program_id(0) % BLOCKS).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < KN
-    end = tl.load(offs_ptr + e)
-    start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
-    v = tl.load(src_ptr + e.to(tl.int64) * s_se + i, mask=m & (end > start), other=0.0).to(tl.float32)
-    tl.store(dst_ptr + e.to(tl.int64) * KN + i, v.to(dst_ptr.dtype.element_ty), mask=m)
-
-
-@lean
-@triton.jit
 def _zero_empty_groups_kernel(dw_ptr, offs_ptr, E, KN, s_e, num_progs, E_P2: tl.constexpr, BLOCK: tl.constexpr):
     """In place: dw[e] = 0 for every group e without rows; groups with rows are not touched.
 
@@ -374,18 +359,6 @@ def zero_empty_groups(dw: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     _zero_empty_groups_kernel[(progs,)](dw, offsets, e, k * n, dw.stride(0), progs, E_P2=triton.next_power_of_2(e),
                                         BLOCK=4096, num_warps=4)
     return dw
-
-
-def wgrad_finish(src: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """[E, K, N] in out_dtype: src converted, empty groups zeroed (one pass)."""
-    e, k, n = src.shape
-    dst = torch.empty(e, k, n, dtype=out_dtype, device=src.device)
-    if dst.numel() == 0:
-        return dst
-    block = 4096
-    blocks = triton.cdiv(k * n, block)  # one grid dim (the second is capped at 65535: K*N <= 268M)
-    _wgrad_finish_kernel[(e * blocks,)](src, dst, offsets, k * n, src.stride(0), blocks, BLOCK=block, num_warps=8)
-    return dst
 
 
 # --------------------------------------------------------------------------------- router top-k

@@ -41,6 +41,8 @@ on the flat loop (gate and up columns of a tile as one box of the weight viewed 
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 import triton
 import triton.language as tl
@@ -195,9 +197,26 @@ def _b_desc(w: torch.Tensor, bn: int, bk: int):
     return desc, False, not b2d
 
 
+_THREAD = threading.local()
+
+
+def _bind_context(device: torch.device) -> None:
+    """Make the device's primary CUDA context current on this thread (once per thread and device).
+    Triton encodes host tensor descriptors (cuTensorMapEncodeTiled) before its launcher makes a context
+    current: on a thread with no CUDA call yet (autograd's device thread, when a backward's first work
+    is this GEMM on a kernel already compiled) the encoding failed with "invalid device context"
+    (review helper-70). ``cudaMemGetInfo`` binds it (a runtime call that needs one); nothing waits."""
+    bound = _THREAD.__dict__.setdefault("devices", set())
+    if device.index not in bound:
+        if not torch.cuda.is_current_stream_capturing():   # a capturing thread has its context already
+            torch.cuda.mem_get_info(device)
+        bound.add(device.index)
+
+
 def _launch(a, offsets, n, c, w=None, bias=None, pair=None):
     """One persistent launch over the output tile grid [M, n] of a [M, K] against w [E, K, n], or against
     both weights of ``pair`` = (wa, wb) [E, n, NH] with K = 2 NH (``pair_desc``)."""
+    _bind_context(a.device)
     m, k = a.shape
     cfg = _config(n)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]

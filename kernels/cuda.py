@@ -130,15 +130,21 @@ def _tma_ok_2d(t: torch.Tensor) -> bool:
     return ok and t.data_ptr() % 16 == 0
 
 
-def _use_cutlass(*ts: torch.Tensor) -> bool:
-    return (GMM_BACKEND != "triton" and all(t.dtype == torch.bfloat16 for t in ts) and _cutlass_device(ts[0])
-            and all(_tma_ok_2d(t) for t in ts))
+# torch._grouped_mm (CUTLASS) raises "Can't process more than 1024 groups" from 1024 groups on
+CUTLASS_MAX_GROUPS = 1023
+
+
+def _use_cutlass(*ts: torch.Tensor, groups: int) -> bool:
+    return (GMM_BACKEND != "triton" and groups <= CUTLASS_MAX_GROUPS and all(t.dtype == torch.bfloat16 for t in ts)
+            and _cutlass_device(ts[0]) and all(_tma_ok_2d(t) for t in ts))
 
 
 # --------------------------------------------------------------------------------- routing
 # Triton route_permute's placement launch holds every block's key counts in registers: at most this
-# many (65,536 rows over 128 experts: 64 blocks x 256 bins = 16,384); above it, the torch sort runs.
+# many (65,536 rows over 128 experts: 64 blocks x 256 bins = 16,384), over at most this many experts
+# (32,766 experts in one block did not finish compiling in 90 s); above either, the torch sort runs.
 ROUTE_PERMUTE_MAX_COUNTS = 32768
+ROUTE_PERMUTE_MAX_EXPERTS = 1024
 
 
 def route_permute(expert_ids: torch.Tensor, num_experts: int):
@@ -148,12 +154,14 @@ def route_permute(expert_ids: torch.Tensor, num_experts: int):
     perm = argsort(key, stable) = [2, 0, 3, 5, 1, 4], offsets[e] = #(key <= e) = [1, 4, 4, 6],
     inv[perm[p]] = p = [1, 4, 0, 2, 5, 3].
     """
-    if triton is not None and expert_ids.dtype in (torch.int32, torch.int64):
+    if triton is not None and expert_ids.dtype in (torch.int32, torch.int64) and num_experts <= ROUTE_PERMUTE_MAX_EXPERTS:
         from . import _triton_moe
 
         if _triton_moe.route_permute_counts(expert_ids.numel(), num_experts) <= ROUTE_PERMUTE_MAX_COUNTS:
             return _triton_moe.route_permute(expert_ids, num_experts)
     flat = expert_ids.reshape(-1)
+    if flat.dtype not in (torch.int32, torch.int64):   # uint8 / int8 / int16 ids: E itself may not fit them
+        flat = flat.to(torch.int32)
     n = flat.numel()
     key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts).to(torch.int32)
     sorted_key, perm = torch.sort(key, stable=True)
@@ -180,7 +188,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: to
 
         if _triton_tma.supported(x, w):
             return _triton_tma.grouped_mm(x, w, offsets, bias)  # zeroes rows past offsets[-1] itself
-    if large and GMM_BACKEND != "tma" and _use_cutlass(x, w) and w.shape[2] % 8 == 0 and x.shape[0] > 0:
+    if large and GMM_BACKEND != "tma" and _use_cutlass(x, w, groups=w.shape[0]) and w.shape[2] % 8 == 0 \
+            and x.shape[0] > 0:
         y = torch._grouped_mm(x, w, offs=offsets)
         if y.stride(-1) != 1 or y.stride(0) != y.shape[1]:  # padded rows: never expected for N % 8 == 0
             y = y.contiguous()
@@ -204,8 +213,12 @@ def _list_plan(ws: list[torch.Tensor]) -> tuple:
     plan = weight_tables.get(key)
     if plan is None:
         es = w0.element_size()
-        uniform = all(w.shape == w0.shape and w.stride() == w0.stride() and w.dtype == w0.dtype
-                      and w.device == w0.device for w in ws)
+        odd = next((i for i, w in enumerate(ws) if w.dtype != w0.dtype or w.device != w0.device), None)
+        if odd is not None:
+            raise ValueError(f"grouped_mm_list: expert {odd}'s weight is {ws[odd].dtype} on {ws[odd].device}, expert "
+                             f"0's {w0.dtype} on {w0.device}; every expert's weight needs one dtype and device "
+                             "(cast the experts together: experts.to(dtype))")
+        uniform = all(w.shape == w0.shape and w.stride() == w0.stride() for w in ws)
         step = even_step(ws) if len(ws) > 1 else 0
         if uniform and (len(ws) == 1 or step):
             plan = ("view", step)
@@ -302,12 +315,12 @@ def _wgrad(x, dy, offsets, num_experts, out_dtype):
                 x.shape[1], dy.shape[1], _triton_gmm.num_sms(x.device)))
             return _quack.grouped_mm_wgrad(x, dy, offsets, num_experts, out_dtype, dynamic=dynamic)
     k, n = x.shape[1], dy.shape[1]
-    if _use_cutlass(x, dy) and k % 8 == 0 and n % 8 == 0 and x.shape[0] > 0:
-        dw = torch._grouped_mm(x.t(), dy, offs=offsets)  # [E, K, N] bf16, fp32 accumulation
-        if dw.stride(-1) == 1 and dw.stride(-2) == n:
-            if out_dtype == dw.dtype:  # the CUTLASS kernel need not write groups with no rows
-                return _triton_moe.zero_empty_groups(dw, offsets)
-            return _triton_moe.wgrad_finish(dw, offsets, out_dtype)  # one pass: -> fp32, empty -> 0
+    # CUTLASS writes bf16 [E, K, N] (fp32 accumulation): an fp32 out_dtype would get bf16-rounded values
+    if out_dtype == x.dtype and _use_cutlass(x, dy, groups=num_experts) and k % 8 == 0 and n % 8 == 0 \
+            and x.shape[0] > 0:
+        dw = torch._grouped_mm(x.t(), dy, offs=offsets)
+        if dw.stride(-1) == 1 and dw.stride(-2) == n:   # the CUTLASS kernel need not write groups with no rows
+            return _triton_moe.zero_empty_groups(dw, offsets)
     return _triton_gmm.grouped_mm_wgrad(x, dy, offsets, num_experts, out_dtype)
 
 
@@ -340,21 +353,32 @@ def permute_scale_backward(dxp, x, inv, weights, offsets):
     return _triton_scale.permute_scale_backward(dxp, x, inv, weights, offsets)
 
 
-def unpermute_combine(y, inv, weights, offsets, out_dtype=None):
-    from . import _triton_moe
+def _float64(*ts) -> bool:
+    """The combine kernels sum in fp32: an fp64 operand or output goes to the reference."""
+    return any(t == torch.float64 or getattr(t, "dtype", None) == torch.float64 for t in ts)
 
+
+def unpermute_combine(y, inv, weights, offsets, out_dtype=None):
+    from . import _triton_moe, reference
+
+    if _float64(y, weights, out_dtype):
+        return reference.unpermute_combine(y, inv, weights, offsets, out_dtype)
     return _triton_moe.unpermute_combine(y, inv, weights, offsets, out_dtype)
 
 
 def unpermute_combine_backward(dout, y, inv, weights, offsets):
-    from . import _triton_moe
+    from . import _triton_moe, reference
 
+    if _float64(dout, y, weights):
+        return reference.unpermute_combine_backward(dout, y, inv, weights, offsets)
     return _triton_moe.unpermute_combine_backward(dout, y, inv, weights, offsets)
 
 
 def unpermute_sum(y, perm, inv, offsets, top_k, out_dtype=None):
-    from . import _triton_moe
+    from . import _triton_moe, reference
 
+    if _float64(y, out_dtype):
+        return reference.unpermute_sum(y, perm, inv, offsets, top_k, out_dtype)
     return _triton_moe.unpermute_sum(y, perm, inv, offsets, top_k, out_dtype)
 
 

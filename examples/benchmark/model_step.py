@@ -282,7 +282,7 @@ PARTS = (  # (part, pattern): the first part whose pattern matches the kernel or
     ("moe", r"moe_compile|grouped|group_?gemm|groupproblem|gmm|permute_rows|unpermute|combine|swiglu|route_|"
             r"topk|sort|histc|bincount|index_add|searchsorted|quack|empty_groups|wgrad|bias_grad|rows_fixup|"
             r"scale_bwd|permute_scale|saved_copy"),
-    # quack: its weight-gradient GEMM; empty_groups / wgrad_finish: the passes after CUTLASS weight gradients;
+    # quack: its weight-gradient GEMM; empty_groups: the pass after CUTLASS weight gradients;
     # wgrad / bias_grad / rows_fixup: our Triton weight-gradient (fp32), bias-gradient and list-GEMM kernels;
     # scale_bwd: permute_scale's backward (its forward is the permute_rows kernel)
     # (tests/test_examples.py checks every kernel of kernels/ lands here)
