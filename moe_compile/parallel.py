@@ -300,9 +300,11 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, max_tokens: int |
         held = next((n for n in names if _held_by_a_live_graph(module._parameters[n], num_experts // mesh.size())), None)
         if held is not None:
             raise ValueError(f"{where}: an autograd graph of an earlier forward still holds '{held}' at its full "
-                             f"[{num_experts}, ...] shape (a loss or an output kept from a step before sharding): "
-                             "that backward and the next one would fail with a shape error; drop those references "
-                             "(del loss) before calling parallelize_experts; nothing was sharded")
+                             f"[{num_experts}, ...] shape (a loss or an output kept from a step before sharding, or "
+                             "the Parameter's gradient accumulator held by a hook: DDP's, or one registered with "
+                             "param.view_as(param).grad_fn.next_functions): that backward and the next one would "
+                             "fail with a shape error; drop those references (del loss, remove the hooks, or wrap "
+                             "with DDP after parallelize_experts) first; nothing was sharded")
     _check_not_tied(model, found)
     _MESHES[mesh.get_group().group_name] = mesh
     _ROOTS.setdefault(mesh.get_group().group_name, weakref.WeakSet()).add(model)
