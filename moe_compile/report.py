@@ -274,8 +274,10 @@ def _no_side_effects(fn, args, kwargs):
                for name, b in m._buffers.items() if b is not None]
     caches = _dynamo_entries()
     t0 = max([getattr(m, "start_time_us", 0) or 0 for m in get_compilation_metrics()] + [0])
-    limits = contextlib.nullcontext() if _isolated() else torch._dynamo.config.patch(
-        recompile_limit=1 << 30, accumulated_recompile_limit=1 << 30)
+    patches = {} if _isolated() else {"recompile_limit": 1 << 30, "accumulated_recompile_limit": 1 << 30}
+    if hasattr(torch._dynamo.config, "invalidate_compile_context_weakrefs"):   # what a registered backend gets:
+        patches["invalidate_compile_context_weakrefs"] = True   # no weak refs to the Parameters (swap_tensors)
+    limits = torch._dynamo.config.patch(**patches)
     tried: set = set()   # (file, first line, name) of every frame Dynamo tried in the block
     try:
         with torch.random.fork_rng(devices=devices), limits:

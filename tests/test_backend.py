@@ -488,3 +488,25 @@ def test_model_to_with_swapped_parameters_after_a_compile(inductor):
         assert_close_rel(compiled(x), ref(x), FP32_REL, "output after .to(float64)")
     finally:
         torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+@pytest.mark.skipif(not hasattr(torch._dynamo.config, "invalidate_compile_context_weakrefs"),
+                    reason="torch < 2.13 keeps the weak references of every compile")
+def test_model_to_with_swapped_parameters_after_explain():
+    """explain() compiles with a backend of its own, not a registered one, for which Dynamo kept the weak
+    references its fake tensor converter holds to every Parameter: "Couldn't swap Linear.weight" at the
+    next ``model.to(dtype)`` (review helper-67). Now the model converts after explain."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        torch._dynamo.reset()
+        model = make_model(spelling="index_add", e=4, k=2)
+        ref = copy.deepcopy(model)
+        assert moe_compile.explain(model, make_input((9, 16))).rewritten
+        model.to(torch.float64)
+        ref.to(torch.float64)
+        compiled = torch.compile(model, backend="moe")
+        x = make_input((9, 16)).double()
+        assert_close_rel(compiled(x), ref(x), FP32_REL, "output after explain and .to(float64)")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
