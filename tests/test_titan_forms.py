@@ -212,6 +212,36 @@ def test_scores_before_the_experts_are_applied_in_the_gather(dtype):
         readers
 
 
+class CastsSpelledTwoWays(TitanMoE):
+    """w1's rows cast ``rows.bfloat16()``, w3's ``rows.to(torch.bfloat16)`` (or ``.to(dtype=...)``): one value."""
+
+    def __init__(self, spelling):
+        super().__init__(dtype=torch.bfloat16)
+        self.spelling = spelling
+
+    def forward(self, x):
+        x, top, order, tok, offs, rows = self._routed_rows(x)
+        other = rows.to(torch.bfloat16) if self.spelling == "to" else rows.to(dtype=torch.bfloat16)
+        w1, w3 = self.w1.bfloat16().transpose(-2, -1), self.w3.bfloat16().transpose(-2, -1)
+        h = F.silu(torch._grouped_mm(rows.bfloat16(), w1, offs=offs)) * torch._grouped_mm(other, w3, offs=offs)
+        y = _gmm(h, self.w2, offs, self.dtype)
+        return torch.zeros_like(x).index_add(0, tok, (y * top.view(-1)[order].reshape(-1, 1)).to(x.dtype))
+
+
+@pytest.mark.parametrize("spelling", ["to", "to_dtype"])
+def test_w1_and_w3_rows_cast_two_ways_are_one_grouped_gemm(spelling):
+    """The rows cast to bf16 once as ``.bfloat16()`` and once as ``.to(torch.bfloat16)``: one value, so one
+    grouped_mm_cat (were two grouped GEMMs: the casts were compared by method name)."""
+    from graphs import ops_in, rewrite
+
+    torch.manual_seed(17)
+    x = make_input((2, 5, H), torch.bfloat16)
+    new, records = rewrite(("fn", CastsSpelledTwoWays(spelling), (x.detach(),)))
+    assert [r.status for r in records] == ["rewritten"]
+    assert ops_in(new).count("grouped_mm_cat") == 1, ops_in(new)
+    check_compiled(CastsSpelledTwoWays(spelling), (x,), expect_rewritten=1, rel=BF16_REL, grad_rel=BF16_GRAD_REL)
+
+
 class W3OnOtherRows(TitanMoE):
     """w1 and w3 on different rows (w3's scaled by 2, or rounded through bf16): two grouped GEMMs, not one."""
 
