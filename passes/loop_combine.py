@@ -98,6 +98,10 @@ def combine(a, n: fx.Node, op: str, r0):
     # setitem(acc, index, value)
     index, value = n.args[1], n.args[2]
     ri, rv = a.r(index), a.r(value)
+    mismatch = _dtypes(acc, value)   # acc[tok] = acc[tok] + y (not +=), acc[tok] = y: index_put_ raises
+    if mismatch:
+        return a.refuse_write(s, n, "accumulator_dtype", rv.contrib if isinstance(rv, AccSum) else
+                              as_contrib(value, rv), op="setitem", **mismatch)
     if isinstance(rv, AccSum) and rv.read.storage is s and rv.read.index is index and rv.read.version == s.version:
         if s.overwrite:
             return a.refuse_write(s, n, "overwrite_then_add", rv.contrib, acc=s.alloc.name)

@@ -31,8 +31,8 @@ REASONS: dict[str, Reason] = {
         "unsupported {op} at {at}", "write expert outputs with `out.index_add_(0, tok, y)` (dim 0, alpha 1) "
         "or `out[tok] += y`, with tok and y from the same torch.where"),
     "accumulator_dtype": Reason(
-        "`{op}` at {at} adds {src} expert outputs into a {dtype} tensor; eager raises there (\"must have the same "
-        "scalar type\"), and the rewrite would cast them and return a result, so the layer is left as written "
+        "`{op}` at {at} adds {src} expert outputs into a {dtype} tensor; eager raises there (the dtypes must "
+        "match), and the rewrite would cast them and return a result, so the layer is left as written "
         "(without Inductor it raises as eager does; Inductor's own kernel for it casts)",
         "cast what is added to the output's dtype (`(y * w).to(out.dtype)`), or make the output that dtype"),
     "expert_added_twice": Reason("expert {expert} is added twice into `{acc}`", "add each expert once"),

@@ -613,7 +613,8 @@ def test_float64_experts_are_refused_and_match_eager_to_float64_precision():
 
 class _WideWeightsIntoNarrowOutput(nn.Module):
     """The routing weights cast to float64 and the expert outputs added into a float32 output: eager's
-    ``index_add_`` / ``index_put_`` / ``scatter_add_`` raise ("must have the same scalar type")."""
+    ``index_add_`` / ``index_put_`` / ``scatter_add_`` / ``out[tok] = out[tok] + y`` / ``out[tok] = y`` raise
+    (the dtypes must match); ``out[tok] += y`` does not."""
 
     def __init__(self, write, e=4, h=16):
         super().__init__()
@@ -623,7 +624,7 @@ class _WideWeightsIntoNarrowOutput(nn.Module):
         self.experts = nn.ModuleList(nn.Linear(h, h) for _ in range(e))
 
     def forward(self, x):
-        w, ids = self.gate(x).softmax(-1).topk(2, -1)
+        w, ids = self.gate(x).softmax(-1).topk(1 if self.write == "setitem_top1" else 2, -1)
         w = w.double()
         out = torch.zeros_like(x)
         for e in range(self.e):
@@ -633,12 +634,18 @@ class _WideWeightsIntoNarrowOutput(nn.Module):
                 out.index_add_(0, tok, y)
             elif self.write == "index_put_":
                 out.index_put_((tok,), y, accumulate=True)
+            elif self.write == "setitem_sum":
+                out[tok] = out[tok] + y
+            elif self.write == "setitem_top1":
+                out[tok] = y
+            elif self.write == "iadd":   # legal: the in-place add keeps out's dtype
+                out[tok] += y
             else:
                 out.scatter_add_(0, tok[:, None].expand(-1, y.shape[1]), y)
         return out
 
 
-@pytest.mark.parametrize("write", ["index_add_", "index_put_", "scatter_add_"])
+@pytest.mark.parametrize("write", ["index_add_", "index_put_", "scatter_add_", "setitem_sum", "setitem_top1"])
 def test_wider_outputs_added_into_a_narrower_tensor_raise_as_eager(write):
     """Was rewritten (review helper-69): the combine cast the float64 rows and returned a float32 result where
     eager raises. Now refused (accumulator_dtype) and left as written: without Inductor it raises eager's
@@ -657,3 +664,9 @@ def test_wider_outputs_added_into_a_narrower_tensor_raise_as_eager(write):
         compiled(x)
     found = [(r.status, r.code) for g in graphs for r in g]
     assert found == ([] if write == "scatter_add_" else [("refused", "accumulator_dtype")]), found
+
+
+def test_wider_outputs_added_in_place_are_rewritten():
+    """``out[tok] += y``: the in-place add keeps out's dtype, eager accepts it, and so does the rewrite
+    (review helper-71: ``out[tok] = out[tok] + y`` and ``out[tok] = y`` raise, above)."""
+    check_compiled(_WideWeightsIntoNarrowOutput("iadd"), [make_input((13, 16))], expect_rewritten=1)
