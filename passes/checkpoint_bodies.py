@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.fx as fx
 
-from .normalize import canon
+from .normalize import canon, val
 
 HOPS = ("tag_activation_checkpoint",)
 
@@ -47,21 +48,29 @@ def checkpoint_bodies(gm: fx.GraphModule, example_inputs, routed: frozenset = fr
     return out
 
 
-# what may stand between a caller's top-k indices and the operand it hands a body
-_PASS_THROUGH = {"view", "reshape", "flatten", "contiguous", "to", "long", "int", "clone", "detach", "squeeze",
-                 "unsqueeze"}
+# the calls whose indices output (``[1]``) picks experts, and the ones that return indices themselves
+_ROUTERS = {"topk", "max", "min", "sort"}
+_ARG_ROUTERS = {"argmax", "argmin", "argsort"}
 
 
-def _topk_indices(a, routed: frozenset) -> bool:
-    """The caller's operand ``a`` is a top-k's indices (through views and casts), or a placeholder of the
-    caller that carries them (``routed``)."""
-    while isinstance(a, fx.Node):
-        op = canon(a) or ""
-        if a in routed or op == "getitem" and a.args[1:2] == (1,) and canon(a.args[0]) == "topk":
+def _topk_indices(a, routed: frozenset, limit: int = 16) -> bool:
+    """The caller's operand ``a`` is computed from a router's indices (a top-k's, max's, sort's ``[1]``,
+    an argmax) through integer ops (views, casts, slices, ``ids + 0``, ``where(keep, ids, -1)``), or from
+    a placeholder of the caller that carries them (``routed``)."""
+    seen, stack = set(), [a]
+    while stack and len(seen) < limit:
+        n = stack.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        op = canon(n) or ""
+        if n in routed or op in _ARG_ROUTERS or (op == "getitem" and n.args[1:2] == (1,)
+                                                  and canon(n.args[0]) in _ROUTERS):
             return True
-        if op not in _PASS_THROUGH or not a.args:
-            return False
-        a = a.args[0]
+        v = val(n)
+        if n.op in ("call_function", "call_method") and isinstance(v, torch.Tensor) and not v.is_floating_point() \
+                and v.dtype != torch.bool:
+            stack.extend(n.all_input_nodes)
     return False
 
 

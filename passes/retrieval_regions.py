@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from .normalize import _clean_module_path, canon, shape, val, where_in_user_code
 from .region import Candidate, Finding
-from .token_paths import graph_params, token_values
+from .token_paths import downstream, graph_params, token_values
 
 _INT_VIEWS = {"getitem", "gather", "view", "reshape", "add", "mul", "unsqueeze", "flatten", "to", "long", "int",
               "contiguous", "clone"}
@@ -67,16 +67,18 @@ def find_retrieval_regions(gm: fx.GraphModule) -> list[Candidate]:
     tokens = None
     gathers = [(n, _from_topk(n.args[0])) for n in gm.graph.nodes if canon(n) == "embedding" and len(n.args) >= 2
                and isinstance(n.args[0], fx.Node) and isinstance(n.args[1], fx.Node)]
-    # a router whose scores read a table its ids gather: nearest memory keys, not experts
-    knn = {r for r in {r for _, r in gathers if r is not None}
-           if any(g.args[1] in _reads(r) for g, q in gathers if q is r)}
+    # rows of a table the router's scores read (nearest memory keys) and what is computed from them (attention
+    # over the keys): not experts, and not a token the other gathered rows meet
+    reads = {r: _reads(r) for _, r in gathers if r is not None}
+    key_rows = [g for g, r in gathers if r is not None and g.args[1] in reads[r]]
+    keys = downstream(key_rows)
     for n, router in gathers:
         users = [u for u in n.users if canon(u) in ("matmul", "bmm", "mul", "einsum")]
-        if router is None or router in knn or not users:
+        if router is None or n in key_rows or not users:
             continue
         tokens = token_values(gm.graph, graph_params(gm, None)) if tokens is None else tokens
-        if not any(a is not n and a in tokens for u in users for a in u.all_input_nodes):
-            continue   # rows that meet only the router's scores: a memory / kNN read, not experts
+        if not any(a is not n and a in tokens and a not in keys for u in users for a in u.all_input_nodes):
+            continue   # rows that meet only the router's scores (a memory / kNN read) or the keys: not experts
         module = _parent_module(n)
         if module in found:
             continue

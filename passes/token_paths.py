@@ -174,3 +174,14 @@ def token_values(graph: fx.Graph, params: set) -> set[fx.Node]:
         seen.add(n)
         todo += n.users
     return seen
+
+
+def downstream(starts, limit: int = 256) -> set[fx.Node]:
+    """``starts`` and what is computed from them (at most ``limit`` nodes)."""
+    seen, stack = set(), list(starts)
+    while stack and len(seen) < limit:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.users)
+    return seen

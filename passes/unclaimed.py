@@ -63,7 +63,7 @@ from .expert_ids import ID_VIEWS, OTHER_ROUTERS, router_kind, router_root, route
 from .id_range import holds_ids
 from .moe_source import Frame, _enclosing_function, declares_experts_implementation, enclosing_class, in_moe_code  # noqa: F401
 from .normalize import _clean_module_path, canon, common_module, module_path, source_name, val, where_in_user_code
-from .token_paths import MATMULS, ep_experts_of, graph_params, param_of, router_params, token_values
+from .token_paths import MATMULS, downstream, ep_experts_of, graph_params, param_of, router_params, token_values
 from .unclaimed_base import (_GATHERS, Unclaimed, _claimed_by, _dims, _expert_choice, _near, _past_output,
                              _routed_matmul, _same_block, sliced_inputs)
 from .unrouted import unrouted
@@ -154,8 +154,10 @@ def _evidence(router: fx.Node, reach: set, params: set, weights: set, e: int, sk
     selected = _reach([n for n in reach if (canon(n) or "") in _SELECTIONS
                        or (canon(n) == "where" and len(n.args) == 1)])
     own = router_params(router, params)     # a classifier's weight reused after its argmax is not an expert
-    # the ids gather a table the scores read (topk(q @ K.t()), then K(ids), V(ids)): a kNN memory, not experts
-    knn = any(canon(n) in _GATHERS and any(param_of(a, params) in own for a in n.all_input_nodes) for n in reach)
+    # rows of a table the scores read, gathered by the ids (topk(q @ K.t()), then K(ids)): nearest memory keys;
+    # what is computed from them (attention over the keys) is not a token an expert meets
+    keys = downstream([n for n in reach if canon(n) in _GATHERS and any(param_of(a, params) in own
+                                                                           for a in n.all_input_nodes)])
     found = []
     for n in sorted(reach, key=order.__getitem__):
         if n in skip or not _local(rmod, module_path(n)):
@@ -176,7 +178,7 @@ def _evidence(router: fx.Node, reach: set, params: set, weights: set, e: int, sk
             if srcs and users and not tokens:
                 tokens.append(token_values(n.graph, params))
             # the gathered rows meet the token itself, not only the routing (a kNN / memory read)
-            if srcs and not knn and any(a is not n and a in tokens[0] for u in users for a in u.all_input_nodes):
+            if srcs and any(a is not n and a in tokens[0] and a not in keys for u in users for a in u.all_input_nodes):
                 found.append(("gathered", n))
                 continue
         if op in ("mul", "einsum", "bmm", "matmul"):   # by a stacked matmul's output (<= 4 single-input ops on)

@@ -385,7 +385,7 @@ def _unrouted_record(key, e, members, found, module, disabled) -> Unclaimed:
         return Unclaimed(module, at, e, 0, detail, "ids_outside")
     if kind in ("compare", "gather"):
         ids = _compared(sel)[0] if kind == "compare" else sel
-        if ids.op == "placeholder":
+        if _source(ids).op == "placeholder":   # given as they are, or a view of them
             detail["router"] = (f"expert ids `{ids.name}` that are an input of this graph (computed outside it: "
                                 "e.g. a torch.utils.checkpoint body given the router's ids)")
             return Unclaimed(module, at, e, 0, detail, "ids_outside")

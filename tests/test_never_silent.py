@@ -955,6 +955,36 @@ class _KnnAttention(nn.Module):
         return torch.matmul(att.unsqueeze(1), vv).squeeze(1)
 
 
+class _VectorExpertsWithKeyBias(nn.Module):
+    """PEER-style vector experts (``down(ids)`` and ``up(ids)`` meeting the token) whose router also gathers a
+    table its scores read: centroids ``emb`` (scores ``x @ emb.weight.t()``, ``emb(ids)`` added as a bias), or
+    the gate's own weight (``F.embedding(ids, gate.weight)``)."""
+
+    def __init__(self, keys):
+        super().__init__()
+        torch.manual_seed(0)
+        self.keys = keys
+        self.gate, self.emb = nn.Linear(16, 8, bias=False), nn.Embedding(8, 16)
+        self.down, self.up = nn.Embedding(8, 16), nn.Embedding(8, 16)
+
+    def forward(self, x):
+        table = self.emb.weight if self.keys == "centroids" else self.gate.weight
+        s, ids = (x @ table.t()).topk(2, -1)
+        w = s.softmax(-1)
+        h = F.gelu(torch.einsum("th,tkh->tk", x, self.down(ids))) * w
+        return torch.einsum("tk,tkh->th", h, self.up(ids)) + (w[..., None] * F.embedding(ids, table)).sum(1)
+
+
+@pytest.mark.parametrize("keys", ["centroids", "gate_weight"])
+def test_vector_experts_whose_router_gathers_its_keys_are_listed(keys):
+    """The kNN exclusion (a router whose ids gather a table its scores read) first dropped every gathered
+    table of such a router: these layers went unlisted (review helper-71). Only the key rows, and what is
+    computed from them, are excluded now."""
+    torch._dynamo.reset()
+    rep = moe_compile.explain(_VectorExpertsWithKeyBias(keys), torch.randn(12, 16))
+    assert [r.code for r in rep.refused] == ["retrieval_experts"], str(rep)
+
+
 def _recall_at_topk(logits, y):                         # named *topk*, syncs: a metric, not a router
     return (logits.topk(2, -1).indices == y[:, None]).any(-1).float().sum().item()
 
@@ -1416,9 +1446,9 @@ class _CheckpointedLoopAtRoot(nn.Module):
     """The block compiled on its own (the root module): its router outside the checkpoint, the expert
     loop a method given the ids, the ModuleList two modules down (``self.box.inner.experts``)."""
 
-    def __init__(self, e=4):
+    def __init__(self, e=4, ids="topk"):
         super().__init__()
-        self.e = e
+        self.e, self.ids = e, ids
         self.gate = nn.Linear(16, e, bias=False)
         self.box = nn.Module()
         self.box.inner = nn.Module()
@@ -1427,22 +1457,35 @@ class _CheckpointedLoopAtRoot(nn.Module):
 
     def _body(self, x, w, ids):
         out = torch.zeros_like(x)
+        ids, w = ids.view(x.shape[0], -1), w.view(x.shape[0], -1)
         for e in range(self.e):
             tok, slot = torch.where(ids == e)
             out.index_add_(0, tok, w[tok, slot, None] * self.box.inner.experts[e](x[tok]))
         return out
 
     def forward(self, x):
-        w, ids = self.gate(x).softmax(-1).topk(2, -1)
+        p = self.gate(x).softmax(-1)
+        if self.ids == "argmax":   # Switch's top-1
+            ids = p.argmax(-1)
+            w = p.gather(-1, ids[:, None])
+        elif self.ids == "sorted":   # the first two of a sort
+            w, ids = p.sort(-1, descending=True)
+            w, ids = w[:, :2], ids[:, :2]
+        else:
+            w, ids = p.topk(2, -1)
+            if self.ids == "dropped":   # a capacity drop: -1 for dropped slots
+                ids = torch.where(w > 0.3, ids, -1)
         return torch.utils.checkpoint.checkpoint(self._body, x, w, ids, use_reentrant=False)
 
 
-def test_checkpointed_expert_loop_of_the_root_block_is_listed():
+@pytest.mark.parametrize("ids", ["topk", "argmax", "sorted", "dropped"])
+def test_checkpointed_expert_loop_of_the_root_block_is_listed(ids):
     """The body's nodes belong to no module (path ''), the experts to ``box.inner.experts``: the selections
     were dropped as outside the experts' block, and nothing was listed (0 rewritten, 0 refused; review
-    helper-62). The caller hands the body a top-k's indices: comparisons of those count wherever they sit."""
+    helper-62). The caller hands the body a router's indices (a top-k's; an argmax, a sort's first two, ids
+    with dropped slots set to -1: review helper-71): comparisons of those count wherever they sit."""
     torch._dynamo.reset()
-    rep = moe_compile.explain(_CheckpointedLoopAtRoot(), make_input((24, 16)))
+    rep = moe_compile.explain(_CheckpointedLoopAtRoot(ids=ids), make_input((24, 16)))
     assert [(r.module, r.code) for r in rep.refused] == [("box.inner.experts", "ids_outside")], str(rep)
 
 
