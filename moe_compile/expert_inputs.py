@@ -39,6 +39,7 @@ per set of addresses (e.g. once per block under ``compile_blocks``).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -47,6 +48,7 @@ import sys
 from typing import NamedTuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from moe_compile.lowering.expert_stack import StackPlan, laid_out, stack_view
 
@@ -57,7 +59,11 @@ _GRAD = operator.attrgetter("grad")
 _TENSOR_HOOKS = operator.attrgetter("_backward_hooks")
 _ACC_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
 _VERSION = operator.attrgetter("_version")
-_NONES = itertools.repeat(None)   # an endless None operand for map(operator.is_not, ...): a C-level scan
+_NONES = itertools.repeat(None)
+# the first Parameter of a stack -> the reasons a copy was warned about (WeakIdKeyDictionary: tensors hash by id)
+_WARNED = WeakIdKeyDictionary()
+# ops run below autograd's view tracking: aliases of one storage without a view base
+_NO_VIEW_TRACKING = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", contextlib.nullcontext)   # an endless None operand for map(operator.is_not, ...): a C-level scan
 
 
 def _compiled_autograd() -> bool:
@@ -92,8 +98,12 @@ class _HandOver:
         if self.versions is not None:
             _check_versions(params, self.versions, tuple(g.shape))
         parts = g.split(self.rows, dim=1) if len(self.rows) > 1 else (g,)
-        views = [v for part in parts for v in part.unbind(0)]   # segment-major, as params
         out_of_place = torch.is_grad_enabled()        # create_graph=True: as AccumulateGrad does
+        # one tensor per Parameter on g's storage (segment-major, as params); not autograd views unless
+        # create_graph needs their history: a view's .data replaced by model.to(dtype) kept its fp32 base,
+        # on which Dynamo's next trace of the layer failed, so it ran eagerly (review helper-72)
+        with contextlib.nullcontext() if out_of_place else _NO_VIEW_TRACKING():
+            views = [v for part in parts for v in part.unbind(0)]
         if any(map(_TENSOR_HOOKS, params)) or any(map(_ACC_HOOKS, params)):
             _hand_over_hooked(params, views, out_of_place)
             return
@@ -206,7 +216,7 @@ class _Feed:
             # warned from the second call with the same addresses (Parameters _lay_out may not move):
             # compile_blocks' mirror may still lay them out after the model's first call (moe_compile/blocks.py)
             if ok >= 2:
-                self._warn(self._why_apart(params))
+                self._warn(self._why_apart(params), params[0])
             return False
         # the addresses are those of a checked layout; it still holds if the stack lies inside the
         # first Parameter's (live) storage: memory inside it belongs to views of it alone
@@ -244,10 +254,15 @@ class _Feed:
                     "storage (an alias such as p.detach(), a view into a larger buffer, or shared memory)")
         return "they no longer share the buffer they were stacked from (their .data was replaced)"
 
-    def _warn(self, why: str) -> None:
+    def _warn(self, why: str, first: torch.Tensor) -> None:
+        """Once per reason for these Parameters, however many graphs (recompiles) feed them (review helper-72)."""
         if not self.warned:
             self.warned = True
-            log.warning("moe_compile: %s: %s; stacking a copy of them on every step (correct, slower)", self.what, why)
+            seen = _WARNED.setdefault(first, set())
+            if why not in seen:
+                seen.add(why)
+                log.warning("moe_compile: %s: %s; stacking a copy of them on every step (correct, slower)",
+                            self.what, why)
 
     def __call__(self, args) -> Fed:
         params = self.get(args)
@@ -262,7 +277,7 @@ class _Feed:
                 leaf.register_post_accumulate_grad_hook(hand_over)
             return Fed(leaf, params, versions, hand_over, params[0])   # a view: the first Parameter's counter
         if hooked:
-            self._warn("some have gradient hooks, which must run")
+            self._warn("some have gradient hooks, which must run", params[0])
         e = self.experts
         segs = [torch.stack(params[s * e:(s + 1) * e]) for s in range(len(self.rows))]
         stack = segs[0] if len(segs) == 1 else torch.cat(segs, dim=1)
