@@ -48,7 +48,6 @@ import sys
 from typing import NamedTuple
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from moe_compile.lowering.expert_stack import StackPlan, laid_out, stack_view
 
@@ -59,11 +58,9 @@ _GRAD = operator.attrgetter("grad")
 _TENSOR_HOOKS = operator.attrgetter("_backward_hooks")
 _ACC_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
 _VERSION = operator.attrgetter("_version")
-_NONES = itertools.repeat(None)
-# the first Parameter of a stack -> the reasons a copy was warned about (WeakIdKeyDictionary: tensors hash by id)
-_WARNED = WeakIdKeyDictionary()
+_NONES = itertools.repeat(None)   # an endless None operand for map(operator.is_not, ...): a C-level scan
 # ops run below autograd's view tracking: aliases of one storage without a view base
-_NO_VIEW_TRACKING = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", contextlib.nullcontext)   # an endless None operand for map(operator.is_not, ...): a C-level scan
+_NO_VIEW_TRACKING = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", contextlib.nullcontext)
 
 
 def _compiled_autograd() -> bool:
@@ -171,9 +168,12 @@ def _hand_over_hooked(params, views, out_of_place: bool) -> None:
     """Each Parameter's slice as eager's AccumulateGrad gives it: tensor hooks (registration order, a
     hook's result replaces the gradient), accumulation, then post-accumulate-grad hooks."""
     for p, v in zip(params, views):
-        for hook in tuple((p._backward_hooks or {}).values()):
+        hooks = tuple((p._backward_hooks or {}).values())
+        for hook in hooks:
             r = hook(v)
             v = v if r is None else r
+        if hooks and p.grad is None and not out_of_place:
+            v = v.clone()   # a hook may keep what it was given: AccumulateGrad then clones it (review helper-73)
         _accumulate(p, p.grad, v, out_of_place)
         for hook in tuple((p._post_accumulate_grad_hooks or {}).values()):
             if hook(p) is not None:   # as eager's AccumulateGrad
@@ -258,7 +258,9 @@ class _Feed:
         """Once per reason for these Parameters, however many graphs (recompiles) feed them (review helper-72)."""
         if not self.warned:
             self.warned = True
-            seen = _WARNED.setdefault(first, set())
+            # the reasons warned about, kept on the Parameter itself: a table of weak references to Parameters
+            # made torch.utils.swap_tensors refuse them (model.to under swap failed, review helper-73)
+            seen = first.__dict__.setdefault("_moe_copy_warned", set())
             if why not in seen:
                 seen.add(why)
                 log.warning("moe_compile: %s: %s; stacking a copy of them on every step (correct, slower)",

@@ -452,3 +452,45 @@ def test_model_to_with_handed_over_gradients_held(dtype):
     found = [(r.status, r.code) for g in graphs for r in g]   # float64 experts stay float64: refused as such
     assert found == [("refused", "float64") if dtype == torch.float64 else ("rewritten", "")], found
     assert_close_rel(got.double(), model(x).double(), BF16_REL if dtype == torch.bfloat16 else FP32_REL, "output")
+
+
+def test_model_to_with_swapped_parameters_after_a_copy_warning(caplog):
+    """The stacking-a-copy warning's once-only table held weak references to Parameters, and
+    torch.utils.swap_tensors refuses a tensor something weakly references: model.to(dtype) and
+    load_state_dict under swap_module_params_on_conversion failed after the warning (review helper-73)."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        torch._dynamo.reset()
+        model = make_model(spelling="index_add", expert="swiglu", e=4, k=2)
+        model.experts.experts[1].w2.weight.register_hook(lambda g: g * 3)
+        compiled = _compile(model)
+        with caplog.at_level(logging.WARNING, logger="moe_compile"):
+            compiled(make_input((3, 5, 16))).sum().backward()
+        assert "gradient hooks" in caplog.text
+        state = copy.deepcopy(model.state_dict())
+        model.to(torch.float64)
+        model.load_state_dict(state)
+        assert all(p.dtype == torch.float64 for p in model.parameters())
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def test_gradient_kept_by_a_hook_is_not_accumulated_into():
+    """A tensor hook that keeps the gradient it is given (registered after the first forward, so the hand-over
+    runs it): eager's AccumulateGrad clones a gradient someone else holds; the hand-over made it p.grad and
+    the next micro-batch's accumulation changed the kept tensor (1.39 relative; review helper-73)."""
+    model = make_model(spelling="index_add", expert="swiglu", e=4, k=2)
+    ref = copy.deepcopy(model)
+    compiled = _compile(model)
+    kept = {"model": [], "ref": []}
+    for step in range(2):
+        x = make_input((3, 5, 16))
+        out, want = compiled(x), ref(x)
+        if step == 0:
+            for m, key in ((model, "model"), (ref, "ref")):
+                m.experts.experts[0].w1.weight.register_hook(lambda g, key=key: kept[key].append(g))
+        out.square().mean().backward()
+        want.square().mean().backward()
+    assert_close_rel(kept["model"][0], kept["ref"][0], FP32_REL, "the gradient the hook kept")
+    assert_close_rel(model.experts.experts[0].w1.weight.grad, ref.experts.experts[0].w1.weight.grad, FP32_REL, "grad")
