@@ -61,7 +61,7 @@ class DynamoState:
     region_nodes: dict = dataclasses.field(default_factory=dict)  # id(region) -> nodes its lowering added
     unclaimed: list = dataclasses.field(default_factory=list)     # RegionRecord: MoE-like code no region covers
     graph_notes: list = dataclasses.field(default_factory=list)   # notes for every rewritten region of the graph
-    routed_inputs: frozenset = frozenset()   # a checkpoint body's placeholders fed a top-k's indices by its caller
+    routed_inputs: frozenset = frozenset()   # a checkpoint body's placeholders fed a router's indices by its caller
 
 
 # ------------------------------------------------------------------------------- dynamo stage

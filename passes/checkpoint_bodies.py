@@ -14,7 +14,7 @@ The dynamo stage runs its passes on each body as on a graph of its own (moe_comp
 AOTAutograd inlines the body with recompute tags, so the ops a rewrite puts there are recomputed in
 the backward like the code they replace. Finds only: returns ``CheckpointBody`` records (the body,
 the example values of its placeholders: the caller's real inputs where an operand is one of its
-placeholders, else the operand's fake value; the placeholders the caller feeds a top-k's indices),
+placeholders, else the operand's fake value; the placeholders the caller feeds a router's indices),
 edits nothing.
 """
 from __future__ import annotations
@@ -34,14 +34,14 @@ class CheckpointBody:
     name: str                  # the subgraph's attribute on the outer GraphModule
     body: fx.GraphModule
     example_inputs: tuple      # one per placeholder of ``body``
-    routed_inputs: frozenset = frozenset()   # its placeholders given a top-k's indices by the caller (the
+    routed_inputs: frozenset = frozenset()   # its placeholders given a router's indices by the caller (the
     # router outside the checkpoint: passes/unrouted.py lists the expert loop they select for)
 
 
 def checkpoint_bodies(gm: fx.GraphModule, example_inputs, routed: frozenset = frozenset()) -> list[CheckpointBody]:
     """One record per distinct checkpoint body called from ``gm``'s graph, then the bodies nested in
     each (a checkpoint inside a checkpointed function), outermost first. ``routed``: ``gm``'s own
-    placeholders that carry a top-k's indices (``gm`` a body itself)."""
+    placeholders that carry a router's indices (``gm`` a body itself)."""
     out = []
     for b in _bodies(gm, example_inputs, routed):
         out += [b, *checkpoint_bodies(b.body, b.example_inputs, b.routed_inputs)]

@@ -12,8 +12,10 @@ and no host sync, and a grouped GEMM of width 1 per expert would only be slower.
 and not silently: every such layer becomes a refused candidate with reason ``retrieval_experts``.
 Rows that meet nothing of the token but the routing (``softmax(top-k scores) * values(ids)``:
 a memory layer, a kNN read; ``passes/token_paths.py``) are retrieval, not experts, and not reported;
-nor are the rows of a router whose scores are computed from a table it gathers (``topk(q @ K.weight.t())``
-then ``K(ids)``, ``V(ids)``: attention over the nearest memory keys, Memorizing Transformers).
+nor are the rows of a table the router's scores read (``topk(q @ K.weight.t())`` then ``K(ids)``: the
+nearest memory keys), nor rows that meet only what is computed from those (``V(ids)`` weighted by attention
+over the keys, Memorizing Transformers). Other tables of such a router still count (PEER-style vector
+experts whose router also gathers its centroids as a bias).
 """
 from __future__ import annotations
 

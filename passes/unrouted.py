@@ -291,7 +291,7 @@ def _consumers(m: fx.Node, hops: int = 4) -> list[fx.Node]:
 def unrouted(gm, params, weights, claimed_nodes, claimed_modules, listed, disabled, routed=frozenset()
              ) -> list[Unclaimed]:
     """Expert sets that a per-expert selection gates with no top-k router (module doc, "selections").
-    ``routed``: placeholders of a checkpoint body that its caller fed a top-k's indices; comparisons of
+    ``routed``: placeholders of a checkpoint body that its caller fed a router's indices; comparisons of
     those count wherever they sit (a checkpointed method of the root block belongs to no module)."""
     out: list[Unclaimed] = []
     for key, (e, owner, members, listed_) in _experts(gm, params, weights).items():
