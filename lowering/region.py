@@ -172,23 +172,6 @@ def _siblings(region: Region, si, sj) -> bool:
 _PURE_METHODS = {"to", "bfloat16", "float", "half", "type", "contiguous", "view", "reshape"}
 
 
-_CAST_METHODS = {"bfloat16": torch.bfloat16, "half": torch.float16, "float": torch.float32, "double": torch.float64}
-
-
-def _cast_to(step):
-    """The dtype a plain cast step casts to (``x.to(dtype)``, ``x.to(dtype=dtype)``, ``x.bfloat16()``,
-    ``x.type(dtype)``: nothing else), else None."""
-    if step.op != "call_method" or not step.args:
-        return None
-    if step.target in _CAST_METHODS:
-        return _CAST_METHODS[step.target] if len(step.args) == 1 and not step.kwargs else None
-    if step.target in ("to", "type"):
-        rest, kw = step.args[1:], dict(step.kwargs)
-        d = rest[0] if len(rest) == 1 and not kw else kw.get("dtype") if not rest and set(kw) == {"dtype"} else None
-        return d if isinstance(d, torch.dtype) else None
-    return None
-
-
 def _same_value(region: Region, a, b) -> bool:
     """Operands a, b of expert steps are one value: the same, or two steps of one cast or view (pure: not a
     dropout) on the same operands (torchtitan casts the rows ``x.bfloat16()`` once per GEMM; a cast to one
@@ -198,7 +181,8 @@ def _same_value(region: Region, a, b) -> bool:
     if not (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 2 and a[0] == b[0] == "step"):
         return False
     sa, sb = region.experts.steps[a[1]], region.experts.steps[b[1]]
-    if _cast_to(sa) is not None and _cast_to(sa) == _cast_to(sb):
+    dtype = region_forms.cast_step_dtype(sa)
+    if dtype is not None and dtype == region_forms.cast_step_dtype(sb):
         return _same_value(region, sa.args[0], sb.args[0])
     return (sa.op == sb.op == "call_method" and sa.target in _PURE_METHODS and sa.target == sb.target
             and sa.kwargs == sb.kwargs and len(sa.args) == len(sb.args)

@@ -43,15 +43,25 @@ def _reads_rows(x) -> bool:
     return x == ("in",) or (isinstance(x, (list, tuple)) and any(_reads_rows(i) for i in x))
 
 
-def _cast_of_rows(step: Step) -> torch.dtype | None:
-    """The dtype of a step that only casts the region's rows (``rows.to(dtype)``, ``rows.bfloat16()``)."""
-    if step.op != "call_method" or step.linear is not None or step.args[:1] != (("in",),):
+def cast_step_dtype(step: Step) -> torch.dtype | None:
+    """The dtype a plain cast step casts its operand to (``x.to(dtype)``, ``x.to(dtype=dtype)``,
+    ``x.type(dtype)``, ``x.bfloat16()``: nothing else), else None."""
+    if step.op != "call_method" or not step.args:
         return None
-    if step.target == "to":
+    if step.target in ("to", "type"):
         rest = step.args[1:] + tuple(v for key, v in step.kwargs if key == "dtype")
         plain = all(key == "dtype" for key, _ in step.kwargs) and len(rest) == 1
-        return rest[0] if plain and isinstance(rest[0], torch.dtype) and rest[0].is_floating_point else None
+        return rest[0] if plain and isinstance(rest[0], torch.dtype) else None
     return _CAST_METHODS.get(step.target) if len(step.args) == 1 and not step.kwargs else None
+
+
+def _cast_of_rows(step: Step) -> torch.dtype | None:
+    """The dtype of a step that only casts the region's rows to a float dtype (``rows.to(dtype)``,
+    ``rows.bfloat16()``; not ``type``)."""
+    if step.linear is not None or step.args[:1] != (("in",),) or step.target == "type":
+        return None
+    dtype = cast_step_dtype(step)
+    return dtype if dtype is not None and dtype.is_floating_point else None
 
 
 def input_rows(b: GraphBuilder, region: Region, x: fx.Node, perm: fx.Node, inv: fx.Node, offs: fx.Node,

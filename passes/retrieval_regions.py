@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from .normalize import _clean_module_path, canon, shape, val, where_in_user_code
 from .region import Candidate, Finding
-from .token_paths import downstream, graph_params, token_values
+from .token_paths import downstream, graph_params, token_values, upstream
 
 _INT_VIEWS = {"getitem", "gather", "view", "reshape", "add", "mul", "unsqueeze", "flatten", "to", "long", "int",
               "contiguous", "clone"}
@@ -47,17 +47,6 @@ def _from_topk(ids: fx.Node, limit: int = 32) -> fx.Node | None:
     return None
 
 
-def _reads(router: fx.Node, limit: int = 64) -> set:
-    """What the router's scores are computed from (at most ``limit`` nodes back)."""
-    seen, stack = set(), list(router.all_input_nodes)
-    while stack and len(seen) < limit:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
-
-
 def _parent_module(n: fx.Node) -> str:
     """The module that owns the embedding table (the MoE layer), not the nn.Embedding itself."""
     stack = list((n.meta.get("nn_module_stack") or {}).values())
@@ -71,7 +60,7 @@ def find_retrieval_regions(gm: fx.GraphModule) -> list[Candidate]:
                and isinstance(n.args[0], fx.Node) and isinstance(n.args[1], fx.Node)]
     # rows of a table the router's scores read (nearest memory keys) and what is computed from them (attention
     # over the keys): not experts, and not a token the other gathered rows meet
-    reads = {r: _reads(r) for _, r in gathers if r is not None}
+    reads = {r: upstream(r.all_input_nodes, 64) for _, r in gathers if r is not None}   # what its scores read
     key_rows = [g for g, r in gathers if r is not None and g.args[1] in reads[r]]
     keys = downstream(key_rows)
     for n, router in gathers:

@@ -178,10 +178,19 @@ def token_values(graph: fx.Graph, params: set) -> set[fx.Node]:
 
 def downstream(starts, limit: int = 256) -> set[fx.Node]:
     """``starts`` and what is computed from them (at most ``limit`` nodes)."""
+    return _closure(starts, lambda n: n.users, limit)
+
+
+def upstream(starts, limit: int = 256) -> set[fx.Node]:
+    """``starts`` and what they are computed from (at most ``limit`` nodes)."""
+    return _closure(starts, lambda n: n.all_input_nodes, limit)
+
+
+def _closure(starts, step, limit: int) -> set[fx.Node]:
     seen, stack = set(), list(starts)
     while stack and len(seen) < limit:
         n = stack.pop()
         if n not in seen:
             seen.add(n)
-            stack.extend(n.users)
+            stack.extend(step(n))
     return seen

@@ -35,7 +35,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .normalize import arg, attribute_path, canon, common_module, module_path, source_name, val, where_in_user_code
-from .token_paths import MATMULS, param_of
+from .token_paths import MATMULS, param_of, upstream
 from .unclaimed_base import _GATHERS, Unclaimed, _claimed_by, _dims, _near, _same_block
 from .writes import written
 
@@ -203,9 +203,7 @@ def _selectors(starts, i, e: int, scores: set, weights: set, depth: int) -> list
         if n in scores and _int_at(n, e) == i:
             out.append(("slice", n, rows))
             continue
-        src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-        while src is not None and (canon(src) or "") in _VIEWS and isinstance(src.args[0], fx.Node):
-            src = src.args[0]
+        src = _source(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
         if rows and src is not None and src.op == "placeholder" and not attribute_path(src) and _int_at(n, e) == i:
             out.append(("outside", n, rows))   # column e of a dispatch mask made outside the graph: mask[:, e]
             continue
@@ -377,9 +375,7 @@ def _unrouted_record(key, e, members, found, module, disabled) -> Unclaimed:
     detail = {"k": "?", "e": e, "router_at": where_in_user_code(sel) or "?", "evidence": evidence, "node": sel.name,
               "disabled": f" (the finders {', '.join(disabled)} are disabled by moe.disable)" if disabled else ""}
     if kind == "outside":
-        mask = sel.args[0]
-        while (canon(mask) or "") in _VIEWS and isinstance(mask.args[0], fx.Node):
-            mask = mask.args[0]
+        mask = _source(sel.args[0])
         detail["router"] = (f"a dispatch mask `{mask.name}` that is an input of this graph (computed outside it: e.g. "
                             "a router split off by a graph break, or a torch.utils.checkpoint body given the mask)")
         return Unclaimed(module, at, e, 0, detail, "ids_outside")
@@ -395,16 +391,6 @@ def _unrouted_record(key, e, members, found, module, disabled) -> Unclaimed:
     if rows:
         detail["router"] = f"a router without a top-k (`{sel.name}`: each expert's share of the router's scores)"
         return Unclaimed(module, at, e, 0, detail)
-    topk = any(canon(a) == "topk" for a in _ancestors(sel, 12))
+    topk = any(canon(a) == "topk" for a in upstream([sel], 96))
     return Unclaimed(module, at, e, 0, detail, "routing_matrix_form" if topk else "soft_moe")
 
-
-def _ancestors(n: fx.Node, limit: int) -> set:
-    seen, stack = set(), [n]
-    while stack and len(seen) < limit * 8:
-        x = stack.pop()
-        if x in seen:
-            continue
-        seen.add(x)
-        stack.extend(x.all_input_nodes)
-    return seen
