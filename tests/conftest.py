@@ -37,6 +37,21 @@ def no_compile_cache():
 
 
 @pytest.fixture
+def swap_params_on_conversion():
+    """``torch.__future__.set_swap_module_params_on_conversion(True)`` for one test: ``model.to(dtype)`` and
+    ``load_state_dict`` swap each Parameter's contents (``torch.utils.swap_tensors``), which torch refuses for
+    a tensor something holds a weak reference to."""
+    import torch
+
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+@pytest.fixture
 def gemm_dtypes(monkeypatch):
     """The (input, weight) dtypes every grouped GEMM of the compiled graphs ran with, on the CPU
     (3-D and stacked weights: grouped_mm; per-expert lists, e.g. with biases: grouped_mm_list[_cat])."""

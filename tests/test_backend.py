@@ -468,45 +468,35 @@ def test_compiled_module_pickles_and_the_copy_is_rewritten():
 
 
 @pytest.mark.parametrize("inductor", [False, True])
-def test_model_to_with_swapped_parameters_after_a_compile(inductor):
+def test_model_to_with_swapped_parameters_after_a_compile(inductor, swap_params_on_conversion):
     """``model.to(dtype)`` under ``set_swap_module_params_on_conversion(True)`` swaps each Parameter's
     contents in place, which torch refuses for a tensor something holds a weak reference to. The
     rewritten graph copy kept Dynamo's graph args (weak references to every Parameter input, the
     stacked experts' erased placeholders too): "Couldn't swap Linear.weight" after any moe compile
     (review helper-60). Now it converts, and the compiled model matches eager in the new dtype."""
-    before = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        torch._dynamo.reset()
-        model = make_model(spelling="index_add", e=4, k=2)
-        ref = copy.deepcopy(model)
-        compiled = torch.compile(model, backend="moe", options={"moe.inductor": inductor})
-        compiled(make_input((9, 16))).sum().backward()
-        model.to(torch.float64)
-        ref.to(torch.float64)
-        x = make_input((9, 16)).double()
-        assert_close_rel(compiled(x), ref(x), FP32_REL, "output after .to(float64)")
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(before)
+    torch._dynamo.reset()
+    model = make_model(spelling="index_add", e=4, k=2)
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="moe", options={"moe.inductor": inductor})
+    compiled(make_input((9, 16))).sum().backward()
+    model.to(torch.float64)
+    ref.to(torch.float64)
+    x = make_input((9, 16)).double()
+    assert_close_rel(compiled(x), ref(x), FP32_REL, "output after .to(float64)")
 
 
 @pytest.mark.skipif(not hasattr(torch._dynamo.config, "invalidate_compile_context_weakrefs"),
                     reason="torch < 2.13 keeps the weak references of every compile")
-def test_model_to_with_swapped_parameters_after_explain():
+def test_model_to_with_swapped_parameters_after_explain(swap_params_on_conversion):
     """explain() compiles with a backend of its own, not a registered one, for which Dynamo kept the weak
     references its fake tensor converter holds to every Parameter: "Couldn't swap Linear.weight" at the
     next ``model.to(dtype)`` (review helper-67). Now the model converts after explain."""
-    before = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        torch._dynamo.reset()
-        model = make_model(spelling="index_add", e=4, k=2)
-        ref = copy.deepcopy(model)
-        assert moe_compile.explain(model, make_input((9, 16))).rewritten
-        model.to(torch.float64)
-        ref.to(torch.float64)
-        compiled = torch.compile(model, backend="moe")
-        x = make_input((9, 16)).double()
-        assert_close_rel(compiled(x), ref(x), FP32_REL, "output after explain and .to(float64)")
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(before)
+    torch._dynamo.reset()
+    model = make_model(spelling="index_add", e=4, k=2)
+    ref = copy.deepcopy(model)
+    assert moe_compile.explain(model, make_input((9, 16))).rewritten
+    model.to(torch.float64)
+    ref.to(torch.float64)
+    compiled = torch.compile(model, backend="moe")
+    x = make_input((9, 16)).double()
+    assert_close_rel(compiled(x), ref(x), FP32_REL, "output after explain and .to(float64)")

@@ -454,26 +454,21 @@ def test_model_to_with_handed_over_gradients_held(dtype):
     assert_close_rel(got.double(), model(x).double(), BF16_REL if dtype == torch.bfloat16 else FP32_REL, "output")
 
 
-def test_model_to_with_swapped_parameters_after_a_copy_warning(caplog):
+def test_model_to_with_swapped_parameters_after_a_copy_warning(caplog, swap_params_on_conversion):
     """The stacking-a-copy warning's once-only table held weak references to Parameters, and
     torch.utils.swap_tensors refuses a tensor something weakly references: model.to(dtype) and
     load_state_dict under swap_module_params_on_conversion failed after the warning (review helper-73)."""
-    before = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        torch._dynamo.reset()
-        model = make_model(spelling="index_add", expert="swiglu", e=4, k=2)
-        model.experts.experts[1].w2.weight.register_hook(lambda g: g * 3)
-        compiled = _compile(model)
-        with caplog.at_level(logging.WARNING, logger="moe_compile"):
-            compiled(make_input((3, 5, 16))).sum().backward()
-        assert "gradient hooks" in caplog.text
-        state = copy.deepcopy(model.state_dict())
-        model.to(torch.float64)
-        model.load_state_dict(state)
-        assert all(p.dtype == torch.float64 for p in model.parameters())
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(before)
+    torch._dynamo.reset()
+    model = make_model(spelling="index_add", expert="swiglu", e=4, k=2)
+    model.experts.experts[1].w2.weight.register_hook(lambda g: g * 3)
+    compiled = _compile(model)
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        compiled(make_input((3, 5, 16))).sum().backward()
+    assert "gradient hooks" in caplog.text
+    state = copy.deepcopy(model.state_dict())
+    model.to(torch.float64)
+    model.load_state_dict(state)
+    assert all(p.dtype == torch.float64 for p in model.parameters())
 
 
 def test_gradient_kept_by_a_hook_is_not_accumulated_into():
