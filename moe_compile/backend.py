@@ -151,7 +151,7 @@ class _Scope:
                 exc = None
             if exc is not None:
                 _note_break(exc)
-            if _frames_tried() != self.frames:
+            if _frames_tried() != self.frames or self.session.graphs != self.graphs:   # (fullgraph: no frame count)
                 failed = lift_input_error_skips(self.t0) if exc is not None else frozenset()
                 skipped = report_skipped_frames(self.session, self.t0, failed)
                 if exc is None:   # a call that raised ran nothing "as the default backend would"
@@ -371,6 +371,8 @@ def _moe_backend(gm, example_inputs, mode, options):
     # the user's Inductor fallback_random option (applied when the graph compiles) also decides which rewrites
     # keep eager's random draws (pipeline._check)
     rng = {k: v for k, v in inductor_options.items() if k == "fallback_random"}
+    if session.fallback_random is None:
+        session.fallback_random = bool(rng.get("fallback_random", torch._inductor.config.fallback_random))
     with torch._inductor.config.patch(rng):
         new_gm, records = pipeline.run_dynamo_stage(gm, example_inputs, config)
     if records:
@@ -385,7 +387,7 @@ def _moe_backend(gm, example_inputs, mode, options):
             plan, inputs, stacked, records = before.plan, before.inputs, before.to_rehome, before.records
         compiled = _compile_rewritten(new_gm, inputs, config, inductor_options, records)
     except Exception as exc:
-        err = capture_error(gm, exc) if new_gm is gm else None
+        err = capture_error(gm, exc, records) if new_gm is gm else None
         if err is not None:
             raise err from exc
         # Dynamo's restarts (e.g. a Python float the compile cannot keep symbolic) are not failures:

@@ -42,6 +42,7 @@ own buffer.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from typing import Iterable
@@ -55,8 +56,24 @@ log = logging.getLogger(__name__)
 
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
-# model -> names of the blocks compile_blocks compiled in it (explain() says what ran eagerly)
-_COMPILED: "weakref.WeakKeyDictionary[nn.Module, tuple[str, ...]]" = weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass(frozen=True)
+class BlocksCompile:
+    """What one ``compile_blocks`` call did to a model, for explain(): the blocks it compiled, the backend's
+    name ("moe" or another backend's), the compile's ``options`` and ``dynamic``."""
+    names: tuple[str, ...]
+    backend: str
+    options: dict
+    dynamic: bool | None = None
+
+
+# model -> its compile_blocks call (explain() says what ran eagerly and follows the call's options)
+_COMPILED: "weakref.WeakKeyDictionary[nn.Module, BlocksCompile]" = weakref.WeakKeyDictionary()
+
+
+def compiled_blocks(model) -> BlocksCompile | None:
+    return _COMPILED.get(model) if isinstance(model, nn.Module) else None
 
 
 def _items(container: nn.Module) -> list[nn.Module]:
@@ -179,7 +196,9 @@ def compile_blocks(model: nn.Module, backend="moe", *, blocks: Iterable[nn.Modul
     shared = _BlocksBackend(model) if _is_moe(backend) else backend
     for block in blocks:
         block.compile(backend=shared, **compile_kwargs)
-    _COMPILED[model] = tuple(names[id(b)] for b in blocks if id(b) in names)
+    _COMPILED[model] = BlocksCompile(tuple(names[id(b)] for b in blocks if id(b) in names),
+                                     "moe" if _is_moe(backend) else _backend_name(backend),
+                                     dict(compile_kwargs.get("options") or {}), compile_kwargs.get("dynamic"))
     if loss:
         compile_loss(model, backend, **compile_kwargs)
     by_class: dict[type, list[nn.Module]] = {}
@@ -189,6 +208,10 @@ def compile_blocks(model: nn.Module, backend="moe", *, blocks: Iterable[nn.Modul
     if groups:
         _MirrorOnce(model, groups)
     return blocks
+
+
+def _backend_name(backend) -> str:
+    return backend if isinstance(backend, str) else getattr(backend, "__name__", type(backend).__name__)
 
 
 def _is_moe(backend) -> bool:
@@ -237,13 +260,18 @@ def explain_notes(model, regions) -> tuple[str, ...]:
     """For ``explain()``: it traces ``model`` as one whole-model compile. Where ``compile_blocks``
     compiled the model, say so, and name the regions outside every compiled block: those run eagerly
     (not rewritten) however explain's trace reports them."""
-    names = _COMPILED.get(model) if isinstance(model, nn.Module) else None
-    if names is None:
+    call = compiled_blocks(model)
+    if call is None:
         return ()
+    names = call.names
     shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    if call.backend != "moe":
+        return (f"this model was compiled with compile_blocks ({len(names)} block(s): {shown}) and "
+                f"backend={call.backend!r}, which rewrites no MoE region: the report shows what compile_blocks(model) "
+                "(backend=\"moe\") would do",)
     out = [f"this model was compiled with compile_blocks ({len(names)} block(s): {shown}); explain traced a "
-           "whole-model compile: regions inside those blocks are rewritten as listed, the code between them "
-           "runs eagerly"]
+           "whole-model compile with that call's options: regions inside those blocks are rewritten as listed, the "
+           "code between them runs eagerly"]
     eager = sorted({r.module or "<top>" for r in regions if r.status == "rewritten"
                     and not any(r.module == n or r.module.startswith(f"{n}.") for n in names)})
     if eager:

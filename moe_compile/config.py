@@ -119,6 +119,8 @@ class MoEConfig:
         if mode is not None and mode != "default":
             if "mode" in ours and ours["mode"] != mode:
                 raise ValueError(f"MoEConfig: mode={mode!r} conflicts with moe.mode={ours['mode']!r}")
+            if mode not in _INDUCTOR_MODES:   # torch.compile(mode=...): name that argument, not moe.mode
+                raise ValueError(f"MoEConfig: torch.compile's mode={mode!r} is not one of {_INDUCTOR_MODES}")
             ours["mode"] = mode
         if "debug" not in ours and _env_flag("MOE_COMPILE_DEBUG"):
             ours["debug"] = True

@@ -178,7 +178,7 @@ def _host_syncs(s: DynamoState) -> None:
     """What still makes the host wait once the regions are rewritten (code outside them)."""
     if not s.accepted:
         return
-    from moe_compile.passes.host_syncs import find_host_syncs
+    from moe_compile.passes.host_syncs import find_host_syncs, sync_note
 
     try:
         found = find_host_syncs(s.gm.graph)
@@ -188,8 +188,7 @@ def _host_syncs(s: DynamoState) -> None:
         log.warning("moe_compile: the host-sync detector failed (%s: %s)", type(exc).__name__, exc)
         return
     if found:
-        s.graph_notes.append("host syncs left in the compiled graph (CUDA graphs and overlap need none): "
-                             + ", ".join(f"{op} x{n}" for op, n in found.items()))
+        s.graph_notes.append(sync_note(found))
 
 
 # ------------------------------------------------------------------------------- later stages
@@ -379,8 +378,9 @@ def run_dynamo_stage(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.Gra
             return gm, [rec for t in states for rec in _not_rewritten(t)] + failed
     records = [rec for s in states for rec in _not_rewritten(s)]
     if not any(s.accepted for s in states):
-        if verbose:
-            debug.log_rewrite([], records, time.perf_counter() - t0, loud=config.debug)
+        if verbose:   # a refusal's graph, to read what the finders saw
+            shown = [("as captured (nothing rewritten)", gm.print_readable(print_output=False))] if records else []
+            debug.log_rewrite(shown, records, time.perf_counter() - t0, loud=config.debug)
         return gm, records
     for s in states:
         notes = tuple(s.graph_notes)

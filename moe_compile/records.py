@@ -78,6 +78,9 @@ class Session:
         # whether this session's first call has lifted the run-eagerly marks an earlier compile left on
         # frames in MoE code (skipped_frames.lift_earlier_skips)
         self.lifted_earlier_skips = False
+        # Inductor's fallback_random when this session's compile first ran the passes (it decides which rewrites
+        # keep eager's random draws): explain() of the compiled model follows it, not the value at explain time
+        self.fallback_random: bool | None = None
 
     def warn_once(self, key, message: str) -> None:
         with self.lock:

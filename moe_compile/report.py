@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import random
+import sys
 from collections import Counter
 
 import torch
@@ -99,7 +101,8 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
                         "call moe_compile.explain(model, *inputs) with the inputs of one forward call")
     fn = _unwrap(model_or_fn)
     in_place = getattr(fn, "_compiled_call_impl", None) if isinstance(fn, torch.nn.Module) else None
-    options, inductor = _explain_options(_compiled_options(in_place or model_or_fn, moe_backend))
+    compiled_with, user_options, dynamic, by_blocks = _compiled_with(in_place or model_or_fn, fn, moe_backend)
+    options, inductor = _explain_options(user_options)
     session = Session(quiet=True)
     session.explaining = True
     session.explain_inductor = inductor
@@ -117,7 +120,7 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
         try:
             if in_place is not None:   # model.compile(...): trace the module, not the user's compiled call
                 fn._compiled_call_impl = None
-            torch.compile(fn, backend=backend, **_isolated())(*args, **kwargs)
+            torch.compile(fn, backend=backend, dynamic=dynamic, **_isolated())(*args, **kwargs)
         except Exception as exc:
             failure = _setup_error(exc) or (_eager_ep_error(exc) if eager else None)
             if failure is None:
@@ -132,13 +135,14 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
     records += [r for r in _earlier_skips(fn, tried) if r.where not in seen]
     records += eager_probe.records(fn, eager, [r for r in records if r.is_break])
     regions = tuple(r for r in records if not r.is_break)
-    regions = tuple(_explain_notes(_times_note(r, times[r])) for r in regions)
+    config, _ = MoEConfig.from_options(None, user_options)
+    regions = tuple(_explain_notes(_times_note(r, times[r]), config.disable) for r in regions)
     breaks = tuple(dict.fromkeys(GraphBreak(r.where, r.reason, r.fix, r.source, r.code)
                                  for r in records if r.is_break))
     from .blocks import explain_notes
 
     return Report(regions, breaks, graphs[0], errors=(str(failure),) if failure is not None else (),
-                  notes=explain_notes(fn, regions))
+                  notes=explain_notes(fn, regions) if by_blocks else _backend_note(compiled_with))
 
 
 def _setup_error(exc: BaseException):
@@ -167,9 +171,13 @@ def _causes(exc: BaseException):
         exc = getattr(exc, "inner_exception", None) or exc.__cause__
 
 
-def _compiled_options(obj, moe_backend) -> dict:
-    """The options of ``torch.compile(obj, backend="moe", options=...)`` when ``obj`` is what that
-    returns, else {}: explain() then reports what that compile does, not the default one."""
+def _compiled_with(obj, user_obj, moe_backend) -> tuple[str | None, dict, bool | None, bool]:
+    """(the backend ``obj`` was compiled with: "moe", another backend's name, None if it is not compiled;
+    the options of that compile when it is backend="moe", else {}; its ``dynamic``; whether that is a
+    ``compile_blocks`` call on the model, which is not compiled itself): explain() then reports what that
+    compile does, not the default one."""
+    from .blocks import _BlocksBackend, compiled_blocks
+
     ctx = getattr(obj, "dynamo_ctx", None)   # a compiled module's; a compiled function's is in its closure
     for cell in () if ctx is not None else (getattr(obj, "__closure__", None) or ()):
         try:
@@ -177,14 +185,32 @@ def _compiled_options(obj, moe_backend) -> dict:
                 ctx = cell.cell_contents
         except ValueError:   # an empty cell
             continue
-    backend = getattr(ctx, "callback", None)
+    backend, name, dynamic = getattr(ctx, "callback", None), None, getattr(ctx, "_dynamic", None)
     for _ in range(8):   # Dynamo's wrappers of the backend, down to torch.compile's
-        if getattr(backend, "compiler_fn", None) is moe_backend:
-            return dict((getattr(backend, "kwargs", None) or {}).get("options") or {})
-        backend = getattr(backend, "_torchdynamo_orig_backend", None)
+        fn = getattr(backend, "compiler_fn", None)
+        if fn is moe_backend or isinstance(fn, _BlocksBackend):
+            options = dict((getattr(backend, "kwargs", None) or {}).get("options") or {})
+            drawn = getattr(getattr(getattr(ctx, "_backend_ctx_ctor", None), "session", None), "fallback_random", None)
+            if drawn is not None:   # the global fallback_random its compile ran with (options name it otherwise)
+                options.setdefault("fallback_random", drawn)
+            return "moe", options, dynamic, False
+        name = name or getattr(backend, "compiler_name", None)
+        backend = getattr(backend, "_torchdynamo_orig_backend", None) or fn
         if backend is None:
             break
-    return {}
+    if ctx is not None and getattr(ctx, "callback", None) is not None:
+        return str(name or getattr(backend, "__name__", "another backend")), {}, dynamic, False
+    call = compiled_blocks(user_obj)
+    if call is not None:
+        return call.backend, dict(call.options) if call.backend == "moe" else {}, call.dynamic, True
+    return None, {}, None, False
+
+
+def _backend_note(compiled_with: str | None) -> tuple[str, ...]:
+    if compiled_with in (None, "moe"):
+        return ()
+    return (f"this model was compiled with backend={compiled_with!r}, which rewrites no MoE region: the report "
+            "shows what torch.compile(model, backend=\"moe\") would do",)
 
 
 def _explain_options(user: dict) -> tuple[dict, bool]:
@@ -210,22 +236,30 @@ def _times_note(r: RegionRecord, times: int) -> RegionRecord:
                                          f"{r.status}",) + r.notes)
 
 
-def _explain_notes(r: RegionRecord) -> RegionRecord:
+def _explain_notes(r: RegionRecord, disabled: tuple = ()) -> RegionRecord:
     """What the compile does that explain (which touches no user tensor) does not: ModuleList expert
     weights are re-homed into one buffer per linear and, where nothing else hooks their gradients,
-    given to the graph as one stacked input per buffer (lowering/expert_stack.py)."""
+    given to the graph as one stacked input per buffer (lowering/expert_stack.py); ``disabled``: the
+    compile's ``moe.disable`` (with ``moe.rehome_weights`` / ``moe.stack_expert_params`` False in it)."""
     if not (r.status == REWRITTEN and any(o.startswith("grouped_mm_list") for o in r.ops)):
         return r
     from .lowering.expert_stack import why_not_stacked
     from .pipeline import _LIST_NOTE
 
     notes = r.notes
-    if why_not_stacked() is None:
+    if {"stack_expert_params", "rehome_weights"} & set(disabled):   # stacked only where they were re-homed
+        notes = tuple(n.split(_LIST_NOTE)[0] + _LIST_NOTE + " one by one (ModuleList experts; this compile sets "
+                      "moe.stack_expert_params or moe.rehome_weights to False, or lists it in moe.disable): guards, "
+                      "autograd and gradient accumulation cost host time for each on every step; the default stacks "
+                      "them into one input per buffer" if _LIST_NOTE in n else n for n in notes)
+    elif why_not_stacked() is None:
         notes = tuple(n.split(_LIST_NOTE)[0] + " per-expert weight tensors (ModuleList experts): the compile gives "
                       "the graph one stacked input per buffer instead (one autograd leaf each, gradients handed "
                       "to the same Parameters), so they cost no per-Parameter autograd or wrapper time; "
                       "options={\"moe.stack_expert_params\": False} keeps one input per Parameter"
                       if _LIST_NOTE in n else n for n in notes)
+    if "rehome_weights" in disabled:
+        return dataclasses.replace(r, notes=notes)
     note = ("ModuleList expert weights: torch.compile(backend=\"moe\") moves them into one buffer per linear "
             "when it compiles (same Parameters and values; explain() leaves them in place; "
             "options={\"moe.rehome_weights\": False} keeps them where they are)")
@@ -248,9 +282,14 @@ def _earlier_skips(fn, tried: set) -> list[RegionRecord]:
             spans.append((inspect.getsourcefile(obj), first, first + len(lines)))
         except (OSError, TypeError):
             continue
+    from torch._dynamo.convert_frame import input_codes
+
+    # still marked: Dynamo has seen the frame's code since its last reset (torch._dynamo.reset() clears the
+    # marks and what it has seen; a stale record named a frame of another test's model: review helper-77's run)
+    seen = {(c.co_filename, c.co_firstlineno, c.co_name) for ref in list(input_codes.seen) if (c := ref()) is not None}
     return [r for (file, line), (frame, r) in skipped_frames._skipped.items()
-            if (frame not in tried or r.code.startswith("recompile_limit")) and any(file == f and lo <= line < hi
-                                                                            for f, lo, hi in spans)]
+            if (frame not in tried or r.code.startswith("recompile_limit")) and frame in seen
+            and any(file == f and lo <= line < hi for f, lo, hi in spans)]
 
 
 def _isolated() -> dict:
@@ -260,8 +299,9 @@ def _isolated() -> dict:
 
 @contextlib.contextmanager
 def _no_side_effects(fn, args, kwargs):
-    """Restore what running the model once under a fresh compile changes: RNG state, buffers (values and
-    objects) and Dynamo's caches (explain's entries dropped, frames it made Dynamo skip re-enabled)."""
+    """Restore what running the model once under a fresh compile changes: RNG states (torch's, Python's
+    ``random``, numpy's), buffers (values and objects) and Dynamo's caches (explain's entries dropped,
+    frames it made Dynamo skip re-enabled)."""
     import torch._dynamo  # noqa: F401
     from torch._dynamo.utils import get_compilation_metrics
 
@@ -279,10 +319,15 @@ def _no_side_effects(fn, args, kwargs):
         patches["invalidate_compile_context_weakrefs"] = True   # no weak refs to the Parameters (swap_tensors)
     limits = torch._dynamo.config.patch(**patches)
     tried: set = set()   # (file, first line, name) of every frame Dynamo tried in the block
+    numpy = sys.modules.get("numpy")   # Python's and numpy's generators too (random.random() in a forward)
+    py_state, np_state = random.getstate(), numpy.random.get_state() if numpy is not None else None
     try:
         with torch.random.fork_rng(devices=devices), limits:
             yield tried
     finally:
+        random.setstate(py_state)
+        if np_state is not None:
+            numpy.random.set_state(np_state)
         with torch.no_grad():
             for m, name, b, saved in buffers:
                 if m._buffers.get(name) is not b:

@@ -32,14 +32,17 @@ class CaptureCompileError(RuntimeError):
     """torch could not compile a graph with the data-dependent sizes the capture scope gave it."""
 
 
-def capture_error(gm: torch.fx.GraphModule, exc: BaseException) -> CaptureCompileError | None:
+def capture_error(gm: torch.fx.GraphModule, exc: BaseException, records=()) -> CaptureCompileError | None:
     """The error to raise instead of ``exc`` (``from exc``) when ``gm`` has captured data-dependent sizes:
-    its message names the cause and the fix (``capture_compile_error``); else None."""
+    its message names the cause and the fix (``capture_compile_error``); else None. ``records``: the
+    graph's (none: the sizes are in code that holds nothing MoE-like, e.g. attention within clusters)."""
     from .passes import reasons
 
     if not (captured_data_dependent(gm) and _data_dependent_error(exc)):
         return None
-    detail = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+    detail = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+              "scope": "" if records else "; the graph holds no MoE code the backend recognises: stock torch.compile "
+                                         "breaks the graph at those ops and compiles the rest"}
     return CaptureCompileError(f"moe_compile [capture_compile_error]: {reasons.message('capture_compile_error', detail)}"
                                f"\n  fix: {reasons.fix('capture_compile_error')}")
 
@@ -76,7 +79,7 @@ def compile_unrewritten(compile_graph, gm, records, exc):
     try:
         return compile_graph(records), records
     except Exception as exc2:
-        err = capture_error(gm, exc2)
+        err = capture_error(gm, exc2, records)
         if err is None:
             raise
         raise err from exc2

@@ -1,7 +1,8 @@
 """Where expert ids come from: the routers of a Dynamo graph (finds; never mutates).
 
 ``routers(graph)`` yields every node that picks experts for tokens, with its index outputs, the
-expert count E and the ids per token: ``topk`` / ``max(dim)`` / ``argmax`` over a [.., E] score, and
+expert count E and the ids per token: ``topk`` / ``max(dim)`` / ``argmax`` over a [.., E] score, the
+first k < E indices of a ``sort`` / ``argsort`` of one (``p.sort(-1, descending=True)[1][:, :k]``), and
 ids drawn another way (``OTHER_ROUTERS``: sampled, random, hashed), which a token may repeat.
 ``router_root(ids)`` walks from an ids tensor back to its router; ``router_kind`` names a router for
 messages. ``passes/unclaimed.py`` uses them to find MoE code that no region covers.
@@ -22,6 +23,9 @@ def routers(graph: fx.Graph):
     every other way of drawing expert ids (``_other_router``)."""
     for n in graph.nodes:
         op = canon(n)
+        if op in SORT_ROUTERS:
+            yield from _sort_router(n)
+            continue
         if op in OTHER_ROUTERS:
             found = _other_router(n, op)
             if found is not None:
@@ -49,6 +53,71 @@ def routers(graph: fx.Graph):
         e = xv.shape[dim]
         if not isinstance(e, int) or not isinstance(k, int) or e < 2:
             continue
+        yield n, ids, e, k
+
+
+SORT_ROUTERS = {"sort", "argsort"}
+
+
+def sorted_indices(n: fx.Node) -> tuple[fx.Node, int, int] | None:
+    """(sort node, sorted dim, entries E along it) when ``n`` is the indices of a ``sort`` / ``argsort`` of
+    float scores (grouping tokens by integer ids sorts ids, not scores: not a router), else None."""
+    op = canon(n)
+    if op == "getitem" and len(n.args) > 1 and n.args[1] == 1 and isinstance(n.args[0], fx.Node) \
+            and canon(n.args[0]) == "sort":
+        n = n.args[0]
+    elif op != "argsort":
+        return None
+    x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    xv, dim = val(x), arg(n, 1, "dim", -1)
+    if not isinstance(xv, torch.Tensor) or not xv.is_floating_point() or xv.dim() == 0 \
+            or not isinstance(dim, int) or isinstance(dim, bool) or not -xv.dim() <= dim < xv.dim():
+        return None
+    dim %= xv.dim()
+    e = xv.shape[dim]
+    return (n, dim, e) if isinstance(e, int) and e >= 2 else None
+
+
+def leading_slice(n: fx.Node, dim: int, ndim: int) -> int | None:
+    """k when ``n`` takes the first k entries of its input along ``dim`` and all of every other dim
+    (``t[:, :k]``, ``t[..., :k]``, ``t.narrow(dim, 0, k)``), else None."""
+    op = canon(n)
+    if op == "narrow" and len(n.args) == 4:
+        d, start, k = n.args[1:]
+        ok = isinstance(d, int) and d % ndim == dim and start == 0 and isinstance(k, int)
+        return k if ok else None
+    if op != "getitem" or len(n.args) < 2:
+        return None
+    items = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+    if any(i is not Ellipsis and not isinstance(i, slice) for i in items) or sum(i is Ellipsis for i in items) > 1:
+        return None
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items = items[:at] + (slice(None),) * (ndim - len(items) + 1) + items[at + 1:]
+    items = items + (slice(None),) * (ndim - len(items))
+    full = slice(None)
+    if len(items) != ndim or any(i != full for j, i in enumerate(items) if j != dim):
+        return None
+    s = items[dim]
+    ok = s.start in (None, 0) and s.step in (None, 1) and isinstance(s.stop, int) and s.stop > 0
+    return s.stop if ok else None
+
+
+def _sort_router(n: fx.Node):
+    """(sort node, its sliced indices, E, k) for each k of ``sort(scores)[1][..., :k]`` with k < E."""
+    sources = [u for u in n.users if sorted_indices(u) is not None] if canon(n) == "sort" else [n]
+    found = sorted_indices(sources[0]) if sources else None
+    if found is None:
+        return
+    _, dim, e = found
+    ndim = val(n.args[0]).dim()
+    by_k: dict = {}
+    for s in sources:
+        for u in s.users:
+            k = leading_slice(u, dim, ndim)
+            if k is not None and k < e:
+                by_k.setdefault(k, []).append(u)
+    for k, ids in by_k.items():
         yield n, ids, e, k
 
 
@@ -99,12 +168,13 @@ def _hashes_inputs(x, depth: int = 8) -> bool:
 
 def router_kind(router: fx.Node, k: int) -> str:
     """How ``router`` picks experts, for messages: "a top-2 router", "a sampling router (multinomial)"."""
-    return OTHER_ROUTERS.get(canon(router), f"a top-{k} router")
+    op = canon(router)
+    return f"a top-{k} router ({op} + slice)" if op in SORT_ROUTERS else OTHER_ROUTERS.get(op, f"a top-{k} router")
 
 
 def router_root(ids: fx.Node) -> fx.Node | None:
-    """The topk / max / argmax node (or other router, ``OTHER_ROUTERS``) that produced ``ids``
-    (through casts and views), else None."""
+    """The topk / max / argmax / sliced sort node (or other router, ``OTHER_ROUTERS``) that produced
+    ``ids`` (through casts, views and leading slices of the last dim), else None."""
     n, seen = ids, 0
     while isinstance(n, fx.Node) and seen < 32:
         op = canon(n)
@@ -112,6 +182,15 @@ def router_root(ids: fx.Node) -> fx.Node | None:
             return n
         if op in ("getitem", "getattr") and isinstance(n.args[0], fx.Node) and canon(n.args[0]) in ("topk", "max"):
             return n.args[0]
+        if op in ("getitem", "narrow") and isinstance(n.args[0], fx.Node):
+            found = sorted_indices(n.args[0])
+            if found is not None:
+                k = leading_slice(n, found[1], val(found[0].args[0]).dim())
+                return found[0] if k is not None and k < found[2] else None
+            v = val(n)   # the first k' of each token's ids (topk(k + 1)[1][:, :k]): that router's
+            if isinstance(v, torch.Tensor) and v.dim() >= 2 and leading_slice(n, v.dim() - 1, v.dim()) is not None:
+                n, seen = n.args[0], seen + 1
+                continue
         if op in ID_VIEWS or op == "masked_fill" and n.args and isinstance(n.args[0], fx.Node):
             n = n.args[0]
         else:

@@ -9,6 +9,7 @@ Dynamo's fake values under ``example_value``, methods as ``call_method``) and on
 values under ``val``). A node counts when
 
     its op is a known syncing op: nonzero / masked_select / unique / .item() ... -> reported by name
+    (not ``.item()`` of a Python number Dynamo passes as a 0-d host tensor: no device there)
     its output has a data-dependent size or value that none of its inputs has  -> reported by name
     (an unbacked symbol it introduces: nodes downstream of that node are not counted again)
     it copies an accelerator tensor's values to the host, blocking (``.cpu()``, ``.to("cpu")``)
@@ -73,6 +74,13 @@ def _copies_to_host(n: fx.Node, name: str) -> bool:
     return any(_device_types(val(inp)) - {"cpu", "meta"} for inp in n.all_input_nodes)
 
 
+def _python_number(n) -> bool:
+    """``n`` is a Python number Dynamo passes as a 0-d host tensor (``dynamic=True``: a module's float such as
+    ``variance_epsilon``), whose ``.item()`` reads a host value, not a device's."""
+    arg = n.meta.get("grapharg") if isinstance(n, fx.Node) and n.op == "placeholder" else None
+    return bool(getattr(arg, "pass_arg_as_tensor", False))
+
+
 def find_host_syncs(graph: fx.Graph) -> dict[str, int]:
     """{op name: count} of host-syncing nodes in ``graph`` and the subgraphs its module holds (no
     syncs: empty)."""
@@ -84,8 +92,28 @@ def find_host_syncs(graph: fx.Graph) -> dict[str, int]:
             if n.op not in ("call_function", "call_method") or isinstance(n.target, torch._ops.HigherOrderOperator):
                 continue
             name = canon(n) or str(n.target)
+            if name == "item" and _python_number(n.args[0] if n.args else None):
+                continue
             if name in _SYNC_OPS or _introduces_unbacked(n):
                 found["getitem (boolean mask)" if name == "getitem" else name] += 1
             elif _copies_to_host(n, name):
                 found[f"{name} (to the host)"] += 1
     return dict(found)
+
+
+# what to do about the syncs a note names (ops of user code that no rewrite removes)
+_SYNC_FIXES = {
+    "bincount": "counts by `torch.histc(ids.float(), bins=E, min=0, max=E - 1)` or `one_hot(ids, E).sum(0)` have a "
+                "static length (bincount's is its largest id + 1: the device tells the host)",
+    "nonzero": "a per-expert selection's size read outside the rewritten region (`tok.shape[0]`, `len(tok)`) or "
+               "boolean-mask indexing outside it: compute such statistics from counts (`histc`) instead",
+    "item": "keep the value a tensor (`.item()` waits for the device)",
+}
+_SYNC_FIXES["where"] = _SYNC_FIXES["nonzero"]
+
+
+def sync_note(found: dict[str, int]) -> str:
+    """The graph note for ``find_host_syncs``' ``found``, with a fix for each op that has one."""
+    fixes = [f"{op}: {_SYNC_FIXES[op]}" for op in found if op in _SYNC_FIXES]
+    return ("host syncs left in the compiled graph (CUDA graphs and overlap need none): "
+            + ", ".join(f"{op} x{n}" for op, n in found.items()) + (f" ({'; '.join(fixes)})" if fixes else ""))

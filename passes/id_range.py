@@ -7,6 +7,7 @@ experts, and ``W[-1]`` is expert E - 1. Ids >= E (a sentinel E) sort last and fa
 both. So a region is rewritten only where its ids cannot be negative::
 
     topk(..)[1] / .indices, max(x, dim)[1], argmax            -> >= 0 (the roots)
+    sort(..)[1], argsort(..)                                  -> >= 0 (positions)
     views, copies, getitem of such ids; stack / cat of them   -> as their input
     casts                                                     -> as their input, where the new dtype
                                                                  holds every id (the dim a root picked)
@@ -131,6 +132,8 @@ def _nonnegative(n, writes: _Writes, depth: int) -> bool:
     if _index_source(n, ()) is not None:
         return True
     op, src = canon(n) or "", n.args[0] if n.args else None
+    if op == "argsort" or op == "getitem" and isinstance(src, fx.Node) and canon(src) == "sort" and n.args[1] == 1:
+        return True   # a sort's indices: positions, >= 0
     def sub(x):
         return _nonnegative(x, writes, depth - 1)
     if op in _KEEP and isinstance(src, fx.Node):

@@ -26,13 +26,12 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .loop_combine import acc_read, acc_sum, combine, expert_rows
+from .loop_ids import ids_cast, ids_of_argmax, ids_of_sort, ids_of_topk, ids_of_topk_attr, ids_reshape, ids_slice
 from .loop_roles import (STOP, Contrib, Ids, Index, OneHot, PendingScatter, RowFn, Rows, RowW, ScatterIndex, Sel,
                          Storage, TokMask, Weighted, WhereOf, expert_key)
 from .checkpoint_bodies import HOPS as CHECKPOINT_HOPS
-from .id_range import holds_ids, id_bound
 from .normalize import SIZE_QUERIES, arg, canon, shape, val, where_in_user_code
 from .region import Finding
 
@@ -159,45 +158,6 @@ class Analysis:
 # ===================================================================================== the rules
 # Each rule: (analysis, node, canonical op, role of the first argument) -> role | None (try the
 # next rule) | STOP (no role).
-
-def ids_of_topk(a: Analysis, n, op, r0):
-    """topk(...)[1], max(dim)[1] -> Ids."""
-    a0 = n.args[0]
-    if isinstance(a0, fx.Node) and canon(a0) in ("topk", "max") and n.args[1] == 1:
-        s = shape(n)
-        if s is not None and len(s) >= 1:   # [.., K] ids (routing on [B, S, H]): K is the last dim
-            return Ids(n, s[-1] if len(s) >= 2 else 1, flat=len(s) == 1)
-
-
-def ids_of_topk_attr(a, n, op, r0):
-    """topk(...).indices -> Ids."""
-    if isinstance(n.args[0], fx.Node) and canon(n.args[0]) == "topk" and n.args[1] == "indices":
-        s = shape(n)
-        return Ids(n, s[-1]) if s and len(s) == 2 else None
-
-
-def ids_of_argmax(a, n, op, r0):
-    s = shape(n)
-    if s is not None and len(s) in (1, 2) and (len(s) == 1 or s[-1] == 1):
-        return Ids(n, 1, flat=len(s) == 1)
-
-
-def ids_reshape(a, n, op, r0):
-    """A view of the ids that keeps (token, slot) = (p // K, p % K) of its flat pair p: flat [N], or
-    [.., K]. Another last dim (ids [T, 2] viewed as [T/2, 4]) pairs other rows with tokens: no role."""
-    s = shape(n)
-    if not s:
-        return STOP
-    return Ids(r0.root, r0.k, flat=len(s) == 1) if len(s) == 1 or statically_known_true(s[-1] == r0.k) else None
-
-
-def ids_cast(a, n, op, r0):
-    """A cast of the ids that keeps every id's value (int64 / int32, or a narrower dtype that holds
-    every id below E); else no role: ``ids.to(torch.uint8) == e`` with 300 experts compares wrapped
-    ids, which the rewrite, routing the router's own ids, would not reproduce."""
-    v = val(n)
-    return r0 if isinstance(v, torch.Tensor) and holds_ids(v.dtype, id_bound(r0.root)) else None
-
 
 def sel_of_eq(a, n, op, r0):
     """ids == e."""
@@ -440,10 +400,11 @@ def rowwise(a: Analysis, n: fx.Node, op: str, r0):
 Rule = tuple[type | None, Callable]
 # op -> rules tried in order (the role class the first argument must have, or None for any)
 RULES: dict[str, tuple[Rule, ...]] = {
-    "getitem": ((None, ids_of_topk), (OneHot, sel_of_onehot), (Weighted, roww_of_weighted),
+    "getitem": ((None, ids_of_topk), (None, ids_of_sort), (Ids, ids_slice), (OneHot, sel_of_onehot), (Weighted, roww_of_weighted),
                 (WhereOf, index_of_where), (None, acc_read), (None, gather), (RowW, roww_keep)),
     "getattr": ((None, ids_of_topk_attr),),
     "argmax": ((None, ids_of_argmax),),
+    "narrow": ((None, ids_of_sort), (Ids, ids_slice)),
     "view": ((Ids, ids_reshape), (Index, index_keep), (RowW, roww_keep), (Rows, rows_reshape)),
     "reshape": ((Ids, ids_reshape), (Index, index_keep), (RowW, roww_keep), (Rows, rows_reshape)),
     "flatten": ((Ids, ids_reshape), (Index, index_keep)),

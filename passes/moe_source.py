@@ -79,10 +79,11 @@ def declares_experts_implementation(filename: str, lineno: int) -> bool:
     return False
 
 
-# a function that picks experts with a top-k and then groups tokens by expert, whatever its names say
-# (narrow on purpose: an argmax + ``== labels`` accuracy, or a top-k / top-p sampler, is not MoE code)
-_ROUTES = re.compile(r"\btopk\(")
-_SELECTS = re.compile(r"\bwhere\(\s*[\w.]+\s*==|\b(one_hot|nonzero|argsort|bincount|histc)\(")
+# a function that picks experts with a top-k (or calls its router module: ``w, ids = self.router(x)``) and then
+# groups tokens by expert, whatever its names say (narrow on purpose: an argmax + ``== labels`` accuracy, or a
+# top-k / top-p sampler, is not MoE code)
+_ROUTES = re.compile(r"\btopk\(|\.router\(")
+_SELECTS = re.compile(r"\bwhere\(\s*[\w.]+\s*==|\b(one_hot|nonzero|argsort|sort|bincount|histc)\(")
 
 
 def _routes_then_selects(filename: str, lineno: int, limit: int = 120) -> bool:
@@ -114,8 +115,10 @@ def _routes_then_selects(filename: str, lineno: int, limit: int = 120) -> bool:
 
 
 # expert compute in a function's text: an indexed module called (experts[e](..)), a grouped GEMM (F.grouped_mm
-# or torch._grouped_mm: no word boundary before "grouped" there), a batched one
-_EXPERT_COMPUTE = re.compile(r"\w\[[^\]\n]+\]\s*\(|\b_?grouped_mm\(|\bbmm\(|\beinsum\(|\bexpert", re.I)
+# or torch._grouped_mm: no word boundary before "grouped" there; transformers' grouped_mm_fallback; a helper
+# named gmm / grouped_gemm), a batched one
+_EXPERT_COMPUTE = re.compile(r"\w\[[^\]\n]+\]\s*\(|\b_?grouped_(mm|gemm)\w*\(|\b_?gmm\(|\bbmm\(|\beinsum\(|\bexpert",
+                             re.I)
 
 
 def _enclosing_function(filename: str, lineno: int) -> str | None:

@@ -242,7 +242,7 @@ REASONS: dict[str, Reason] = {
         "raises the error instead)"),
     "capture_compile_error": Reason(
         "torch could not compile this graph with the data-dependent sizes backend=\"moe\" captures (where/nonzero/"
-        "boolean masks in MoE code, moe.capture_dynamic) outside any region it rewrote ({error})",
+        "boolean masks in every frame it compiles, moe.capture_dynamic) outside any region it rewrote{scope} ({error})",
         "options={\"moe.capture_dynamic\": False} compiles the frame as stock torch.compile does (graph breaks at "
         "those ops, reported as break_dynamic_shape); or write the layer in a form that is rewritten "
         "(docs/architecture.md, \"Forms\")"),

@@ -31,7 +31,8 @@ _INT_VIEWS = {"getitem", "gather", "view", "reshape", "add", "mul", "unsqueeze",
 
 
 def _from_topk(ids: fx.Node, limit: int = 32) -> fx.Node | None:
-    """The topk/argmax whose indices ``ids`` is computed from through integer index arithmetic, else None."""
+    """The topk/argmax (or sort of scores) whose indices ``ids`` is computed from through integer index
+    arithmetic, else None."""
     seen, stack = set(), [ids]
     while stack and len(seen) < limit:
         n = stack.pop()
@@ -39,12 +40,18 @@ def _from_topk(ids: fx.Node, limit: int = 32) -> fx.Node | None:
             continue
         seen.add(n)
         op = canon(n)
-        if op in ("topk", "argmax", "max"):
+        if op in ("topk", "argmax", "max") or op in ("sort", "argsort") and _of_scores(n):
             return n
         v = val(n)
         if op in _INT_VIEWS and not (isinstance(v, torch.Tensor) and v.is_floating_point()):
             stack.extend(n.all_input_nodes)
     return None
+
+
+def _of_scores(n: fx.Node) -> bool:
+    """A sort / argsort of float scores (its first k indices are a top-k), not of integer ids."""
+    v = val(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
+    return isinstance(v, torch.Tensor) and v.is_floating_point()
 
 
 def _parent_module(n: fx.Node) -> str:

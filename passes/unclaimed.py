@@ -61,11 +61,12 @@ import torch.fx as fx
 
 from .expert_ids import ID_VIEWS, OTHER_ROUTERS, router_kind, router_root, routers as _routers
 from .id_range import holds_ids
+from .listed_experts import listed, listed_source, past_common, stacked_layers_dropped
 from .moe_source import Frame, _enclosing_function, declares_experts_implementation, enclosing_class, in_moe_code  # noqa: F401
-from .normalize import _clean_module_path, canon, common_module, module_path, source_name, val, where_in_user_code
+from .normalize import canon, common_module, module_path, source_name, val, where_in_user_code
 from .token_paths import MATMULS, downstream, ep_experts_of, graph_params, param_of, router_params, token_values
 from .unclaimed_base import (_GATHERS, Unclaimed, _claimed_by, _dims, _expert_choice, _near, _past_output,
-                             _routed_matmul, _same_block, sliced_inputs)
+                             _routed_matmul, _same_block, disabled_note, sliced_inputs)
 from .unrouted import unrouted
 from .writes import basic_index, written
 
@@ -73,7 +74,18 @@ from .writes import basic_index, written
 _QUANTISED = {torch.int8, torch.uint8, torch.int16, torch.int32,
               *(getattr(torch, f"float8_{k}") for k in ("e4m3fn", "e5m2") if hasattr(torch, f"float8_{k}"))}
 _SELECTIONS = {"eq", "one_hot", "nonzero", "argwhere"}
+_COMBINES = {f"{op}{u}" for op in ("index_add", "index_put", "index_copy", "scatter_add", "scatter") for u in ("", "_")}
 
+
+def _token_rows(router: fx.Node):
+    """The number of tokens a router routes: its scores' rows (every dim but the last), else None."""
+    v = val(router.args[0]) if router.args and isinstance(router.args[0], fx.Node) else None
+    return v.numel() // v.shape[-1] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[-1] else None
+
+
+def _rows(n: fx.Node):
+    v = val(n)
+    return v.shape[0] if isinstance(v, torch.Tensor) and v.dim() == 2 else -1
 
 
 def _reach(starts, stop: set = frozenset()) -> set[fx.Node]:
@@ -117,19 +129,10 @@ def _weights(gm: fx.GraphModule, params: set) -> set[fx.Node]:
     return out
 
 
-def _past_common(a: str, b: str) -> tuple[list[str], list[str]]:
-    """The segments of the dotted module paths ``a`` and ``b`` past their common prefix."""
-    x, y = [p for p in a.split(".") if p], [p for p in b.split(".") if p]
-    i = 0
-    while i < min(len(x), len(y)) and x[i] == y[i]:
-        i += 1
-    return x[i:], y[i:]
-
-
 def _local(router_mod: str, other_mod: str) -> bool:
     """``other`` belongs to the router's MoE block: their common module is the router's module or
     its parent, and they are not two elements of one ModuleList."""
-    rest_r, rest_o = _past_common(router_mod, other_mod)
+    rest_r, rest_o = past_common(router_mod, other_mod)
     if len(rest_r) > 1:
         return False
     return not any(rest and rest[0].isdigit() for rest in (rest_r, rest_o))
@@ -151,8 +154,12 @@ def _evidence(router: fx.Node, reach: set, params: set, weights: set, e: int, sk
     """(kind, node) of the expert compute that the router's selection reaches, in its MoE block
     (``params``: the graph's Parameters; ``weights``: ``_weights``)."""
     rmod = module_path(router)
-    selected = _reach([n for n in reach if (canon(n) or "") in _SELECTIONS
-                       or (canon(n) == "where" and len(n.args) == 1)])
+    # up to the writes that put rows back into a tensor of one row per token: a linear after the combine
+    # (attention within clusters, then its output projection) is not a linear on the rows one expert's
+    # selection picks; a write into a dispatch buffer [E, C, H] read per expert is not a combine (helper-77)
+    tokens_n = _token_rows(router)
+    selected = _reach([n for n in reach if (canon(n) or "") in _SELECTIONS or (canon(n) == "where" and len(n.args) == 1)],
+                      {n for n in reach if canon(n) in _COMBINES and _rows(written(n) or n) == tokens_n})
     own = router_params(router, params)     # a classifier's weight reused after its argmax is not an expert
     # rows of a table the scores read, gathered by the ids (topk(q @ K.t()), then K(ids)): nearest memory keys;
     # what is computed from them (attention over the keys) is not a token an expert meets
@@ -186,37 +193,10 @@ def _evidence(router: fx.Node, reach: set, params: set, weights: set, e: int, sk
                    for a in n.all_input_nodes):
                 found.append(("weighted", n))
                 continue
-        if op in MATMULS and _listed(rmod, n, params, own) or op == "mul" and any(
-                a not in reach and _near_listed(rmod, a, params, own) for a in n.all_input_nodes):
+        if op in MATMULS and listed(rmod, n, params, own) or op == "mul" and any(
+                a not in reach and listed_source(rmod, a, params, own) is not None for a in n.all_input_nodes):
             found.append(("listed", n))
-    return found
-
-
-def _listed(rmod: str, n: fx.Node, params: set, own: set) -> bool:
-    """``n`` is a matmul-class op on a 2-D Parameter (not the router's own) of an nn.ModuleList element
-    below the router's block: a digit segment in its module path past the common prefix, not the
-    number of an nn.Sequential's child (``mlp.0``: one MLP, not experts)."""
-    if (canon(n) or "") not in MATMULS or not any(
-            len(_dims(p)) == 2 and p not in own for a in n.all_input_nodes if (p := param_of(a, params)) is not None):
-        return False
-    path, seq = module_path(n), _sequentials(n)
-    rest, segs = _past_common(rmod, path)[1], path.split(".")
-    return any(p.isdigit() and ".".join(segs[:len(segs) - len(rest) + i]) not in seq for i, p in enumerate(rest))
-
-
-def _sequentials(n: fx.Node) -> set[str]:
-    """The module paths of the nn.Sequential modules ``n`` was computed inside."""
-    out = set()
-    for path, kind in (n.meta.get("nn_module_stack") or {}).values():
-        name = kind if isinstance(kind, str) else getattr(kind, "__qualname__", "")
-        if isinstance(kind, type) and issubclass(kind, torch.nn.Sequential) or name.endswith("Sequential"):
-            out.add(_clean_module_path(path))
-    return out
-
-
-def _near_listed(rmod: str, n: fx.Node, params: set, own: set) -> bool:
-    """``n`` is the output of a ``_listed`` matmul, through at most 4 single-input ops."""
-    return _near(n, lambda m: _listed(rmod, m, params, own))
+    return stacked_layers_dropped(rmod, found, reach, params, own)
 
 
 _DESCRIBE = {
@@ -278,7 +258,7 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
         e, how = chosen or (e, router_kind(router, k))
         detail = {"k": k, "e": e, "router": how, "router_at": where_in_user_code(router) or "?",
                   "evidence": evidence,
-                  "disabled": f" (the finders {', '.join(disabled)} are disabled by moe.disable)" if disabled else ""}
+                  "disabled": disabled_note(disabled)}
         narrow = _narrowing_cast(router, reach, e)
         if narrow is not None:
             detail.update(dtype=str(val(narrow).dtype).removeprefix("torch."), node=narrow.name, last=e - 1)
@@ -399,13 +379,13 @@ def classify_break(frames, reason: str) -> tuple[str, dict]:
         code = "break_split_sizes"
     elif "tolist" in src:
         code = "break_tolist"
-    elif ".item()" in src:
+    elif ".item()" in src and not src.startswith(("if ", "elif ", "while ")):   # a branch: the branch goes
         code = "break_item"
     elif "bincount" in src:
         code = "break_bincount"
     elif "step_unsupported" in low and src.startswith(("for ", "while ")):
         code = "break_in_expert_loop"
-    elif "data-dependent branching" in low or (src.startswith(("if ", "elif ", "while ")) and "data-dependent" in low):
+    elif "data-dependent branching" in low or src.startswith(("if ", "elif ", "while ")) and ("data-dependent" in low or ".item()" in src):
         code = "break_data_dependent"
     elif "data-dependent" in low and any(map(_counts_by_bincount, frames)):   # not a branch: a size
         code = "break_bincount"

@@ -10,6 +10,7 @@ import torch.fx as fx
 
 from .normalize import arg, canon, source_name, val
 from .token_paths import MATMULS, PARAM_VIEWS, param_of
+from .writes import written
 
 _GATHERS = {"getitem", "index_select", "embedding", "take", "gather", "F.embedding"}
 
@@ -156,3 +157,30 @@ def _past_output(inner: set, after: set, claimed: set, hops: int = 3) -> set[fx.
         edge = {u for n in edge for u in n.users if u.op != "output" and u not in claimed} - out
         out |= edge
     return out
+
+
+def disabled_note(disabled) -> str:
+    """The ``{disabled}`` of a record on MoE-like code found while finders were off (``moe.disable``)."""
+    return f" (the finders {', '.join(disabled)} are disabled by moe.disable: remove them from it first)" if disabled else ""
+
+
+def chained(members: dict) -> bool:
+    """One member's input is computed from another expert's member: a stack of layers run one after the
+    other (a layer drop mask ``keep[:, i]`` picking the rows of layer i), not experts side by side."""
+    owner = {m: i for m, i in members.items() if i is not None}
+    order = {n: j for j, n in enumerate(next(iter(owner)).graph.nodes)} if owner else {}
+    for m, i in owner.items():
+        seen, stack = set(), [a for a in m.all_input_nodes]
+        while stack:
+            n = stack.pop()
+            if n in seen or n.op == "placeholder":
+                continue
+            seen.add(n)
+            if owner.get(n, i) != i:
+                return True
+            stack.extend(n.all_input_nodes)
+            # what an in-place write put into n before m ran (x[keep] = layer(x[keep]): the next layer reads
+            # x); not a later one (``h += out`` after every expert: review helper-77)
+            stack.extend(a for u in n.users if written(u) is n and order.get(u, 0) < order.get(m, 0)
+                         for a in u.all_input_nodes)
+    return False

@@ -36,8 +36,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .normalize import arg, attribute_path, canon, common_module, module_path, source_name, val, where_in_user_code
 from .token_paths import MATMULS, param_of, upstream
-from .unclaimed_base import _GATHERS, Unclaimed, _claimed_by, _dims, _near, _same_block
-from .writes import written
+from .unclaimed_base import _GATHERS, Unclaimed, _claimed_by, _dims, _near, _same_block, chained, disabled_note
 
 
 # the gates of the experts' inputs and outputs: a product, a masked write, an indexed add
@@ -326,7 +325,7 @@ def unrouted(gm, params, weights, claimed_nodes, claimed_modules, listed, disabl
                 numbers.setdefault(i, set()).add(_compared(n)[1])
         if len({frozenset(v) for v in numbers.values()}) < 2:
             found = [f for f in found if f[1] != "compare"]
-        if len({i for i, *_ in found}) < 2 and not any(i is None for i, *_ in found) or _chained(members):
+        if len({i for i, *_ in found}) < 2 and not any(i is None for i, *_ in found) or chained(members):
             continue
         nodes = [n for _, _, n, _ in found]
         module = common_module(nodes + list(members))
@@ -343,25 +342,6 @@ def _source(n: fx.Node) -> fx.Node:
     return n
 
 
-def _chained(members: dict) -> bool:
-    """One member's input is computed from another expert's member: a stack of layers run one after the
-    other (a layer drop mask ``keep[:, i]`` picking the rows of layer i), not experts side by side."""
-    owner = {m: i for m, i in members.items() if i is not None}
-    for m, i in owner.items():
-        seen, stack = set(), [a for a in m.all_input_nodes]
-        while stack:
-            n = stack.pop()
-            if n in seen or n.op == "placeholder":
-                continue
-            seen.add(n)
-            if owner.get(n, i) != i:
-                return True
-            stack.extend(n.all_input_nodes)
-            # what an in-place write put into n (x[keep] = layer(x[keep]): the next layer reads x)
-            stack.extend(a for u in n.users if written(u) is n for a in u.all_input_nodes)
-    return False
-
-
 def _unrouted_record(key, e, members, found, module, disabled) -> Unclaimed:
     i0, kind, sel, _ = found[0]
     rows = any(r for *_, r in found)
@@ -373,7 +353,7 @@ def _unrouted_record(key, e, members, found, module, disabled) -> Unclaimed:
                 + ("with each token's expert weights gathered by its ids" if kind == "gather"
                    else "on the rows each expert's selection picks" if rows else "weighted per expert"))
     detail = {"k": "?", "e": e, "router_at": where_in_user_code(sel) or "?", "evidence": evidence, "node": sel.name,
-              "disabled": f" (the finders {', '.join(disabled)} are disabled by moe.disable)" if disabled else ""}
+              "disabled": disabled_note(disabled)}
     if kind == "outside":
         mask = _source(sel.args[0])
         detail["router"] = (f"a dispatch mask `{mask.name}` that is an input of this graph (computed outside it: e.g. "

@@ -218,6 +218,14 @@ class Router(nn.Module):
         if self.kind == "topk_softmax":         # topk -> softmax
             w, ids = torch.topk(logits, self.k, dim=-1)
             return F.softmax(w, dim=-1, dtype=torch.float32).to(x.dtype), ids
+        if self.kind == "sort_slice":           # a top-k written as a sort of the scores and its first K
+            probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+            sv, si = probs.sort(dim=-1, descending=True)
+            w = sv[:, :self.k]
+            return (w / w.sum(-1, keepdim=True)).to(x.dtype), si[:, :self.k]
+        if self.kind == "topk_plus1":           # Shazeer's noisy top-k: topk(K + 1) for the load loss, K route
+            w, ids = torch.topk(logits, self.k + 1, dim=-1)
+            return F.softmax(w[:, :self.k], dim=-1, dtype=torch.float32).to(x.dtype), ids[..., :self.k]
         if self.kind == "argmax":               # top-1, ids [T, 1]
             probs = F.softmax(logits, dim=-1)
             ids = probs.argmax(dim=-1, keepdim=True)

@@ -197,8 +197,12 @@ def test_api_calls_on_the_wrong_object_name_the_problem():
 
 
 def test_bad_mode_raises_before_tracing():
+    """The error names the argument given: torch.compile's mode= (it named moe.mode: helper-75)."""
     torch._dynamo.reset()
     cm = torch.compile(make_model(spelling="index_add"), backend="moe", mode="fastest")
+    with pytest.raises(ValueError, match="torch.compile's mode='fastest'.*max-autotune"):
+        cm(make_input((6, 16)))
+    cm = torch.compile(make_model(spelling="index_add"), backend="moe", options={"moe.mode": "fastest"})
     with pytest.raises(ValueError, match="moe.mode='fastest'.*max-autotune"):
         cm(make_input((6, 16)))
 
@@ -300,7 +304,7 @@ def test_disable_pass_leaves_model_unrewritten():
         check_compiled(m, [make_input((6, 16))], expect_rewritten=0, expect_refused=1,
                        options={"moe.disable": ("loop_regions",)})
     (r,) = {r for g in graphs for r in g}
-    assert r.code == "moe_unmatched" and "loop_regions are disabled by moe.disable" in r.reason, r
+    assert r.code == "moe_unmatched" and "loop_regions are disabled by moe.disable: remove them from it first" in r.reason, r
 
 
 def test_matcher_exception_leaves_graph_unchanged(monkeypatch, caplog):
@@ -350,6 +354,8 @@ def test_debug_logs_the_table_when_nothing_is_rewritten(caplog):
     assert "1 MoE region(s) in" in caplog.text and "moe_unmatched" in caplog.text, caplog.text
     # with both finders disabled the layer is still found, and the reason says why it was not rewritten
     assert "the finders loop_regions, grouped_regions are disabled by moe.disable" in caplog.text
+    # and the graph the finders read is logged, to see what they saw (it was the table alone: helper-75)
+    assert "as captured (nothing rewritten)" in caplog.text and "index_add_" in caplog.text, caplog.text
 
 
 def test_no_debug_logging_by_default(monkeypatch, caplog):

@@ -2,6 +2,8 @@
 once per region, and no side effects on the user's model or compiled model."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 import torch.nn as nn
@@ -192,6 +194,52 @@ def test_explain_leaves_weights_buffers_and_rng():
     assert torch.equal(torch.random.get_rng_state(), rng), "explain() consumed random numbers"
 
 
+class _CountsAsSizes(nn.Module):
+    """A rewritten loop that also keeps each expert's token count as a Python number (``tok.shape[0]``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe = make_model(spelling="where_setitem", e=4, k=2)
+
+    def forward(self, x):
+        m = self.moe
+        w, ids = m.router(x)
+        out, counts = torch.zeros_like(x), []
+        for e in range(m.e):
+            tok, slot = torch.where(ids == e)
+            counts.append(tok.shape[0])
+            out[tok] += w[tok, slot, None] * m.experts.fwd(e, x[tok])
+        return out * (1.0 + 0.0 * torch.tensor(counts, dtype=x.dtype).sum())
+
+
+def test_host_sync_note_says_what_to_do():
+    """The note named the ops left ("where x4") and nothing else (review helper-76)."""
+    rep = moe_compile.explain(_CountsAsSizes(), make_input((12, 16)))
+    assert len(rep.rewritten) == 1, str(rep)
+    (note,) = [n for n in rep.rewritten[0].notes if "host syncs left" in n]
+    assert "size read outside the rewritten region" in note and "histc" in note, note
+
+
+class _PythonRandomDrop(nn.Module):
+    """Each call drops its MoE layer with probability 0.5 by Python's ``random`` (a LayerDrop written so)."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe = Block(spelling="index_add", e=4, k=2)
+
+    def forward(self, x):
+        return x if random.random() < 0.5 else self.moe(x)
+
+
+def test_explain_leaves_pythons_random_state():
+    """Python's ``random`` advanced by explain's run: the next draws of the user's training loop changed
+    (review helper-74)."""
+    random.seed(3)
+    state = random.getstate()
+    moe_compile.explain(_PythonRandomDrop(), make_input((2, 5, 16)))
+    assert random.getstate() == state, "explain() consumed Python random numbers"
+
+
 def test_explain_before_compile_changes_nothing():
     """A model explained before it is compiled compiles as if explain had never run."""
     torch._dynamo.reset()
@@ -336,6 +384,83 @@ def test_explain_of_a_compiled_model_uses_its_options():
         assert [r.code for r in rep.refused] == ["random_in_experts"], (options, str(rep))
     rep = moe_compile.explain(torch.compile(dropout, backend="inductor"), x)   # not ours: the default's
     assert len(rep.rewritten) == 1, str(rep)
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_explain_follows_the_fallback_random_its_compile_ran_with(first):
+    """Compiled (and called) under one global fallback_random, explained under the other: explain() read the
+    global at explain time and reported what the compiled model does not run (review helper-74)."""
+    torch._dynamo.reset()
+    x = make_input((6, 16))
+    with torch._inductor.config.patch(fallback_random=first):
+        compiled = torch.compile(_dropout_model(), backend="moe")   # Inductor: its own draws unless fallback_random
+        with records.recording() as graphs:
+            compiled(x)
+    ran = [(r.status, r.code) for g in graphs for r in g]
+    assert ran == ([("refused", "random_in_experts")] if first else [("rewritten", "")]), ran
+    with torch._inductor.config.patch(fallback_random=not first):
+        rep = moe_compile.explain(compiled, x)
+    assert [(r.status, r.code) for r in rep.regions] == ran, str(rep)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_explain_of_a_model_compiled_with_another_backend_says_so(backend):
+    """Such a compile rewrites nothing; explain() reported "rewritten" with no word of that."""
+    x = make_input((6, 16))
+    rep = moe_compile.explain(torch.compile(Block(spelling="index_add", e=4, k=2), backend=backend), x)
+    assert len(rep.rewritten) == 1 and any(f"backend={backend!r}" in n and "rewrites no MoE region" in n
+                                           for n in rep.notes), str(rep)
+    assert not moe_compile.explain(torch.compile(Block(spelling="index_add"), backend="moe"), x).notes
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Block(spelling="index_add", e=4, k=2) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_explain_of_compile_blocks_follows_that_calls_backend_and_options():
+    """compile_blocks(model, options=...): explain() of the model, and of one block, reports what that
+    call's compiles do (here: refused, loop_regions disabled); it ignored them and said "rewritten". With
+    another backend: rewritten by the moe backend, and a note that that compile rewrites nothing."""
+    torch._dynamo.reset()
+    x = make_input((6, 16))
+    model = _TwoLayers()
+    moe_compile.compile_blocks(model, options={"moe.disable": ["loop_regions"], "moe.inductor": False})
+    for target, paths in ((model, ["layers.0.mlp", "layers.1.mlp"]), (model.layers[0], ["mlp"])):
+        rep = moe_compile.explain(target, x)
+        assert [(r.module, r.code) for r in rep.refused] == [(p, "moe_unmatched") for p in paths], str(rep)
+        assert not rep.rewritten, str(rep)
+    torch._dynamo.reset()
+    other = _TwoLayers()
+    moe_compile.compile_blocks(other, backend="aot_eager")
+    rep = moe_compile.explain(other, x)
+    assert len(rep.rewritten) == 2 and len(rep.notes) == 1 and "backend='aot_eager'" in rep.notes[0], str(rep)
+    rep = moe_compile.explain(other.layers[0], x)
+    assert len(rep.rewritten) == 1 and "backend='aot_eager'" in rep.notes[0], str(rep)
+    # the whole model compiled with backend="moe" after that: its compile is the one explained (helper-77)
+    rep = moe_compile.explain(torch.compile(other, backend="moe"), x)
+    assert len(rep.rewritten) == 2 and not rep.notes, str(rep)
+
+
+@pytest.mark.parametrize("options", [{}, {"moe.rehome_weights": False}, {"moe.disable": ["rehome_weights"]},
+                                     {"moe.stack_expert_params": False}])
+def test_explain_notes_follow_the_compiles_weight_options(options):
+    """The notes on ModuleList expert weights said "the compile moves them into one buffer" and "gives the
+    graph one stacked input" whatever the compile's moe.rehome_weights / moe.stack_expert_params said."""
+    model = make_model(h=16, i=8, e=32, k=2, spelling="index_add")
+    (r,) = moe_compile.explain(torch.compile(model, backend="moe", options=options), make_input((7, 16))).rewritten
+    moved = [n for n in r.notes if "moves them into one buffer" in n]
+    stacked = [n for n in r.notes if "one stacked input per buffer instead" in n]
+    separate = [n for n in r.notes if "96 per-expert weight tensors enter the compiled graph one by one" in n]
+    rehome = not ("moe.rehome_weights" in options or "rehome_weights" in options.get("moe.disable", ()))
+    stack = rehome and "moe.stack_expert_params" not in options
+    assert (bool(moved), bool(stacked), bool(separate)) == (rehome, stack, not stack), r.notes
 
 
 @pytest.mark.parametrize("called,disable", [(False, ()), (True, ("loop_regions",))])

@@ -90,6 +90,32 @@ def test_hf_grouped_mm_matches_eager(name):
     assert all("router_topk" in r.ops for r in records), records  # every one routes with torch.topk
 
 
+def test_hf_dynamic_module_floats_are_not_host_syncs():
+    """dynamic=True: Dynamo passes the modules' Python floats (variance_epsilon, scaling, ...) as 0-d host
+    tensors read with .item(); each was reported as a host sync left in the graph (review helper-76)."""
+    torch._dynamo.reset()
+    with report.recording() as graphs:
+        torch.compile(Logits(build("qwen3_moe", layers=1)), backend="moe", dynamic=True,
+                      options={"moe.inductor": False})(_ids())
+    records = [r for g in graphs for r in g]
+    assert records and all(r.status == "rewritten" for r in records), records
+    assert not [n for r in records for n in r.notes if "host syncs" in n], [r.notes for r in records]
+
+
+def test_explain_follows_the_compiles_dynamic():
+    """GPT-OSS under dynamic=True: its clamp limit becomes a SymFloat and the compile refuses the layer;
+    explain(compiled) traced with static shapes and said "rewritten" (review helper-76)."""
+    torch._dynamo.reset()
+    model = Logits(build("gpt_oss", "batched_mm", layers=1))
+    compiled = torch.compile(model, backend="moe", dynamic=True, options={"moe.inductor": False})
+    with report.recording() as graphs:
+        compiled(_ids())
+    found = sorted((r.status, r.code) for g in graphs for r in g)
+    rep = moe_compile.explain(compiled, _ids())
+    assert sorted((r.status, r.code) for r in rep.regions) == found, (found, str(rep))
+    assert len(moe_compile.explain(model, _ids()).rewritten) == 1   # the default compile: static shapes
+
+
 @pytest.mark.parametrize("name", ["gpt_oss"])
 def test_hf_explain_shows_every_layer_rewritten(name):
     rep = moe_compile.explain(build(name), _ids(1))

@@ -89,8 +89,11 @@ def test_expert_kinds(expert, dtype):
     check_compiled(m, [make_input((2, 5, 16), dtype)], expect_rewritten=1)
 
 
-@pytest.mark.parametrize("router", ["softmax_topk", "topk_softmax", "sigmoid_group"])
+@pytest.mark.parametrize("router", ["softmax_topk", "topk_softmax", "sigmoid_group", "sort_slice", "topk_plus1"])
 def test_routers(router):
+    """sort_slice: the top-k as ``probs.sort(descending=True)`` and its first K (was unmatched, silent with
+    the experts two modules down); topk_plus1: ``topk(K + 1)`` then ``ids[:, :K]`` (Shazeer's noisy top-k:
+    was unmatched)."""
     m = make_model(spelling="index_add", router=router, k=2, e=4)
     check_compiled(m, [make_input((2, 5, 16))], expect_rewritten=1)
 

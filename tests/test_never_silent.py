@@ -258,6 +258,20 @@ def test_nothing_rewritten_warns_once_and_rewritten_model_is_quiet(caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
+@pytest.mark.parametrize("what", ["dense", "refused"])
+def test_nothing_rewritten_warns_under_fullgraph(caplog, what):
+    """fullgraph=True: Dynamo counts no frame, and the nothing-rewritten warning was never given (helper-75)."""
+    from test_backend import DenseMLP
+
+    torch._dynamo.reset()
+    model = DenseMLP() if what == "dense" else make_model(spelling="assign", e=4, k=2)
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        cm = torch.compile(model, backend="moe", options=OPTS, fullgraph=True)
+        cm(make_input((3, 16)))
+        cm(make_input((3, 16), seed=1))
+    assert len(_nothing(caplog)) == 1, caplog.text
+
+
 def test_nothing_rewritten_warns_for_a_call_inside_an_except_block(caplog):
     """A first call made while the caller handles an exception (a fallback path) compiled and ran
     fine: it still warns that nothing was rewritten (the scope took the handled exception for one
@@ -619,6 +633,60 @@ def test_routers_that_draw_ids_are_listed(draw):
     assert word in rep.refused[0].reason and "over 4 experts" in rep.refused[0].reason, str(rep)
 
 
+class SortRouterMoE(nn.Module):
+    """A top-2 router written as a sort of the scores and a slice of its first 2 (``how``), experts a
+    ModuleList one or two modules down (``depth``); ``how="topk"`` is the fix the record names."""
+
+    def __init__(self, how: str, depth: int = 1, e: int = 4, h: int = 16):
+        super().__init__()
+        self.how, self.e = how, e
+        self.gate = nn.Linear(h, e, bias=False)
+        box = nn.Module()
+        box.experts = nn.ModuleList(nn.Sequential(nn.Linear(h, 24), nn.GELU(), nn.Linear(24, h)) for _ in range(e))
+        if depth == 2:
+            self.box = nn.Module()
+            self.box.inner = box
+        else:
+            self.box = box
+
+    def forward(self, x):
+        p = self.gate(x).softmax(-1)
+        if self.how == "sort":
+            sv, si = p.sort(-1, descending=True)
+            w, ids = sv[:, :2], si[:, :2]
+        elif self.how == "argsort":
+            ids = p.argsort(-1, descending=True)[..., :2]
+            w = p.gather(-1, ids)
+        elif self.how == "narrow_ascending":   # the two smallest scores' experts
+            sv, si = torch.sort(-p, dim=-1)
+            w, ids = -sv.narrow(-1, 0, 2), si.narrow(-1, 0, 2)
+        else:
+            w, ids = p.topk(2, -1)
+        experts = self.box.inner.experts if hasattr(self.box, "inner") else self.box.experts
+        out = torch.zeros_like(x)
+        for e in range(self.e):
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, w[tok, slot, None] * experts[e](x[tok]))
+        return out
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("how", ["sort", "argsort", "narrow_ascending"])
+def test_router_by_sort_and_slice(how, depth, monkeypatch):
+    """The first k indices of a sort / argsort of the scores pick k distinct experts per token, as a top-k
+    does: rewritten (outputs and gradients as eager's). With the experts two modules down no router of the
+    graph was a sort: silent (review helper-71). In a form no finder knows: listed, the router named."""
+    args = [make_input((12, 16))]
+    check_compiled(SortRouterMoE(how, depth), args, expect_rewritten=1)
+    import moe_compile.passes.loop_regions as lr
+
+    monkeypatch.setattr(lr, "find_loop_regions", lambda gm, *a, **k: [])
+    rep = moe_compile.explain(SortRouterMoE(how, depth), *args)
+    path = "box.inner.experts" if depth == 2 else "box.experts"
+    assert [(r.code, r.module) for r in rep.refused] == [("moe_unmatched", path)], str(rep)
+    assert f"a top-2 router ({'argsort' if how == 'argsort' else 'sort'} + slice)" in rep.refused[0].reason, str(rep)
+
+
 class CumsumExpertMoE(nn.Module):
     """A loop whose experts mix their rows (cumsum over the expert's tokens): not an expert function the
     rewrite replays, and torch cannot compile its captured graph (the cumsum's backward guards on the
@@ -649,6 +717,36 @@ def test_uncompilable_captured_graph_raises_with_the_fix():
         torch.compile(copy.deepcopy(model), backend="moe", options=OPTS)(make_input((32, 16))).sum().backward()
     check_compiled(model, [make_input((32, 16))], expect_rewritten=0, expect_refused=1,
                    options={"moe.capture_dynamic": False})
+
+
+class _ClusterAttention(nn.Module):
+    """Routing-Transformer-style attention within clusters (top-1 centroid per token, one shared set of
+    weights, no experts): not MoE, and torch cannot compile its captured data-dependent sizes."""
+
+    def __init__(self, h=16, c=4):
+        super().__init__()
+        self.c = c
+        self.centroids = nn.Parameter(torch.randn(c, h))
+        self.qkv, self.o = nn.Linear(h, 3 * h), nn.Linear(h, h)
+
+    def forward(self, x):
+        cluster = (x @ self.centroids.t()).topk(1, -1).indices.squeeze(-1)
+        q, k, v = self.qkv(x).chunk(3, -1)
+        out = torch.zeros_like(x)
+        for c in range(self.c):
+            idx = torch.where(cluster == c)[0]
+            out.index_add_(0, idx, (q[idx] @ k[idx].t()).softmax(-1) @ v[idx])
+        return self.o(out)
+
+
+def test_uncompilable_captured_graph_without_moe_code_says_so():
+    """The error said the captured sizes were "in MoE code" (review helper-75): it says the graph holds none,
+    and the option it names compiles the model as stock torch.compile does."""
+    torch._dynamo.reset()
+    model = _ClusterAttention()
+    with pytest.raises(Exception, match=r"capture_compile_error(.|\n)*holds no MoE code(.|\n)*capture_dynamic\": False"):
+        torch.compile(copy.deepcopy(model), backend="moe", options=OPTS)(make_input((12, 16))).sum().backward()
+    check_compiled(model, [make_input((12, 16))], expect_rewritten=0, options={"moe.capture_dynamic": False})
 
 
 class Mixer(nn.Module):
@@ -1442,6 +1540,106 @@ def test_one_sequential_mlp_on_top_k_tokens_is_not_moe():
     assert not rep.regions, str(rep)
 
 
+class _LayersOnTopTokens(nn.Module):
+    """A ModuleList of layers run one after the other on rows a top-k picks, not experts side by side:
+    token pruning (the top half of the tokens by a score through a stack of blocks), top-k graph pooling
+    (a stack of layers on the kept nodes), residual VQ (per stage a codebook row by its top-1, projected by
+    that stage's linear; the next stage's ids read the residual)."""
+
+    def __init__(self, kind, h=16):
+        super().__init__()
+        self.kind = kind
+        self.score = nn.Linear(h, 1)
+        self.blocks = nn.ModuleList(nn.Linear(h, h) for _ in range(3))
+        self.codebooks = nn.ModuleList(nn.Embedding(8, h) for _ in range(3))
+
+    def forward(self, x):
+        if self.kind == "residual_vq":
+            r, out = x, 0
+            for cb, proj in zip(self.codebooks, self.blocks):
+                q = proj(cb(torch.topk(r @ cb.weight.t(), 1, -1).indices.squeeze(-1)))
+                out, r = out + q, r - q
+            return out
+        v, idx = self.score(x).squeeze(-1).topk(x.shape[0] // 2)
+        y = x[idx] * (torch.sigmoid(v)[:, None] if self.kind == "pooling" else 1.0)
+        for blk in self.blocks:
+            y = y + F.gelu(blk(y)) if self.kind == "pruning" else F.relu(blk(y))
+        if self.kind == "pooling":
+            return y.mean(0)
+        return x.index_copy(0, idx, y)
+
+
+@pytest.mark.parametrize("kind", ["pruning", "pooling", "residual_vq"])
+def test_layers_run_one_after_the_other_on_top_k_rows_are_not_moe(kind, caplog):
+    """Were listed moe_unmatched and warned ("a top-6 router over 12 experts": the token count; review
+    helper-75): the list elements' matmuls read each other's outputs, or the ids reach one element."""
+    torch._dynamo.reset()
+    x = make_input((12, 16))
+    rep = moe_compile.explain(_LayersOnTopTokens(kind), x)
+    assert not rep.regions, str(rep)
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        torch.compile(_LayersOnTopTokens(kind), backend="moe", options=OPTS)(x)
+    assert not [m for m in _moe_warnings(caplog) if "refused" in m], caplog.text
+
+
+class _ExpertChoiceInPlaceResidual(nn.Module):
+    """Expert-choice routing (a form nothing rewrites), its output added to the residual in place after
+    every expert ran (``h += out``)."""
+
+    def __init__(self, h=16, e=4):
+        super().__init__()
+        self.e = e
+        self.gate = nn.Linear(h, e, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(h, 8), nn.GELU(), nn.Linear(8, h)) for _ in range(e))
+
+    def forward(self, x):
+        h = x + 0
+        z = h * 1.0
+        g, tok = self.gate(z).softmax(-1).t().topk(h.shape[0] // 2, -1)   # each expert's top tokens [E, C]
+        out = torch.zeros_like(h)
+        for e in range(self.e):
+            out = out.index_add(0, tok[e], g[e, :, None] * self.experts[e](z[tok[e]]))
+        h += out
+        return h
+
+
+class _CapacityBufferParamList(nn.Module):
+    """Top-2 capacity dispatch into a buffer [E, C, H] (index_put, or a scatter into its [E * C, H] view),
+    experts nn.ParameterList matrices applied to buf[e]: only the per-expert selection's rows say MoE."""
+
+    def __init__(self, dispatch, h=16, i=8, e=4):
+        super().__init__()
+        self.dispatch, self.e = dispatch, e
+        self.gate = nn.Linear(h, e, bias=False)
+        self.w1 = nn.ParameterList(nn.Parameter(torch.randn(i, h) / 4) for _ in range(e))
+        self.w2 = nn.ParameterList(nn.Parameter(torch.randn(h, i) / 3) for _ in range(e))
+
+    def forward(self, x):
+        t, hd = x.shape
+        w, ids = self.gate(x).softmax(-1).topk(2, -1)
+        fid = ids.reshape(-1)
+        pos = (F.one_hot(fid, self.e).cumsum(0) - 1).gather(1, fid[:, None]).squeeze(1)   # slot in its expert
+        buf = x.new_zeros(self.e, t, hd)
+        if self.dispatch == "index_put":
+            buf = buf.index_put((fid, pos), x.repeat_interleave(2, 0))
+        else:
+            flat = (fid * t + pos)[:, None].expand(-1, hd)
+            buf = buf.view(self.e * t, hd).scatter(0, flat, x.repeat_interleave(2, 0)).view(self.e, t, hd)
+        ob = torch.stack([F.linear(F.gelu(F.linear(buf[e], self.w1[e])), self.w2[e]) for e in range(self.e)])
+        return (ob[fid, pos].view(t, 2, hd) * w[..., None]).sum(1)
+
+
+@pytest.mark.parametrize("model", ["expert_choice_inplace_residual", "capacity_index_put", "capacity_scatter"])
+def test_real_moe_stays_listed_beside_the_layer_stack_rules(model):
+    """Review helper-77 of the layer-stack and combine rules above: an in-place residual written after every
+    expert made the experts look chained; a dispatch write into a per-expert buffer stopped the selection's
+    rows as a combine would. Both silent for a moment; listed moe_unmatched."""
+    torch._dynamo.reset()
+    m = _ExpertChoiceInPlaceResidual() if model.startswith("expert") else _CapacityBufferParamList(model.split("_", 1)[1])
+    rep = moe_compile.explain(m, make_input((8, 16)))
+    assert [r.code for r in rep.refused] == ["moe_unmatched"], str(rep)
+
+
 class _CheckpointedLoopAtRoot(nn.Module):
     """The block compiled on its own (the root module): its router outside the checkpoint, the expert
     loop a method given the ids, the ModuleList two modules down (``self.box.inner.experts``)."""
@@ -1893,6 +2091,8 @@ class SparseMLP(SparseFFN):
                 continue
             if self.skip == "item" and w[tok, slot].sum().item() == 0:
                 continue
+            if self.skip == "item_value":   # a host value in the arithmetic, no branch
+                w = w * (w.sum().item() / w.sum().item())
             if self.skip == "graph_break":
                 torch._dynamo.graph_break()
             expert = self.experts[e]
@@ -1910,7 +2110,9 @@ class _BesideRewritten(nn.Module):
         return x + self.b(x)
 
 
-_SKIPS = {"numel": "break_data_dependent", "item": "break_item", "graph_break": "break_other"}
+# a branch on `.item()` is a branch: its fix removes it ("keep the value a tensor" led to the numel case's break)
+_SKIPS = {"numel": "break_data_dependent", "item": "break_data_dependent", "item_value": "break_item",
+          "graph_break": "break_other"}
 
 
 def _moe_warnings(caplog) -> list[str]:
@@ -2071,6 +2273,11 @@ def test_compiled_model_under_a_func_transform_from_eager_names_the_transform(ca
         torch.testing.assert_close(got[name], want[name], msg=name)
     warned = _warnings(caplog, "break_func_transform")
     assert warned and not _warnings(caplog, "break_other") and "torch.autograd.grad" in warned[0], caplog.text
+    # explain() names those frames (Dynamo never traces them again) until torch._dynamo.reset() lifts the
+    # marks: then they were still listed, for any model of those classes (a stale record)
+    assert "break_func_transform" in {b.reason_code for b in moe_compile.explain(model, x).graph_breaks}
+    torch._dynamo.reset()
+    assert not moe_compile.explain(model, x).graph_breaks
 
 
 def test_expert_weights_of_a_tensor_subclass_are_refused_by_name():
