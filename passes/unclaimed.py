@@ -84,6 +84,7 @@ def _token_rows(router: fx.Node):
 
 
 def _rows(n: fx.Node):
+    """The rows of a 2-D tensor node, else -1."""
     v = val(n)
     return v.shape[0] if isinstance(v, torch.Tensor) and v.dim() == 2 else -1
 
@@ -158,8 +159,8 @@ def _evidence(router: fx.Node, reach: set, params: set, weights: set, e: int, sk
     # (attention within clusters, then its output projection) is not a linear on the rows one expert's
     # selection picks; a write into a dispatch buffer [E, C, H] read per expert is not a combine (helper-77)
     tokens_n = _token_rows(router)
-    selected = _reach([n for n in reach if (canon(n) or "") in _SELECTIONS or (canon(n) == "where" and len(n.args) == 1)],
-                      {n for n in reach if canon(n) in _COMBINES and _rows(written(n) or n) == tokens_n})
+    selections = [n for n in reach if (canon(n) or "") in _SELECTIONS or (canon(n) == "where" and len(n.args) == 1)]
+    selected = _reach(selections, {n for n in reach if canon(n) in _COMBINES and _rows(written(n) or n) == tokens_n})
     own = router_params(router, params)     # a classifier's weight reused after its argmax is not an expert
     # rows of a table the scores read, gathered by the ids (topk(q @ K.t()), then K(ids)): nearest memory keys;
     # what is computed from them (attention over the keys) is not a token an expert meets
@@ -385,7 +386,8 @@ def classify_break(frames, reason: str) -> tuple[str, dict]:
         code = "break_bincount"
     elif "step_unsupported" in low and src.startswith(("for ", "while ")):
         code = "break_in_expert_loop"
-    elif "data-dependent branching" in low or src.startswith(("if ", "elif ", "while ")) and ("data-dependent" in low or ".item()" in src):
+    elif "data-dependent branching" in low or src.startswith(("if ", "elif ", "while ")) and (
+            "data-dependent" in low or ".item()" in src):
         code = "break_data_dependent"
     elif "data-dependent" in low and any(map(_counts_by_bincount, frames)):   # not a branch: a size
         code = "break_bincount"

@@ -161,7 +161,9 @@ def _past_output(inner: set, after: set, claimed: set, hops: int = 3) -> set[fx.
 
 def disabled_note(disabled) -> str:
     """The ``{disabled}`` of a record on MoE-like code found while finders were off (``moe.disable``)."""
-    return f" (the finders {', '.join(disabled)} are disabled by moe.disable: remove them from it first)" if disabled else ""
+    if not disabled:
+        return ""
+    return f" (the finders {', '.join(disabled)} are disabled by moe.disable: remove them from it first)"
 
 
 def chained(members: dict) -> bool:
