@@ -102,10 +102,10 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
     fn = _unwrap(model_or_fn)
     in_place = getattr(fn, "_compiled_call_impl", None) if isinstance(fn, torch.nn.Module) else None
     compiled_with, user_options, dynamic, by_blocks = _compiled_with(in_place or model_or_fn, fn, moe_backend)
-    options, inductor = _explain_options(user_options)
+    options, config = _explain_options(user_options)
     session = Session(quiet=True)
     session.explaining = True
-    session.explain_inductor = inductor
+    session.explain_inductor = config.inductor
     if isinstance(fn, torch.nn.Module):
         session.place = placer(fn)
     graphs = [0]
@@ -135,7 +135,6 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
     records += [r for r in _earlier_skips(fn, tried) if r.where not in seen]
     records += eager_probe.records(fn, eager, [r for r in records if r.is_break])
     regions = tuple(r for r in records if not r.is_break)
-    config, _ = MoEConfig.from_options(None, user_options)
     regions = tuple(_explain_notes(_times_note(r, times[r]), config.disable) for r in regions)
     breaks = tuple(dict.fromkeys(GraphBreak(r.where, r.reason, r.fix, r.source, r.code)
                                  for r in records if r.is_break))
@@ -213,12 +212,12 @@ def _backend_note(compiled_with: str | None) -> tuple[str, ...]:
             "shows what torch.compile(model, backend=\"moe\") would do",)
 
 
-def _explain_options(user: dict) -> tuple[dict, bool]:
+def _explain_options(user: dict) -> tuple[dict, MoEConfig]:
     """(the compile's options as explain runs them: without Inductor, weights left where they are,
-    quiet; the compile's moe.inductor)."""
+    quiet; the compile's own config: its moe.inductor, its moe.disable)."""
     config, _ = MoEConfig.from_options(None, user)
     return {**{k: v for k, v in user.items() if k != "moe.debug"}, **_EXPLAIN_OPTIONS,
-            "moe.disable": tuple(dict.fromkeys((*config.disable, *_EXPLAIN_OPTIONS["moe.disable"])))}, config.inductor
+            "moe.disable": tuple(dict.fromkeys((*config.disable, *_EXPLAIN_OPTIONS["moe.disable"])))}, config
 
 
 def _unwrap(fn):

@@ -59,15 +59,9 @@ def routers(graph: fx.Graph):
 SORT_ROUTERS = {"sort", "argsort"}
 
 
-def sorted_indices(n: fx.Node) -> tuple[fx.Node, int, int] | None:
-    """(sort node, sorted dim, entries E along it) when ``n`` is the indices of a ``sort`` / ``argsort`` of
-    float scores (grouping tokens by integer ids sorts ids, not scores: not a router), else None."""
-    op = canon(n)
-    if op == "getitem" and len(n.args) > 1 and n.args[1] == 1 and isinstance(n.args[0], fx.Node) \
-            and canon(n.args[0]) == "sort":
-        n = n.args[0]
-    elif op != "argsort":
-        return None
+def scores_sort(n: fx.Node) -> tuple[int, int] | None:
+    """(sorted dim, entries E along it) when ``n`` is a ``sort`` / ``argsort`` of float scores (grouping
+    tokens by integer ids sorts ids, not scores: not a router), else None."""
     x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
     xv, dim = val(x), arg(n, 1, "dim", -1)
     if not isinstance(xv, torch.Tensor) or not xv.is_floating_point() or xv.dim() == 0 \
@@ -75,7 +69,32 @@ def sorted_indices(n: fx.Node) -> tuple[fx.Node, int, int] | None:
         return None
     dim %= xv.dim()
     e = xv.shape[dim]
-    return (n, dim, e) if isinstance(e, int) and e >= 2 else None
+    return (dim, e) if isinstance(e, int) and e >= 2 else None
+
+
+def sorted_indices(n: fx.Node) -> tuple[fx.Node, int, int] | None:
+    """(sort node, sorted dim, entries E along it) when ``n`` is the indices of a ``scores_sort``, else None."""
+    op = canon(n)
+    if op == "getitem" and len(n.args) > 1 and n.args[1] == 1 and isinstance(n.args[0], fx.Node) \
+            and canon(n.args[0]) == "sort":
+        n = n.args[0]
+    elif op != "argsort":
+        return None
+    found = scores_sort(n)
+    return (n, *found) if found is not None else None
+
+
+def sort_top_k(n: fx.Node) -> tuple[fx.Node, int, int, int] | None:
+    """(sort node, sorted dim, E, k) when ``n`` takes the first k < E of a ``scores_sort``'s indices along the
+    sorted dim (``leading_slice``: ``si[:, :k]``, ``si[..., :k]``, ``si.narrow(-1, 0, k)``), else None."""
+    if canon(n) not in ("getitem", "narrow") or not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    found = sorted_indices(n.args[0])
+    if found is None:
+        return None
+    sort, dim, e = found
+    k = leading_slice(n, dim, val(sort.args[0]).dim())
+    return (sort, dim, e, k) if k is not None and k < e else None
 
 
 def leading_slice(n: fx.Node, dim: int, ndim: int) -> int | None:
@@ -105,19 +124,13 @@ def leading_slice(n: fx.Node, dim: int, ndim: int) -> int | None:
 
 def _sort_router(n: fx.Node):
     """(sort node, its sliced indices, E, k) for each k of ``sort(scores)[1][..., :k]`` with k < E."""
-    sources = [u for u in n.users if sorted_indices(u) is not None] if canon(n) == "sort" else [n]
-    found = sorted_indices(sources[0]) if sources else None
-    if found is None:
-        return
-    _, dim, e = found
-    ndim = val(n.args[0]).dim()
-    by_k: dict = {}
-    for s in sources:
-        for u in s.users:
-            k = leading_slice(u, dim, ndim)
-            if k is not None and k < e:
-                by_k.setdefault(k, []).append(u)
-    for k, ids in by_k.items():
+    sources = [u for u in n.users if canon(u) == "getitem"] if canon(n) == "sort" else [n]
+    by_k: dict = {}   # k -> (E, the slices)
+    for u in (u for s in sources for u in s.users):
+        hit = sort_top_k(u)
+        if hit is not None:
+            by_k.setdefault(hit[3], (hit[2], []))[1].append(u)
+    for k, (e, ids) in by_k.items():
         yield n, ids, e, k
 
 
@@ -183,10 +196,9 @@ def router_root(ids: fx.Node) -> fx.Node | None:
         if op in ("getitem", "getattr") and isinstance(n.args[0], fx.Node) and canon(n.args[0]) in ("topk", "max"):
             return n.args[0]
         if op in ("getitem", "narrow") and isinstance(n.args[0], fx.Node):
-            found = sorted_indices(n.args[0])
-            if found is not None:
-                k = leading_slice(n, found[1], val(found[0].args[0]).dim())
-                return found[0] if k is not None and k < found[2] else None
+            hit = sort_top_k(n)
+            if hit is not None:
+                return hit[0]
             v = val(n)   # the first k' of each token's ids (topk(k + 1)[1][:, :k]): that router's
             if isinstance(v, torch.Tensor) and v.dim() >= 2 and leading_slice(n, v.dim() - 1, v.dim()) is not None:
                 n, seen = n.args[0], seen + 1

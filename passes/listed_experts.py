@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from .normalize import _clean_module_path, canon, module_path
 from .token_paths import MATMULS, param_of
-from .unclaimed_base import _dims, chained
+from .unclaimed_base import _dims, chained, near_node
 
 
 def past_common(a: str, b: str) -> tuple[list[str], list[str]]:
@@ -60,16 +60,9 @@ def list_index(rmod: str, n: fx.Node) -> int | None:
     return None
 
 
-def listed_source(rmod: str, n: fx.Node, params: set, own: set, hops: int = 4) -> fx.Node | None:
-    """The ``listed`` matmul whose output ``n`` is, through at most ``hops`` single-input ops, else None."""
-    while isinstance(n, fx.Node) and hops >= 0:
-        if listed(rmod, n, params, own):
-            return n
-        ins = n.all_input_nodes
-        if (canon(n) or "") in MATMULS or not ins:
-            return None
-        n, hops = ins[0], hops - 1
-    return None
+def listed_source(rmod: str, n: fx.Node, params: set, own: set) -> fx.Node | None:
+    """The ``listed`` matmul whose output ``n`` is, through at most 4 single-input ops, else None."""
+    return near_node(n, lambda m: listed(rmod, m, params, own))
 
 
 def stacked_layers_dropped(rmod: str, found: list, reach: set, params: set, own: set) -> list:

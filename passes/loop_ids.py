@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .expert_ids import leading_slice, sorted_indices
+from .expert_ids import leading_slice, sort_top_k
 from .id_range import holds_ids, id_bound
 from .loop_roles import STOP, Ids
 from .normalize import canon, shape, val
@@ -63,13 +63,10 @@ def ids_cast(a, n, op, r0):
 
 def ids_of_sort(a, n, op, r0):
     """sort(scores)[1][..., :k], argsort(scores)[..., :k], their ``.narrow(-1, 0, k)``, k < E -> Ids."""
-    a0 = n.args[0] if n.args else None
-    found = sorted_indices(a0) if isinstance(a0, fx.Node) else None
-    s = shape(n)
-    if found is None or not s or found[1] != len(s) - 1:   # sorted along the ids' last dim (the experts)
+    hit, s = sort_top_k(n), shape(n)
+    if hit is None or not s or len(s) < 2 or hit[1] != len(s) - 1:   # sorted along the ids' last dim (the experts)
         return None
-    k = leading_slice(n, found[1], len(s))
-    return Ids(n, k) if k is not None and k < found[2] and len(s) >= 2 else None
+    return Ids(n, hit[3])
 
 
 def ids_slice(a, n, op, r0):

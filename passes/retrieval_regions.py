@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from .expert_ids import SORT_ROUTERS, scores_sort
 from .normalize import _clean_module_path, canon, shape, val, where_in_user_code
 from .region import Candidate, Finding
 from .token_paths import downstream, graph_params, token_values, upstream
@@ -40,18 +41,12 @@ def _from_topk(ids: fx.Node, limit: int = 32) -> fx.Node | None:
             continue
         seen.add(n)
         op = canon(n)
-        if op in ("topk", "argmax", "max") or op in ("sort", "argsort") and _of_scores(n):
+        if op in ("topk", "argmax", "max") or op in SORT_ROUTERS and scores_sort(n) is not None:
             return n
         v = val(n)
         if op in _INT_VIEWS and not (isinstance(v, torch.Tensor) and v.is_floating_point()):
             stack.extend(n.all_input_nodes)
     return None
-
-
-def _of_scores(n: fx.Node) -> bool:
-    """A sort / argsort of float scores (its first k indices are a top-k), not of integer ids."""
-    v = val(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
-    return isinstance(v, torch.Tensor) and v.is_floating_point()
 
 
 def _parent_module(n: fx.Node) -> str:

@@ -54,6 +54,7 @@ module finds the rest, from the graph and from Dynamo's own records:
 """
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -79,14 +80,8 @@ _COMBINES = {f"{op}{u}" for op in ("index_add", "index_put", "index_copy", "scat
 
 def _token_rows(router: fx.Node):
     """The number of tokens a router routes: its scores' rows (every dim but the last), else None."""
-    v = val(router.args[0]) if router.args and isinstance(router.args[0], fx.Node) else None
-    return v.numel() // v.shape[-1] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[-1] else None
-
-
-def _rows(n: fx.Node):
-    """The rows of a 2-D tensor node, else -1."""
-    v = val(n)
-    return v.shape[0] if isinstance(v, torch.Tensor) and v.dim() == 2 else -1
+    d = _dims(router.args[0]) if router.args and isinstance(router.args[0], fx.Node) else ()
+    return math.prod(d[:-1]) if d and d[-1] else None
 
 
 def _reach(starts, stop: set = frozenset()) -> set[fx.Node]:
@@ -160,7 +155,8 @@ def _evidence(router: fx.Node, reach: set, params: set, weights: set, e: int, sk
     # selection picks; a write into a dispatch buffer [E, C, H] read per expert is not a combine (helper-77)
     tokens_n = _token_rows(router)
     selections = [n for n in reach if (canon(n) or "") in _SELECTIONS or (canon(n) == "where" and len(n.args) == 1)]
-    selected = _reach(selections, {n for n in reach if canon(n) in _COMBINES and _rows(written(n) or n) == tokens_n})
+    selected = _reach(selections, {n for n in reach if canon(n) in _COMBINES
+                                   and len(d := _dims(written(n) or n)) == 2 and d[0] == tokens_n})
     own = router_params(router, params)     # a classifier's weight reused after its argmax is not an expert
     # rows of a table the scores read, gathered by the ids (topk(q @ K.t()), then K(ids)): nearest memory keys;
     # what is computed from them (attention over the keys) is not a token an expert meets

@@ -33,15 +33,20 @@ def _dims(n: fx.Node) -> tuple:
 def _near(n: fx.Node, is_matmul, hops: int = 4) -> bool:
     """``n`` is the output of a matmul for which ``is_matmul(node)`` holds, through at most ``hops``
     single-input ops."""
+    return near_node(n, is_matmul, hops) is not None
+
+
+def near_node(n: fx.Node, is_matmul, hops: int = 4) -> fx.Node | None:
+    """The matmul of ``_near``, else None."""
     while isinstance(n, fx.Node) and hops >= 0:
         if is_matmul(n):
-            return True
+            return n
         ins = n.all_input_nodes
         if (canon(n) or "") in MATMULS or not ins:
-            return False
+            return None
         n = ins[0]
         hops -= 1
-    return False
+    return None
 
 
 def sliced_inputs(gm: fx.GraphModule, params: set) -> set[fx.Node]:
