@@ -46,6 +46,8 @@ class GraphBuilder:
             return x.meta["example_value"]
         if isinstance(x, (list, tuple)):
             return type(x)(self._val(i) for i in x)
+        if isinstance(x, dict):
+            return {key: self._val(i) for key, i in x.items()}
         return x
 
     def __call__(self, op: str, target, args=(), kwargs=None) -> fx.Node:

@@ -88,6 +88,8 @@ def shared_ok(x) -> bool:
     if not isinstance(x, fx.Node):
         return True
     v = val(x)
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):   # a symbolic number (dynamic=True)
+        return True
     return isinstance(v, torch.Tensor) and (v.numel() == 1 or v.dim() <= 1)
 
 

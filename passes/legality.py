@@ -99,14 +99,28 @@ def _flat(x):
     return [x]
 
 
+_NUMBERS = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _number_source(n: fx.Node) -> str:
+    """The graph input a symbolic number was read from (Dynamo passes a module's Python float under
+    dynamic=True as a 0-d tensor input and reads it with ``.item()``)."""
+    while n.op != "placeholder" and n.all_input_nodes:
+        n = n.all_input_nodes[0]
+    return n.name
+
+
 def expert_operands(region: Region) -> Finding | None:
     mlp = region.experts
     for st in mlp.steps:
         if st.linear is None:
             for x in _flat(st.args) + _flat([v for _, v in st.kwargs]):
                 if isinstance(x, tuple) and x[:1] == ("slot",) and len(set(mlp.slots[x[1]])) != 1:
-                    return Finding.of("expert_operand_not_linear", mlp.slots[x[1]][0],
-                                      node=mlp.slots[x[1]][0].name, op=_target_name(st.target))
+                    first = mlp.slots[x[1]][0]
+                    if all(isinstance(val(n), _NUMBERS) for n in mlp.slots[x[1]]):   # dynamic=True's floats
+                        return Finding.of("expert_numbers_dynamic", first, node=first.name, op=_target_name(st.target),
+                                          source=_number_source(first))
+                    return Finding.of("expert_operand_not_linear", first, node=first.name, op=_target_name(st.target))
         else:
             for slot in st.linear[:2]:
                 if slot is not None:

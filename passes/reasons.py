@@ -101,6 +101,11 @@ REASONS: dict[str, Reason] = {
     "expert_operand_not_linear": Reason(
         "expert-specific operand `{node}` in a non-linear op `{op}` (only linear weights and biases may differ per "
         "expert)", "keep per-expert tensors to the weights and biases of linear layers"),
+    "expert_numbers_dynamic": Reason(
+        "each expert's Python number in `{op}` is a graph input of its own under dynamic=True (`{source}`, ...: "
+        "Dynamo does not specialize floats there), so the experts' values may differ and one grouped op cannot "
+        "apply them", "compile without dynamic=True (the default keeps such numbers constant), or set "
+        "torch._dynamo.config.specialize_float = True, or make the number one shared value outside the experts"),
     "weight_shapes_differ": Reason("expert weights have different shapes {shapes}",
                                    "give every expert the same layer sizes"),
     "no_linear": Reason("the expert function has no linear layer", "nothing to group: not an MoE expert MLP"),

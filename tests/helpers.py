@@ -109,7 +109,7 @@ def _run(fn, args, module=None):
 def check_compiled(fn, args, *, expect_rewritten: int, expect_refused: int = 0, rel: float | None = None,
                    grad_rel: float | None = None, inductor: bool = False, options: dict | None = None,
                    fresh_inputs: int = 1, grads: bool = True, compiled_ctx=contextlib.nullcontext,
-                   seed: int | None = None):
+                   seed: int | None = None, dynamic: bool | None = None):
     """Compile a deep copy of ``fn`` with backend="moe" and compare it with eager ``fn``.
 
     Outputs and every gradient (inputs that require grad and all parameters) must match on ``args``
@@ -118,8 +118,8 @@ def check_compiled(fn, args, *, expect_rewritten: int, expect_refused: int = 0, 
     (so a rewrite that silently did not fire fails). The compiled side's forward and backward run
     inside ``compiled_ctx()`` (e.g. ``moe_compile.compiled_backward``). ``seed``: reseed torch's RNG
     before each side runs (sampling routers, dropout: both sides draw the same numbers; with
-    ``inductor=True`` this also needs ``torch._inductor.config.fallback_random``). Returns the
-    counter deltas.
+    ``inductor=True`` this also needs ``torch._inductor.config.fallback_random``). ``dynamic``:
+    torch.compile's. Returns the counter deltas.
     """
     torch._dynamo.reset()
     dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), torch.float32)
@@ -129,7 +129,7 @@ def check_compiled(fn, args, *, expect_rewritten: int, expect_refused: int = 0, 
     opts = {"moe.inductor": inductor, **(options or {})}
     eager = fn
     compiled_src = copy.deepcopy(fn) if isinstance(fn, nn.Module) else fn
-    compiled = torch.compile(compiled_src, backend="moe", options=opts)
+    compiled = torch.compile(compiled_src, backend="moe", options=opts, dynamic=dynamic)
 
     before = dict(records.counters)
     arg_sets = [list(args)] + [_fresh_like(args) for _ in range(fresh_inputs)]

@@ -7,13 +7,15 @@ the model's own grouped implementation (tests/test_forms_hf_eager.py proves them
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
 
 import moe_compile
 from moe_compile import report
-from helpers import BF16_GRAD_REL, BF16_REL, HF_FP32_REL, check_compiled
+from helpers import BF16_GRAD_REL, BF16_REL, HF_FP32_REL, _run, assert_close_rel, check_compiled
 
 transformers = pytest.importorskip("transformers")
 
@@ -102,9 +104,30 @@ def test_hf_dynamic_module_floats_are_not_host_syncs():
     assert not [n for r in records for n in r.notes if "host syncs" in n], [r.notes for r in records]
 
 
+def test_hf_gpt_oss_dynamic_shapes():
+    """GPT-OSS under dynamic=True: its clamp limit and alpha are symbolic floats (Dynamo passes module floats
+    as graph inputs there); they were refused as `unsupported_row_op`. Rewritten now, symbolic sizes and all."""
+    torch._dynamo.reset()
+    model = Logits(build("gpt_oss", "batched_mm", layers=1))
+    ours = copy.deepcopy(model)
+    compiled = torch.compile(ours, backend="moe", dynamic=True, options={"moe.inductor": False})
+    with report.recording() as graphs:
+        for shape in [(2, 8), (3, 5)]:   # one graph for both: its sizes are symbolic
+            ids = torch.randint(3, 64, shape, generator=torch.Generator().manual_seed(shape[1]))
+            model.zero_grad(set_to_none=True)
+            ours.zero_grad(set_to_none=True)
+            (ref, *_), ref_g = _run(model, [ids])
+            (got, *_), got_g = _run(compiled, [ids], module=ours)
+            assert_close_rel(got, ref, HF_FP32_REL, f"{shape}: logits")
+            assert ref_g.keys() == got_g.keys()
+            for k in ref_g:
+                assert_close_rel(got_g[k], ref_g[k], HF_FP32_REL, f"{shape}: grad of {k}")
+    assert [(r.status, r.code) for g in graphs for r in g] == [("rewritten", "")], graphs
+
+
 def test_explain_follows_the_compiles_dynamic():
-    """GPT-OSS under dynamic=True: its clamp limit becomes a SymFloat and the compile refuses the layer;
-    explain(compiled) traced with static shapes and said "rewritten" (review helper-76)."""
+    """explain(compiled) of a dynamic=True compile traces as that compile did: GPT-OSS's symbolic clamp limit
+    was refused there and explain(compiled), tracing with static shapes, said "rewritten" (review helper-76)."""
     torch._dynamo.reset()
     model = Logits(build("gpt_oss", "batched_mm", layers=1))
     compiled = torch.compile(model, backend="moe", dynamic=True, options={"moe.inductor": False})

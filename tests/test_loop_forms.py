@@ -136,3 +136,46 @@ class VmapThenMoE(torch.nn.Module):
 def test_effect_only_calls_survive_the_rewrite():
     torch.manual_seed(0)
     check_compiled(VmapThenMoE(), [make_input((7, 16))], expect_rewritten=1)
+
+
+class _ClampedExpert(torch.nn.Module):
+    """GPT-OSS's clamped SwiGLU with its numbers as Python floats of each expert module."""
+
+    def __init__(self, h: int, i: int):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(h, 2 * i, bias=False), torch.nn.Linear(i, h, bias=False)
+        self.alpha, self.limit = 1.702, 7.0
+
+    def forward(self, x):
+        g, u = self.up(x).chunk(2, -1)
+        g, u = g.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
+        return self.down((u + 1) * g * torch.sigmoid(g * self.alpha))
+
+
+class _ClampedLoop(torch.nn.Module):
+    def __init__(self, h=16, i=24, e=4, k=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.gate, self.k = torch.nn.Linear(h, e, bias=False), k
+        self.experts = torch.nn.ModuleList(_ClampedExpert(h, i) for _ in range(e))
+
+    def forward(self, x):
+        x = x.reshape(-1, x.shape[-1])
+        w, ids = torch.topk(self.gate(x).softmax(-1), self.k, -1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, expert(x[tok]) * w[tok, slot, None])
+        return out
+
+
+@pytest.mark.parametrize("specialize_float", [False, True])
+def test_dynamic_shapes_expert_floats(specialize_float, caplog):
+    """dynamic=True passes each expert's Python floats as graph inputs of their own (symbolic floats whose values
+    may differ per expert): refused with a reason naming dynamic=True (it said "expert-specific operand `item`,
+    keep per-expert tensors to linear layers", a fix that does not apply). With floats specialized: rewritten."""
+    x = make_input((3, 5, 16)) * 4   # past the clamp limit
+    with torch._dynamo.config.patch(specialize_float=specialize_float), caplog.at_level("WARNING"):
+        check_compiled(_ClampedLoop(), [x], expect_rewritten=int(specialize_float),
+                       expect_refused=int(not specialize_float), dynamic=True)
+    assert ("[expert_numbers_dynamic]" in caplog.text) != specialize_float, caplog.text
