@@ -53,10 +53,12 @@ def layout(region: Region) -> EPLayout | None:
         if st.linear is not None:
             marker = ep_marker(region.experts.slots[st.linear[0]])
             if marker is not None:
+                from moe_compile.ep_ddp import check_ddp_composition
                 from moe_compile.parallel import check_fsdp_composition
 
                 try:
                     check_fsdp_composition(marker.args[2])
+                    check_ddp_composition(marker.args[2])
                 except ValueError as exc:
                     raise InvalidSetup(str(exc)) from exc
                 bound = marker.args[3] if len(marker.args) > 3 else marker.kwargs.get("max_tokens", 0)

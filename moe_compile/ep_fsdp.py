@@ -86,12 +86,15 @@ def replicate_experts(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
 
     Gradients: summed over the ep ranks by the dispatch's backward, over ``mesh`` by an all-reduce in
     the traced backward (``_ReduceGrad``: a functional collective the compiler schedules), divided by
-    ep * dp: the mean over the global batch, as FSDP's. The replicas start equal: the rows of ``mesh``'s
+    ep * dp: the mean over the global batch, as FSDP's and DDP's. Under DistributedDataParallel (over
+    every rank) call it before ``DDP(model)``: it adds the experts to the ignore list DDP reads from
+    ``model`` (moe_compile/ep_ddp.py has the recipe). The replicas start equal: the rows of ``mesh``'s
     first rank are broadcast to the others here (not for a model on the meta device: load the same
     checkpoint on every rank after ``to_empty``), and equal gradients keep them equal."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
+    from moe_compile.ep_ddp import ignore_in_ddp
     from moe_compile.kernels.ep_transport import resolve_group
 
     _check_args("replicate_experts", model, mesh)
@@ -113,6 +116,7 @@ def replicate_experts(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
                                  "orthogonal to 'ep' (mesh['dp'])")
         module._moe_dp_group = group.group_name if group is not None else None
         _keep_local(module, float(info.ep * mesh.size()), view=_viewed(module, info.names[0]))
+        ignore_in_ddp(model, [f"{path}.{n}" if path else n for n in info.names])   # DDP(model) leaves them
         if group is not None:
             src = dist.get_global_rank(group, 0)
             for p in _local_params(module):

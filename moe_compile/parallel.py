@@ -304,7 +304,7 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, max_tokens: int |
                              "the Parameter's gradient accumulator held by a hook: DDP's, or one registered with "
                              "param.view_as(param).grad_fn.next_functions): that backward and the next one would "
                              "fail with a shape error; drop those references (del loss, remove the hooks, or wrap "
-                             "with DDP after parallelize_experts) first; nothing was sharded")
+                             "with DDP after parallelize_experts and replicate_experts, README) first; nothing was sharded")
     _check_not_tied(model, found)
     _MESHES[mesh.get_group().group_name] = mesh
     _ROOTS.setdefault(mesh.get_group().group_name, weakref.WeakSet()).add(model)

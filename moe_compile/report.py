@@ -274,7 +274,10 @@ def _earlier_skips(fn, tried: set) -> list[RegionRecord]:
     if not skipped_frames._skipped:
         return []
     spans = []
-    objs = [type(m) for m in fn.modules()] if isinstance(fn, torch.nn.Module) else [fn]
+    # every class of each module's MRO below torch's own: a frame may be a base class's forward (transformers'
+    # GradientCheckpointingLayer.__call__ wraps every decoder layer; review helper-78's compile_blocks run)
+    objs = ([c for m in fn.modules() for c in type(m).__mro__ if not c.__module__.startswith(("torch.", "builtins"))]
+            if isinstance(fn, torch.nn.Module) else [fn])
     for obj in dict.fromkeys(objs):
         try:
             lines, first = inspect.getsourcelines(obj)

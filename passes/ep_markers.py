@@ -149,6 +149,9 @@ def error_message(leftovers: tuple[LeftoverMarker, ...], refused, cause: BaseExc
     if refused:
         text += " Not rewritten in this graph: " + "; ".join(
             f"'{r.module}' at {r.where}: {r.reason} (fix: {r.fix})" for r in refused) + "."
+    from moe_compile.ep_ddp import ddp_split_note
+
+    text += ddp_split_note()
     ids = next((m.ids_input for m in leftovers if m.ids_input), "")
     units = _fsdp_unit_containers()
     if ids:

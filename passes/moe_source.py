@@ -42,6 +42,21 @@ class Frame:
         return (self.line or linecache.getline(self.filename, self.lineno) or "").strip()
 
 
+_TRACE_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def node_frames(node) -> list[Frame]:
+    """The user stack recorded on an fx node (``meta["stack_trace"]``), outermost first."""
+    lines = (node.meta.get("stack_trace") or "").splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        m = _TRACE_FRAME.search(line)
+        if m:
+            nxt = lines[i + 1].strip() if i + 1 < len(lines) and not _TRACE_FRAME.search(lines[i + 1]) else ""
+            out.append(Frame(m.group(1), int(m.group(2)), m.group(3), nxt))
+    return out
+
+
 # not a bare "topk": metrics, samplers, beam search and top-k pooling call it too (a router they
 # hold is found from the graph: its ids leave it, or the function routes and then groups tokens)
 # (not "routing" / "gating" alone: capsule routing, context gating and gMLP's spatial gating unit are no MoE)

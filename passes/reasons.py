@@ -365,12 +365,19 @@ REASONS: dict[str, Reason] = {
         "{what} at {at}: Dynamo hit torch._dynamo.config.{limit} ({value}) for this frame{effect}, on a guard that "
         "reads per-layer state (`{guard}`): every decoder layer of a class runs this one frame (a per-block compile, "
         "moe_compile.compile_blocks), and a KV cache indexed by the layer (generate() with a DynamicCache) makes "
-        "each layer compile graphs of its own; past the limit those calls run eagerly, MoE layer included (not "
-        "rewritten)",
+        "each layer compile graphs of its own; past the limit every call of this frame that no compiled graph serves "
+        "runs eagerly, MoE layer included (not rewritten): decoding steps, and training batches of a new shape "
+        "after them",
         "for generation compile the whole model in place, model.compile(backend=\"moe\") (generate() then "
         "runs its compiled forward, whose graphs hold every layer: a few at any depth; generate() of the "
         "module torch.compile(model) returns runs the uncompiled forward); or raise "
         "torch._dynamo.config.{limit} to about 3 x the number of layers"),
+    "break_ddp_buckets": Reason(
+        "{what} after {at}: `{source}`: Dynamo's DDPOptimizer splits the graph of a DistributedDataParallel model "
+        "at DDP's gradient buckets, here inside an MoE layer{effect}",
+        "torch._dynamo.config.optimize_ddp = False before the first call: one graph per frame, the MoE layers whole "
+        "(DDP then reduces the gradients after the compiled backward, not overlapped with it); or FSDP2 (fully_shard "
+        "per block), which splits no graph"),
     "break_other": Reason(
         "{what} at {at}: `{source}`: {reason}{effect}",
         "move the code Dynamo cannot trace out of the MoE layer, or write it with tensor ops; TORCH_LOGS="

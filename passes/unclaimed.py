@@ -63,7 +63,8 @@ import torch.fx as fx
 from .expert_ids import ID_VIEWS, OTHER_ROUTERS, router_kind, router_root, routers as _routers
 from .id_range import holds_ids
 from .listed_experts import listed, listed_source, past_common, stacked_layers_dropped
-from .moe_source import Frame, _enclosing_function, declares_experts_implementation, enclosing_class, in_moe_code  # noqa: F401
+from .moe_source import (Frame, _enclosing_function, declares_experts_implementation, enclosing_class,  # noqa: F401
+                         in_moe_code, node_frames)
 from .normalize import canon, common_module, module_path, source_name, val, where_in_user_code
 from .token_paths import MATMULS, downstream, ep_experts_of, graph_params, param_of, router_params, token_values
 from .unclaimed_base import (_GATHERS, Unclaimed, _claimed_by, _dims, _expert_choice, _near, _past_output,
@@ -363,7 +364,9 @@ def classify_break(frames, reason: str) -> tuple[str, dict]:
     low = f"{src} {reason}".lower()
     cls, _ = enclosing_class(f.filename, f.lineno)
     detail = {"at": f.at, "source": src or "?", "reason": " ".join(reason.split()) or "?", "cls": cls or "this class"}
-    if "recompile limit exceeded" in low:
+    if "ddpoptimizer" in low:
+        code = "break_ddp_buckets"
+    elif "recompile limit exceeded" in low:
         code = "recompile_limit"
         limit = re.search(r"limit type: (\w+)", low)
         detail["limit"] = limit.group(1) if limit else "recompile_limit"
@@ -425,7 +428,10 @@ def graph_break(gm: fx.GraphModule, candidates) -> tuple[str, str, str, dict] | 
         return None
     frames = [Frame(f.filename, f.lineno or 0, f.name, getattr(f, "line", "") or "")
               for f in (getattr(why, "user_stack", None) or [])]
-    if frames and _DISTRIBUTED_HOOKS.search(frames[-1].filename):
+    if "DDPOptimizer" in str(getattr(why, "reason", "")):   # a cut after this graph's last op, at DDP's buckets
+        calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+        frames = node_frames(calls[-1]) if calls and not candidates else []
+    elif frames and _DISTRIBUTED_HOOKS.search(frames[-1].filename):
         return None  # FSDP2 / DTensor hooks split graphs at module boundaries by design; the next frame compiles
     claimed = {router_root(c.region.router.ids) for c in candidates if getattr(c, "region", None) is not None}
     escaping = [r for r in escaping_routers(gm) if r not in claimed]

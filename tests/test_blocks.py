@@ -438,3 +438,10 @@ def test_generate_with_a_kv_cache_names_the_per_layer_guard(caplog):
     warned = [r.getMessage() for r in caplog.records if "[recompile_limit" in r.getMessage()]
     assert len(warned) == 1 and "[recompile_limit_per_layer]" in warned[0], caplog.text
     assert "past_key_values" in warned[0] and 'model.compile(backend="moe")' in warned[0], warned[0]
+    # training batches of a new shape run the frame eagerly too; explain() of the model lists the frame (it said
+    # every region "rewritten": the frame is transformers' GradientCheckpointingLayer wrapper, a base class's
+    # code; review helper-78)
+    assert "training batches of a new shape" in warned[0], warned[0]
+    with torch._dynamo.config.patch(recompile_limit=4):
+        rep = moe_compile.explain(model, torch.randint(3, 64, (3, 9)))
+    assert [r.code for r in rep.refused] == ["recompile_limit_per_layer"], str(rep)

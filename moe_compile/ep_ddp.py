@@ -1,0 +1,80 @@
+"""Expert parallelism under DistributedDataParallel: what DDP must leave alone, checked when the
+compiled model first runs (DDP's forward is then the active one).
+
+DDP broadcasts rank 0's Parameters to every rank when it is built and averages every gradient over
+its ranks; the experts sharded by ``parallelize_experts`` differ per rank, so DDP must ignore them
+(``replicate_experts`` registers them with DDP's ignore list of the model it is given), and their
+gradients (sums over the tokens of every ep rank) must be divided to the mean DDP takes of the
+others (``replicate_experts``' divisor, ep * dp). ``check_ddp_composition`` raises where either is
+missing, before the compiled step runs:
+
+    mesh = init_device_mesh("cuda", (dp, ep), mesh_dim_names=("dp", "ep"))   # dp = 1: ep spans every rank
+    moe_compile.parallelize_experts(model, mesh["ep"])
+    moe_compile.replicate_experts(model, mesh["dp"])     # before DDP(model)
+    torch._dynamo.config.optimize_ddp = False            # DDP's buckets would split MoE layers
+    model = torch.compile(DDP(model), backend="moe")
+"""
+from __future__ import annotations
+
+from moe_compile.ep_info import _ep_containers
+
+RECIPE = ("call moe_compile.replicate_experts(model, mesh['dp']) after parallelize_experts and before DDP(model) "
+          "(mesh['dp']: the ranks holding the same experts, a dimension of size 1 when ep spans every rank): it "
+          "keeps the experts out of DDP and divides their gradients as DDP divides the others; or compose with "
+          "FSDP2 instead (README, expert parallelism)")
+
+
+def active_ddp():
+    """The DistributedDataParallel module whose forward is running (Dynamo traces inside it), or None."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    getter = getattr(DistributedDataParallel, "_get_active_ddp_module", None)
+    return getter() if getter is not None else None
+
+
+def check_ddp_composition(group_name: str) -> None:
+    """Raise if the running DDP module holds an expert Parameter sharded over ``group_name`` (it
+    overwrote each rank's experts with rank 0's when it was built, and would average the gradients of
+    different experts), or leaves such experts out while nothing divides their gradients (ep times
+    too large against DDP's means)."""
+    ddp = active_ddp()
+    if ddp is None:
+        return
+    ignored = set(getattr(ddp, "parameters_to_ignore", ()))
+    for path, module, info, names in _ep_containers(ddp.module):
+        if info.group_name != group_name:
+            continue
+        held = [f"{path}.{n}" if path else n for n in names if (f"{path}.{n}" if path else n) not in ignored]
+        if held:
+            raise ValueError(
+                f"parallelize_experts: DistributedDataParallel holds the expert-parallel Parameters {held} "
+                f"(each rank holds other experts of '{info.path or type(module).__name__}'): DDP copied rank 0's "
+                "experts to every rank when it was built and would average the gradients of different experts. "
+                f"Build the model again and {RECIPE}")
+        if module._moe_grad_divisor is None:
+            raise ValueError(
+                f"parallelize_experts: DistributedDataParallel leaves the experts of "
+                f"'{info.path or type(module).__name__}' out, but nothing divides their gradients: each sums the "
+                f"tokens of every expert-parallel rank, {info.ep} times DDP's mean of the others. Instead of "
+                f"ignoring them by hand, {RECIPE}")
+
+
+def ddp_split_note() -> str:
+    """A sentence for errors of a graph cut at DDP's gradient buckets (Dynamo's DDPOptimizer), or ''."""
+    import torch
+
+    if active_ddp() is None or not torch._dynamo.config.optimize_ddp:
+        return ""
+    return (" This model runs under DistributedDataParallel, and Dynamo's DDPOptimizer (torch._dynamo.config."
+            "optimize_ddp, on by default) splits its graph at DDP's gradient buckets, between the router and the "
+            "experts; fix: torch._dynamo.config.optimize_ddp = False before the first call (DDP then reduces the "
+            "gradients after the compiled backward).")
+
+
+def ignore_in_ddp(model, names: list[str]) -> None:
+    """Add ``names`` (Parameter names under ``model``) to the ignore list DDP reads from the module it wraps."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    known = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, known + [n for n in names if n not in known])
