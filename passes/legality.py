@@ -99,15 +99,16 @@ def _flat(x):
     return [x]
 
 
-_NUMBERS = (torch.SymInt, torch.SymFloat, torch.SymBool)
-
-
-def _number_source(n: fx.Node) -> str:
-    """The graph input a symbolic number was read from (Dynamo passes a module's Python float under
-    dynamic=True as a 0-d tensor input and reads it with ``.item()``)."""
-    while n.op != "placeholder" and n.all_input_nodes:
-        n = n.all_input_nodes[0]
-    return n.name
+def _input_number(n: fx.Node) -> fx.Node | None:
+    """The graph input a symbolic number is (a SymInt / SymFloat input), or is read from with ``.item()`` (Dynamo
+    passes a module's Python float under dynamic=True as a 0-d tensor input); None for any other number (a
+    size of the expert's own rows, a value computed in the graph)."""
+    if not isinstance(val(n), (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return None
+    if n.op == "placeholder":
+        return n
+    src = n.args[0] if canon(n) == "item" and n.args else None
+    return src if isinstance(src, fx.Node) and src.op == "placeholder" else None
 
 
 def expert_operands(region: Region) -> Finding | None:
@@ -117,9 +118,9 @@ def expert_operands(region: Region) -> Finding | None:
             for x in _flat(st.args) + _flat([v for _, v in st.kwargs]):
                 if isinstance(x, tuple) and x[:1] == ("slot",) and len(set(mlp.slots[x[1]])) != 1:
                     first = mlp.slots[x[1]][0]
-                    if all(isinstance(val(n), _NUMBERS) for n in mlp.slots[x[1]]):   # dynamic=True's floats
+                    if all(_input_number(n) is not None for n in mlp.slots[x[1]]):   # dynamic=True's floats
                         return Finding.of("expert_numbers_dynamic", first, node=first.name, op=_target_name(st.target),
-                                          source=_number_source(first))
+                                          source=_input_number(first).name)
                     return Finding.of("expert_operand_not_linear", first, node=first.name, op=_target_name(st.target))
         else:
             for slot in st.linear[:2]:
