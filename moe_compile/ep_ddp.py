@@ -57,6 +57,28 @@ def check_ddp_composition(group_name: str) -> None:
                 f"'{info.path or type(module).__name__}' out, but nothing divides their gradients: each sums the "
                 f"tokens of every expert-parallel rank, {info.ep} times DDP's mean of the others. Instead of "
                 f"ignoring them by hand, {RECIPE}")
+        _check_ranks(ddp, module, info)
+
+
+def _check_ranks(ddp, module, info) -> None:
+    """DDP must average the dense gradients over every rank whose tokens the experts saw (the ep ranks
+    and the dp replicas: ``replicate_experts``' divisor): over fewer, the ep ranks' dense Parameters drift
+    apart; over another count, experts and dense Parameters train on differently scaled gradients."""
+    import torch.distributed as dist
+
+    from moe_compile.kernels.ep_transport import resolve_group
+
+    ranks = set(dist.get_process_group_ranks(ddp.process_group))
+    ep_ranks = set(dist.get_process_group_ranks(resolve_group(info.group_name)))
+    if not ep_ranks <= ranks or len(ranks) != module._moe_grad_divisor:
+        raise ValueError(
+            f"parallelize_experts: DistributedDataParallel averages gradients over ranks {sorted(ranks)}, but the "
+            f"experts of '{info.path or type(module).__name__}' see the tokens of {int(module._moe_grad_divisor)} "
+            f"ranks (expert-parallel ranks {sorted(ep_ranks)} times the replicas given to replicate_experts): "
+            + ("the dense Parameters of the expert-parallel ranks would drift apart" if not ep_ranks <= ranks else
+               "experts and dense Parameters would train on differently scaled gradients")
+            + "; fix: DDP over every rank (its default process group), replicate_experts over the ranks holding "
+              "the same experts (mesh['dp'] of an init_device_mesh(..., (dp, ep)) spanning every rank)")
 
 
 def ddp_split_note() -> str:

@@ -38,11 +38,14 @@ def _ep_ddp_case(rank, ws, mesh, how: str, optimize_ddp=True):
     full = Model(e=2 * ws)
     model = moe_compile.parallelize_experts(copy.deepcopy(full), mesh["ep"])
     names = [n for n, _ in model.experts.named_parameters(prefix="experts")]
-    if how in ("recipe", "recipe_small_buckets"):
+    if how in ("recipe", "recipe_small_buckets", "ddp_per_rank"):
         moe_compile.replicate_experts(model, mesh["dp"])
     elif how == "ignored_by_hand":
         DDP._set_params_and_buffers_to_ignore_for_model(model, names)
-    ddp = DDP(model, **(_buckets_of_one_parameter() if how == "recipe_small_buckets" else {}))
+    kwargs = _buckets_of_one_parameter() if how == "recipe_small_buckets" else {}
+    if how == "ddp_per_rank":   # DDP over each rank alone: the ep ranks' dense Parameters would drift apart
+        kwargs["process_group"] = [dist.new_group([r]) for r in range(ws)][rank]
+    ddp = DDP(model, **kwargs)
     compiled = torch.compile(ddp, backend="moe", options={"moe.inductor": False})
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     ref = copy.deepcopy(full)
@@ -77,6 +80,8 @@ def body_ep_under_ddp(rank, ws):
     assert "nothing divides their gradients" in err and "replicate_experts" in err, err
     err = _ep_ddp_case(rank, ws, mesh, "recipe_small_buckets")
     assert "DDPOptimizer" in err and "optimize_ddp = False" in err, err
+    err = _ep_ddp_case(rank, ws, mesh, "ddp_per_rank")
+    assert f"averages gradients over ranks [{rank}]" in err and "drift apart" in err, err
 
 
 def body_moe_under_ddp_buckets(rank, ws):
