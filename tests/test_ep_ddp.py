@@ -10,6 +10,7 @@ listed (``break_ddp_buckets``) or, under expert parallelism, an error naming ``o
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -27,15 +28,15 @@ def _buckets_of_one_parameter():
     return dict(bucket_cap_mb=1e-6)
 
 
-def _ep_ddp_case(rank, ws, mesh, how: str, optimize_ddp=True):
+def _ep_ddp_case(rank, ws, mesh, how: str, optimize_ddp=True, device="cpu", inductor=False, rel=FSDP_REL):
     """Build, shard and wrap the model as ``how`` says, train two steps against the unsharded model;
-    returns the error text when the compile raises."""
+    returns the error text when the compile raises. ``rel``: the bound for outputs, norms and parameters."""
     import moe_compile
     from moe_compile import parallel
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch._dynamo.reset()
-    full = Model(e=2 * ws)
+    full = Model(e=2 * ws).to(device)
     model = moe_compile.parallelize_experts(copy.deepcopy(full), mesh["ep"])
     names = [n for n, _ in model.experts.named_parameters(prefix="experts")]
     if how in ("recipe", "recipe_small_buckets", "ddp_per_rank"):
@@ -46,13 +47,13 @@ def _ep_ddp_case(rank, ws, mesh, how: str, optimize_ddp=True):
     if how == "ddp_per_rank":   # DDP over each rank alone: the ep ranks' dense Parameters would drift apart
         kwargs["process_group"] = [dist.new_group([r]) for r in range(ws)][rank]
     ddp = DDP(model, **kwargs)
-    compiled = torch.compile(ddp, backend="moe", options={"moe.inductor": False})
+    compiled = torch.compile(ddp, backend="moe", options={"moe.inductor": inductor})
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     ref = copy.deepcopy(full)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     try:
         with torch._dynamo.config.patch(optimize_ddp=optimize_ddp):
-            _train(compiled, model, opt, ref, ref_opt, rank, ws, parallel, "cpu", FSDP_REL)
+            _train(compiled, model, opt, ref, ref_opt, rank, ws, parallel, device, rel)
     except Exception as exc:   # noqa: BLE001 - the caller checks the text
         return str(exc)
     ref_params = dict(ref.named_parameters())
@@ -62,26 +63,29 @@ def _ep_ddp_case(rank, ws, mesh, how: str, optimize_ddp=True):
             shards = [torch.empty_like(value) for _ in range(ws)]
             dist.all_gather(shards, value.contiguous(), group=mesh["ep"].get_group())
             value = torch.cat(shards)
-        assert _rel(value, ref_params[name].detach()) <= FSDP_REL, f"{how}: {name} after two steps"
+        assert _rel(value, ref_params[name].detach()) <= rel, f"{how}: {name} after two steps"
     return None
 
 
-def body_ep_under_ddp(rank, ws):
+def body_ep_under_ddp(rank, ws, device="cpu", inductor=False, rel=FSDP_REL):
+    """``device`` / ``inductor`` / ``rel``: tests/gpu/test_ep_cuda.py runs it on NCCL through Inductor."""
     import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (1, ws), mesh_dim_names=("dp", "ep"))
+    mesh = init_device_mesh(device, (1, ws), mesh_dim_names=("dp", "ep"))
+    case = functools.partial(_ep_ddp_case, rank, ws, mesh, device=device, inductor=inductor, rel=rel)
     for how, optimize_ddp in (("recipe", True), ("recipe_small_buckets", False)):
-        err = _ep_ddp_case(rank, ws, mesh, how, optimize_ddp)
+        err = case(how, optimize_ddp)
         assert err is None, f"{how}: {err}"
-    err = _ep_ddp_case(rank, ws, mesh, "plain")
+    err = case("plain")
     assert "DistributedDataParallel holds the expert-parallel Parameters" in err and "replicate_experts" in err, err
-    err = _ep_ddp_case(rank, ws, mesh, "ignored_by_hand")
+    err = case("ignored_by_hand")
     assert "nothing divides their gradients" in err and "replicate_experts" in err, err
-    err = _ep_ddp_case(rank, ws, mesh, "recipe_small_buckets")
+    err = case("recipe_small_buckets")
     assert "DDPOptimizer" in err and "optimize_ddp = False" in err, err
-    err = _ep_ddp_case(rank, ws, mesh, "ddp_per_rank")
-    assert f"averages gradients over ranks [{rank}]" in err and "drift apart" in err, err
+    if ws > 1:
+        err = case("ddp_per_rank")
+        assert f"averages gradients over ranks [{rank}]" in err and "drift apart" in err, err
 
 
 def body_moe_under_ddp_buckets(rank, ws):

@@ -266,3 +266,19 @@ def test_ep_fsdp2_model_built_on_cpu_moves_to_gpu():
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_fsdp_body, args=(world, os.path.join(tmp, "store"), 1, True), nprocs=world,
                            start_method="spawn")
+
+
+def _ddp_body(rank, world, init_file):
+    with _nccl_group(rank, world, init_file):
+        import test_ep_ddp as cases
+
+        cases.body_ep_under_ddp(rank, world, device="cuda", inductor=True, rel=EP_FSDP_FP32_REL)
+
+
+def test_ep_under_ddp_trains_like_unsharded():
+    """Expert parallelism under DistributedDataParallel on NCCL through Inductor: the recipe
+    (replicate_experts before DDP) trains like the unsharded model; the wrong compositions raise."""
+    pytest.importorskip("transformers")
+    world = _ranks()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_ddp_body, args=(world, os.path.join(tmp, "store")), nprocs=world, start_method="spawn")
