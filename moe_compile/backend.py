@@ -352,6 +352,15 @@ def moe_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = Non
         raise
 
 
+def _ep_groups(gm) -> tuple[str, ...]:
+    """Expert-parallel groups of ``gm``'s rewritten regions (none without torch.distributed's collectives)."""
+    if not torch.distributed.is_available():
+        return ()
+    from .ep_ddp import ep_groups
+
+    return ep_groups(gm)
+
+
 def _unsuppress() -> None:
     """Inside the capture scope (which patched ``suppress_errors=True``), let the error propagate:
     the scope's patch restores the flag when the call returns."""
@@ -402,6 +411,10 @@ def _moe_backend(gm, example_inputs, mode, options):
         from .expert_inputs import StackedInputs
 
         compiled = StackedInputs(compiled, plan, may_move="rehome_weights" not in config.disable)
+    if new_gm is not gm and (groups := _ep_groups(new_gm)):
+        from .ep_ddp import CheckedUnderDDP
+
+        compiled = CheckedUnderDDP(compiled, groups)
     if any(r.status == records_mod.REWRITTEN for r in records):
         # after compiling: AOTAutograd's fake inputs were made with the parameters' old storage
         # offsets; the compiled code itself does not depend on them (lowering/rehome.py)

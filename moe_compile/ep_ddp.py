@@ -24,6 +24,40 @@ RECIPE = ("call moe_compile.replicate_experts(model, mesh['dp']) after paralleli
           "FSDP2 instead (README, expert parallelism)")
 
 
+def ep_groups(gm) -> tuple[str, ...]:
+    """The expert-parallel groups of the regions rewritten in ``gm`` (its subgraphs too)."""
+    from moe_compile.kernels import ep_traceable
+
+    return tuple(sorted({n.args[1] for m in gm.modules() if hasattr(m, "graph") for n in m.graph.nodes
+                         if n.op == "call_function" and n.target is ep_traceable.scatter_tokens}))
+
+
+class CheckedUnderDDP:
+    """A compiled graph with expert-parallel regions: ``check_ddp_composition`` whenever the DDP module
+    whose forward runs it changes. The compile-time check runs only when Dynamo traces: a graph compiled
+    before the model was wrapped in DDP serves DDP's calls from Dynamo's cache (no guard reads DDP), and
+    trained a wrong model silently (review helper-81). One class-attribute read per call."""
+
+    def __init__(self, fn, groups: tuple[str, ...]):
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.fn, self.groups, self.checked, self.ddp_class = fn, groups, None, DistributedDataParallel
+        if getattr(fn, "_boxed_call", False):
+            self._boxed_call = True
+
+    def __call__(self, *args, **kwargs):
+        ddp = self.ddp_class._active_ddp_module
+        if ddp is not self.checked:
+            if ddp is not None:
+                for group in self.groups:
+                    check_ddp_composition(group)
+            self.checked = ddp
+        return self.fn(*args, **kwargs)
+
+    def __getattr__(self, name):  # anything else Dynamo or Inductor read from the compiled function
+        return getattr(self.__dict__["fn"], name)
+
+
 def active_ddp():
     """The DistributedDataParallel module whose forward is running (Dynamo traces inside it), or None."""
     from torch.nn.parallel import DistributedDataParallel
@@ -50,7 +84,7 @@ def check_ddp_composition(group_name: str) -> None:
                 f"parallelize_experts: DistributedDataParallel holds the expert-parallel Parameters {held} "
                 f"(each rank holds other experts of '{info.path or type(module).__name__}'): DDP copied rank 0's "
                 "experts to every rank when it was built and would average the gradients of different experts. "
-                f"Build the model again and {RECIPE}")
+                + _held_fix(ddp, module, held))
         if module._moe_grad_divisor is None:
             raise ValueError(
                 f"parallelize_experts: DistributedDataParallel leaves the experts of "
@@ -58,6 +92,20 @@ def check_ddp_composition(group_name: str) -> None:
                 f"tokens of every expert-parallel rank, {info.ep} times DDP's mean of the others. Instead of "
                 f"ignoring them by hand, {RECIPE}")
         _check_ranks(ddp, module, info)
+
+
+def _held_fix(ddp, module, held: list[str]) -> str:
+    """The fix for experts DDP holds: the recipe, or why the recipe's ignore list missed them."""
+    if module._moe_grad_divisor is None:
+        return f"Build the model again and {RECIPE}"
+    if any(n.startswith("_orig_mod.") for n in held):
+        return ("replicate_experts listed them in DDP's ignore list by the model's own names, but DDP wraps the "
+                "compiled module (DDP(torch.compile(model))), whose names start with '_orig_mod.'. Build the model "
+                "again and compile the DDP module instead: torch.compile(DDP(model), backend=\"moe\") (or "
+                "model.compile(backend=\"moe\") before DDP(model))")
+    return (f"replicate_experts listed them in the ignore list of the module it was given, but DDP wraps another "
+            f"module ({type(ddp.module).__name__}, which names them {held}) and reads that module's list. Build "
+            "the model again and give replicate_experts the module you wrap in DDP")
 
 
 def _check_ranks(ddp, module, info) -> None:

@@ -4,7 +4,8 @@ DDP broadcasts rank 0's Parameters when it is built and averages every gradient;
 differ per rank. The recipe (moe_compile/ep_ddp.py): ``replicate_experts(model, mesh["dp"])`` before
 ``DDP(model)`` keeps them out of DDP and divides their gradients to DDP's mean; with it, training matches
 the unsharded model. Without it the compile raises naming the recipe (it trained a wrong model silently:
-review helper-79). Dynamo's DDPOptimizer splits graphs at DDP's buckets: inside an MoE layer that is
+review helper-79), also for a graph compiled before DDP and served from Dynamo's cache, a DDP of a parent
+module, and DDP of the compiled module (review helper-81). Dynamo's DDPOptimizer splits graphs at DDP's buckets: inside an MoE layer that is
 listed (``break_ddp_buckets``) or, under expert parallelism, an error naming ``optimize_ddp``.
 """
 from __future__ import annotations
@@ -39,15 +40,22 @@ def _ep_ddp_case(rank, ws, mesh, how: str, optimize_ddp=True, device="cpu", indu
     full = Model(e=2 * ws).to(device)
     model = moe_compile.parallelize_experts(copy.deepcopy(full), mesh["ep"])
     names = [n for n, _ in model.experts.named_parameters(prefix="experts")]
-    if how in ("recipe", "recipe_small_buckets", "ddp_per_rank"):
+    options = {"moe.inductor": inductor}
+    if how in ("recipe", "recipe_small_buckets", "ddp_per_rank", "parent", "ddp_of_compiled"):
         moe_compile.replicate_experts(model, mesh["dp"])
     elif how == "ignored_by_hand":
         DDP._set_params_and_buffers_to_ignore_for_model(model, names)
+    elif how == "compiled_before_ddp":   # a graph traced before DDP existed, served to DDP's calls by the cache
+        torch.compile(model, backend="moe", options=options)(torch.randn(6, 8, device=device)).sum().backward()
+        model.zero_grad(set_to_none=True)
     kwargs = _buckets_of_one_parameter() if how == "recipe_small_buckets" else {}
     if how == "ddp_per_rank":   # DDP over each rank alone: the ep ranks' dense Parameters would drift apart
         kwargs["process_group"] = [dist.new_group([r]) for r in range(ws)][rank]
-    ddp = DDP(model, **kwargs)
-    compiled = torch.compile(ddp, backend="moe", options={"moe.inductor": inductor})
+    wrapped = torch.nn.Sequential(model) if how == "parent" else model   # DDP of a parent: its own names
+    if how == "ddp_of_compiled":
+        compiled = DDP(torch.compile(model, backend="moe", options=options), **kwargs)
+    else:
+        compiled = torch.compile(DDP(wrapped, **kwargs), backend="moe", options=options)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     ref = copy.deepcopy(full)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
@@ -83,6 +91,12 @@ def body_ep_under_ddp(rank, ws, device="cpu", inductor=False, rel=FSDP_REL):
     assert "nothing divides their gradients" in err and "replicate_experts" in err, err
     err = case("recipe_small_buckets")
     assert "DDPOptimizer" in err and "optimize_ddp = False" in err, err
+    err = case("compiled_before_ddp")
+    assert "DistributedDataParallel holds the expert-parallel Parameters" in err and "replicate_experts" in err, err
+    err = case("parent")
+    assert "give replicate_experts the module you wrap in DDP" in err, err
+    err = case("ddp_of_compiled")
+    assert "torch.compile(DDP(model)" in err, err
     if ws > 1:
         err = case("ddp_per_rank")
         assert f"averages gradients over ranks [{rank}]" in err and "drift apart" in err, err
