@@ -99,16 +99,22 @@ def _flat(x):
     return [x]
 
 
-def _input_number(n: fx.Node) -> fx.Node | None:
-    """The graph input a symbolic number is (a SymInt / SymFloat input), or is read from with ``.item()`` (Dynamo
-    passes a module's Python float under dynamic=True as a 0-d tensor input); None for any other number (a
-    size of the expert's own rows, a value computed in the graph)."""
-    if not isinstance(val(n), (torch.SymInt, torch.SymFloat, torch.SymBool)):
+def _input_number(n: fx.Node, depth: int = 8) -> fx.Node | None:
+    """The graph input a symbolic number is computed from: a SymInt / SymFloat input, ``.item()`` of one (Dynamo
+    passes a module's Python float under dynamic=True as a 0-d tensor input), or arithmetic on such numbers
+    and constants (``-self.limit``, ``self.alpha * 2``); None for any other number (a size of the expert's own
+    rows, a value computed from tensors in the graph)."""
+    if depth == 0 or not isinstance(val(n), (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return None
     if n.op == "placeholder":
         return n
-    src = n.args[0] if canon(n) == "item" and n.args else None
-    return src if isinstance(src, fx.Node) and src.op == "placeholder" else None
+    if canon(n) == "item":
+        src = n.args[0] if n.args else None
+        return src if isinstance(src, fx.Node) and src.op == "placeholder" else None
+    if n.op != "call_function" or not n.all_input_nodes:   # number ops only: their inputs are numbers
+        return None
+    found = [_input_number(a, depth - 1) for a in n.all_input_nodes]
+    return found[0] if all(f is not None for f in found) else None
 
 
 def expert_operands(region: Region) -> Finding | None:

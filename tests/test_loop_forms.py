@@ -148,8 +148,8 @@ class _ClampedExpert(torch.nn.Module):
 
     def forward(self, x):
         g, u = self.up(x).chunk(2, -1)
-        g, u = g.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
-        return self.down((u + 1) * g * torch.sigmoid(g * self.alpha))
+        u, g = u.clamp(-self.limit, self.limit), g.clamp(max=self.limit)   # -limit first: a number op (helper-80)
+        return self.down((u + 1) * g * torch.sigmoid(g * (self.alpha * 1.0)))
 
 
 class _ClampedLoop(torch.nn.Module):
