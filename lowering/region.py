@@ -37,7 +37,7 @@ from moe_compile.passes.normalize import val
 from moe_compile.passes.region import AccumulateInPlace, Region, ReplaceOutput, stacked_source
 
 from . import expert_parallel, region_forms
-from .graph_edit import GraphBuilder, is_impure
+from .graph_edit import GraphBuilder, in_graph_order, is_impure
 
 OPS = torch.ops.moe_compile
 
@@ -257,7 +257,7 @@ def _anchor(g: fx.Graph, region: Region) -> fx.Node:
     c = region.combine
     if isinstance(c, ReplaceOutput):
         return c.output
-    return max(c.mutations, key=list(g.nodes).index)
+    return in_graph_order(g, c.mutations)[-1]
 
 
 def lower_region(gm: fx.GraphModule, region: Region, ep_chunks: int = 1, with_output: bool = False):
@@ -456,9 +456,10 @@ def _rewire_accumulator(g: fx.Graph, c: AccumulateInPlace, out: fx.Node) -> None
         for a in list(reader.all_input_nodes):
             if a in aliases:
                 reader.replace_input_with(a, out)
-    for m in sorted(c.mutations, key=list(g.nodes).index, reverse=True):
+    own = set(c.mutations) | set(c.readers)
+    for m in reversed(in_graph_order(g, c.mutations)):
         for u in list(m.users):  # aliases returned by in-place ops, read only by the pattern itself
-            if u not in c.mutations and u not in c.readers:
+            if u not in own:
                 u.replace_input_with(m, out)
         g.erase_node(m)
 

@@ -41,7 +41,7 @@ import torch.fx as fx
 from . import reasons
 from .autocast import AutocastAt
 from .grouped_state import GMM_OPS
-from .normalize import ancestors, arg, canon, descendants, val, where_in_user_code
+from .normalize import ancestors, arg, attribute_path, canon, descendants, val, where_in_user_code
 from .region import AccumulateInPlace, Candidate, Finding, Region, ReplaceOutput
 from .token_paths import MATMULS
 from .writes import foreign_write, graph_order, written
@@ -127,7 +127,8 @@ def expert_operands(region: Region) -> Finding | None:
                     if all(_input_number(n) is not None for n in mlp.slots[x[1]]):   # dynamic=True's floats
                         return Finding.of("expert_numbers_dynamic", first, node=first.name, op=_target_name(st.target),
                                           source=_input_number(first).name)
-                    return Finding.of("expert_operand_not_linear", first, node=first.name, op=_target_name(st.target))
+                    return Finding.of("expert_operand_not_linear", first, node=attribute_path(first) or first.name,
+                                      op=_target_name(st.target))
         else:
             for slot in st.linear[:2]:
                 if slot is not None:

@@ -190,7 +190,10 @@ def _clean_module_path(path: str) -> str:
     path = re.sub(r"\.__dict__\['_(?:modules|parameters|buffers)'\]\['([^']*)'\]", r".\1", path)
     path = path.replace("._modules['", ".").replace("']", "")
     path = path.replace("[", ".").replace("]", "")
-    return path.strip(".")
+    path = path.strip(".")
+    # a module reached through other objects (peft's parametrized weights: type(...).__dict__[...].fget's
+    # closure) has no attribute path from the model: none, so a region is named by its other nodes (helper-82)
+    return path if re.fullmatch(r"[\w.]*", path) and "__closure__" not in path else ""
 
 
 def common_module(nodes) -> str:

@@ -336,6 +336,18 @@ REASONS: dict[str, Reason] = {
     "break_data_dependent": Reason(
         "{what} at {at}: `{source}` branches on tensor data (e.g. skipping experts without tokens){effect}",
         "remove the branch: the rewritten experts handle empty groups"),
+    "break_random_branch": Reason(
+        "{what} at {at}: `{source}` branches on a random draw (module or layer dropout: skip a module when "
+        "`torch.rand(1) < p`){effect}",
+        "for a compiled run set that dropout probability to 0 (peft: module_dropout / rank_dropout of LoHa, LoKr), or "
+        "draw the decision outside the compiled code (Python's random, or torch.rand(...).item() before the call) "
+        "and pass it in as a Python bool"),
+    "break_parametrization": Reason(
+        "{what} at {at}: `{source}`: computing a parametrized weight (torch.nn.utils.parametrize: peft's LoRA through "
+        "target_parameters, weight or spectral norm) runs code Dynamo cannot trace{effect}",
+        "for a compiled run fold the parametrization into the weight (peft: merge_and_unload(); torch: "
+        "torch.nn.utils.parametrize.remove_parametrizations(module, name)), or put adapters on nn.Linear experts "
+        "(peft's target_modules)"),
     "break_in_expert_loop": Reason(
         "{what} at {at}: `{source}`: a graph break inside the loop's body, where Dynamo cannot resume (it gives "
         "up on the loop); e.g. a slice with tensor bounds `x[start[e]:end[e]]` reads the bounds on the host, as "

@@ -355,6 +355,8 @@ def _expert_mask(n: fx.Node, ids: fx.Node) -> bool:
 
 # ------------------------------------------------------------------------------------ graph breaks
 _DISTRIBUTED_HOOKS = re.compile(r"torch[/\\]distributed[/\\]")
+_PARAMETRIZE = re.compile(r"torch[/\\]nn[/\\]utils[/\\]parametrize\.py$")
+_RANDOM_DRAW = re.compile(r"\b(rand|rand_like|bernoulli|random)\b\s*\(|\brandom\.random\b")
 
 
 def classify_break(frames, reason: str) -> tuple[str, dict]:
@@ -366,6 +368,8 @@ def classify_break(frames, reason: str) -> tuple[str, dict]:
     detail = {"at": f.at, "source": src or "?", "reason": " ".join(reason.split()) or "?", "cls": cls or "this class"}
     if "ddpoptimizer" in low:
         code = "break_ddp_buckets"
+    elif any(_PARAMETRIZE.search(fr.filename) for fr in frames):
+        code = "break_parametrization"
     elif "recompile limit exceeded" in low:
         code = "recompile_limit"
         limit = re.search(r"limit type: (\w+)", low)
@@ -386,8 +390,8 @@ def classify_break(frames, reason: str) -> tuple[str, dict]:
     elif "step_unsupported" in low and src.startswith(("for ", "while ")):
         code = "break_in_expert_loop"
     elif "data-dependent branching" in low or src.startswith(("if ", "elif ", "while ")) and (
-            "data-dependent" in low or ".item()" in src):
-        code = "break_data_dependent"
+            "data-dependent" in low or "generic_jump" in low or ".item()" in src):
+        code = "break_random_branch" if _RANDOM_DRAW.search(src) else "break_data_dependent"
     elif "data-dependent" in low and any(map(_counts_by_bincount, frames)):   # not a branch: a size
         code = "break_bincount"
     elif "dynamic shape operator" in low or "dynamic_output_shape" in low or "nonzero" in low:

@@ -2413,3 +2413,56 @@ def test_custom_autograd_function_in_an_expert_is_named_in_the_reason():
     report = moe_compile.explain(_FunctionExpertsLoop(), make_input((10, 16)))
     refused = [r for r in report.regions if r.code == "unsupported_row_op"]
     assert refused and "custom torch.autograd.Function" in refused[0].reason, report
+
+
+class _DroppedExpert(nn.Module):
+    """An expert that a module dropout may skip (peft's LoHa / LoKr draw `torch.rand(1) > module_dropout`), or
+    with a per-expert scale in a non-linear op (peft's VeRA / IA3 vectors)."""
+
+    def __init__(self, p=0.0, scale=False):
+        super().__init__()
+        self.up, self.down, self.p = nn.Linear(16, 24), nn.Linear(24, 16), p
+        self.scale = nn.Parameter(torch.ones(24)) if scale else None
+
+    def forward(self, x):
+        if self.training and self.p > 0 and torch.rand(1) < self.p:
+            return x * 0
+        h = F.silu(self.up(x))
+        return self.down(h if self.scale is None else h * self.scale)
+
+
+class _DroppedLoop(nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        torch.manual_seed(0)
+        self.gate = nn.Linear(16, 4)
+        self.experts = nn.ModuleList(_DroppedExpert(**kw) for _ in range(4))
+
+    def forward(self, x):
+        w, ids = torch.topk(self.gate(x).softmax(-1), 2, -1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, expert(x[tok]) * w[tok, slot, None])
+        return out
+
+
+def test_messages_of_adapter_forms():
+    """Review helper-82 (peft adapters on experts): a module dropout's branch on a random draw was told "remove
+    the branch: the rewritten experts handle empty groups" (break_data_dependent); a per-expert vector in a
+    non-linear op was named by its raw graph variable (`l_self_modules_experts_modules_0_parameters_scale_`); a
+    graph break while computing a parametrized weight got the generic fix."""
+    from moe_compile.passes.unclaimed import Frame, classify_break
+
+    torch._dynamo.reset()
+    rep = moe_compile.explain(_DroppedLoop(p=0.3).train(), torch.randn(10, 16))
+    assert {b.reason_code for b in rep.graph_breaks} == {"break_random_branch"}, str(rep)
+    assert "dropout probability to 0" in rep.graph_breaks[0].fix, rep.graph_breaks[0].fix
+    torch._dynamo.reset()
+    rep = moe_compile.explain(_DroppedLoop(scale=True), torch.randn(10, 16))
+    assert [r.code for r in rep.refused] == ["expert_operand_not_linear"], str(rep)
+    assert "`experts.0.scale`" in rep.refused[0].reason, rep.refused[0].reason
+    parametrize = torch.nn.utils.parametrize.__file__
+    code, _ = classify_break([Frame(__file__, 1, "forward"), Frame(parametrize, 92, "_maybe_set", "dest.set_(src)")],
+                             "Unsupported function call")
+    assert code == "break_parametrization"
