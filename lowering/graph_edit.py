@@ -11,7 +11,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from moe_compile.passes.normalize import SIZE_QUERIES, canon, is_inplace_method, val
+from moe_compile.passes.normalize import SIZE_QUERIES, SYM_NUMBERS, canon, is_inplace_method, val
 from moe_compile.passes.writes import storage_base, writes_in_place, written
 
 _ASSERT_TARGETS = {"_assert_scalar", "sym_constrain_range_for_size", "sym_constrain_range", "_assert_async",
@@ -109,7 +109,7 @@ def _kept_write(node: fx.Node) -> bool:
     return False
 
 
-_VALUES = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
+_VALUES = (torch.Tensor, *SYM_NUMBERS)
 
 
 def _computes_values(node: fx.Node) -> bool:

@@ -78,7 +78,7 @@ def check_ddp_composition(group_name: str) -> None:
     for path, module, info, names in _ep_containers(ddp.module):
         if info.group_name != group_name:
             continue
-        held = [f"{path}.{n}" if path else n for n in names if (f"{path}.{n}" if path else n) not in ignored]
+        held = [fqn for fqn in (f"{path}.{n}" if path else n for n in names) if fqn not in ignored]
         if held:
             raise ValueError(
                 f"parallelize_experts: DistributedDataParallel holds the expert-parallel Parameters {held} "

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .normalize import arg, val
+from .normalize import SYM_NUMBERS, arg, val
 from .region import Finding
 
 GMM_OPS = {"_grouped_mm", "grouped_mm", "transformers::grouped_mm_fallback", "moe_compile::grouped_mm"}
@@ -88,7 +88,7 @@ def shared_ok(x) -> bool:
     if not isinstance(x, fx.Node):
         return True
     v = val(x)
-    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):   # a symbolic number (dynamic=True)
+    if isinstance(v, SYM_NUMBERS):   # a symbolic number (dynamic=True)
         return True
     return isinstance(v, torch.Tensor) and (v.numel() == 1 or v.dim() <= 1)
 

@@ -41,7 +41,7 @@ import torch.fx as fx
 from . import reasons
 from .autocast import AutocastAt
 from .grouped_state import GMM_OPS
-from .normalize import ancestors, arg, attribute_path, canon, descendants, val, where_in_user_code
+from .normalize import SYM_NUMBERS, ancestors, arg, attribute_path, canon, descendants, val, where_in_user_code
 from .region import AccumulateInPlace, Candidate, Finding, Region, ReplaceOutput
 from .token_paths import MATMULS
 from .writes import foreign_write, graph_order, written
@@ -104,7 +104,7 @@ def _input_number(n: fx.Node, depth: int = 8) -> fx.Node | None:
     passes a module's Python float under dynamic=True as a 0-d tensor input), or arithmetic on such numbers
     and constants (``-self.limit``, ``self.alpha * 2``); None for any other number (a size of the expert's own
     rows, a value computed from tensors in the graph)."""
-    if depth == 0 or not isinstance(val(n), (torch.SymInt, torch.SymFloat, torch.SymBool)):
+    if depth == 0 or not isinstance(val(n), SYM_NUMBERS):
         return None
     if n.op == "placeholder":
         return n

@@ -42,19 +42,11 @@ class Frame:
         return (self.line or linecache.getline(self.filename, self.lineno) or "").strip()
 
 
-_TRACE_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
-
-
 def node_frames(node) -> list[Frame]:
     """The user stack recorded on an fx node (``meta["stack_trace"]``), outermost first."""
-    lines = (node.meta.get("stack_trace") or "").splitlines()
-    out = []
-    for i, line in enumerate(lines):
-        m = _TRACE_FRAME.search(line)
-        if m:
-            nxt = lines[i + 1].strip() if i + 1 < len(lines) and not _TRACE_FRAME.search(lines[i + 1]) else ""
-            out.append(Frame(m.group(1), int(m.group(2)), m.group(3), nxt))
-    return out
+    from .normalize import stack_frames
+
+    return [Frame(*f) for f in stack_frames(node)]
 
 
 # not a bare "topk": metrics, samplers, beam search and top-k pooling call it too (a router they

@@ -136,20 +136,27 @@ def route_permute_output(node: Any, name: str) -> fx.Node | None:
     return rp if isinstance(rp, fx.Node) and canon(rp) == "moe_compile::route_permute" else None
 
 
+SYM_NUMBERS = (torch.SymInt, torch.SymFloat, torch.SymBool)   # a graph's symbolic numbers (sizes, dynamic floats)
+_TRACE_FRAME = re.compile(r'\s*File "([^"]+)", line (\d+), in (\S+)')
+
+
+def stack_frames(node: fx.Node) -> list[tuple[str, int, str, str]]:
+    """(file, line, function, source line) of each frame of the user stack recorded on the node
+    (``meta["stack_trace"]``), outermost first."""
+    lines = (node.meta.get("stack_trace") or "").splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        m = _TRACE_FRAME.match(line)
+        if m:
+            nxt = lines[i + 1].strip() if i + 1 < len(lines) and not _TRACE_FRAME.match(lines[i + 1]) else ""
+            out.append((m.group(1), int(m.group(2)), m.group(3), nxt))
+    return out
+
+
 def where_in_user_code(node: fx.Node) -> str:
     """'file.py:LINE' of the user's source line that produced the node (last frame), or ''."""
-    trace = node.meta.get("stack_trace") or ""
-    last = ""
-    for line in trace.splitlines():
-        line = line.strip()
-        if line.startswith('File "'):
-            try:
-                path = line.split('"')[1]
-                lineno = line.split("line ")[1].split(",")[0]
-                last = f"{path.rsplit('/', 1)[-1]}:{lineno}"
-            except IndexError:
-                continue
-    return last
+    frames = stack_frames(node)
+    return f"{frames[-1][0].rsplit('/', 1)[-1]}:{frames[-1][1]}" if frames else ""
 
 
 def source_name(n: fx.Node) -> str:

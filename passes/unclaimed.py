@@ -432,8 +432,8 @@ def graph_break(gm: fx.GraphModule, candidates) -> tuple[str, str, str, dict] | 
         return None
     frames = [Frame(f.filename, f.lineno or 0, f.name, getattr(f, "line", "") or "")
               for f in (getattr(why, "user_stack", None) or [])]
+    calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     if "DDPOptimizer" in str(getattr(why, "reason", "")):   # a cut after this graph's last op, at DDP's buckets
-        calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
         frames = node_frames(calls[-1]) if calls and not candidates else []
     elif frames and _DISTRIBUTED_HOOKS.search(frames[-1].filename):
         return None  # FSDP2 / DTensor hooks split graphs at module boundaries by design; the next frame compiles
@@ -443,7 +443,6 @@ def graph_break(gm: fx.GraphModule, candidates) -> tuple[str, str, str, dict] | 
         return None
     code, detail = classify_break(frames, str(getattr(why, "reason", "") or ""))
     detail.update(what="graph break", effect="; Dynamo splits the graph there, so no MoE region can span it")
-    calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     module = module_path(escaping[0]) if escaping else (module_path(calls[-1]) if calls else "")
     return module, detail["at"], code, detail
 
