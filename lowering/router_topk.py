@@ -40,6 +40,5 @@ def use_router_topk(gm: fx.GraphModule, matches: list[TopkMatch]) -> list[fx.Nod
         added.append(new)
     if matches:
         eliminate_dead_code(g)
-        g.lint()
-        gm.recompile()
+        g.lint()   # the code is regenerated once, after the last pass (pipeline.run_dynamo_stage)
     return added

@@ -26,6 +26,5 @@ def fuse_swiglu(gm: fx.GraphModule, matches: list[SwiGLUMatch]) -> int:
         g.erase_node(m.mul)
     if matches:
         eliminate_dead_code(g)
-        g.lint()
-        gm.recompile()
+        g.lint()   # the code is regenerated once, after the last pass (pipeline.run_dynamo_stage)
     return len(matches)

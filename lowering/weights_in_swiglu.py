@@ -45,6 +45,5 @@ def weights_into_swiglu(gm: fx.GraphModule, matches: list[WeightsInSwiGLUMatch])
         g.erase_node(m.combine)
         added.append((act, total))
     if matches:
-        g.lint()
-        gm.recompile()
+        g.lint()   # the code is regenerated once, after the last pass (pipeline.run_dynamo_stage)
     return added

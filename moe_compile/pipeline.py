@@ -120,7 +120,7 @@ def _lower(s: DynamoState) -> None:
         wide = wide_experts_note(region, autocast)
         notes, added = chain.lower(region, s.config.ep_overlap_chunks)
         s.region_notes[id(region)], s.region_nodes[id(region)] = notes + ((wide,) if wide else ()), added
-    finish(s.gm)   # dead code, orphaned asserts, lint, recompile: once per graph, not per region
+    finish(s.gm)   # dead code, orphaned asserts, lint: once per graph, not per region
 
 
 def _unclaimed(s: DynamoState) -> None:
@@ -287,39 +287,6 @@ def enabled(stage: str, config) -> list[Pass]:
 
 
 # ------------------------------------------------------------------------------- the driver
-# What Dynamo hangs on its GraphModule besides the graph (torch/_dynamo/output_graph.py), read by
-# AOTAutograd: _param_name_to_source + each placeholder's _dynamo_source (which inputs are
-# parameters: static for CUDA graphs, deduplicated guards) and meta["dynamo_compile_id"].
-_DYNAMO_GM_ATTRS = ("_param_name_to_source", "_source_to_user_stacks", "compile_subgraph_reason", "_backend_id")
-
-
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A new GraphModule over a node-by-node copy of gm's graph (node meta copied shallowly) that
-    keeps Dynamo's annotations. Without them AOTAutograd treats the copy as a non-Dynamo graph and
-    marks no parameter static: CUDA graphs then copied every expert weight into their input buffers
-    on every replay (0.9 ms per step for a Qwen3-30B-A3B layer on an H200)."""
-    graph = fx.Graph()
-    val_map: dict = {}
-    out = graph.graph_copy(gm.graph, val_map, return_output_node=True)
-    if out is not None:
-        graph.output(out[0] if isinstance(out, tuple) else out.args[0])
-    new = fx.GraphModule(gm, graph)
-    # subgraphs of higher-order ops (autograd.Function bodies, checkpoint, cond) are copied too:
-    # the copy must share no graph with the original, which is what runs if a pass fails
-    for node in graph.find_nodes(op="get_attr"):
-        sub = getattr(new, node.target, None)
-        if isinstance(sub, fx.GraphModule) and "." not in node.target:
-            setattr(new, node.target, copy_graph_module(sub))
-    new.meta.update(getattr(gm, "meta", {}))
-    for name in _DYNAMO_GM_ATTRS:
-        if hasattr(gm, name):
-            setattr(new, name, getattr(gm, name))
-    for old, copied in val_map.items():
-        if hasattr(old, "_dynamo_source"):
-            copied._dynamo_source = old._dynamo_source
-    return new
-
-
 def _ops_used(gm: fx.GraphModule, nodes=None) -> tuple[str, ...]:
     """The moe_compile ops of ``nodes`` (default: the whole graph), in graph order."""
     names = [canon(n).split("::", 1)[1] for n in gm.graph.nodes if (nodes is None or n in nodes)
@@ -343,6 +310,7 @@ def run_dynamo_stage(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.Gra
     ``torch.utils.checkpoint`` regions (``passes/checkpoint_bodies.py``), which the copy holds: a
     rewrite there is compiled with the rest. A failure anywhere compiles ``gm`` unchanged."""
     from moe_compile import debug
+    from moe_compile.lowering.graph_edit import copy_graph_module
     from moe_compile.passes.checkpoint_bodies import checkpoint_bodies
 
     passes = enabled("dynamo", config)
@@ -376,6 +344,8 @@ def run_dynamo_stage(gm: fx.GraphModule, example_inputs, config) -> tuple[fx.Gra
                         type(exc).__name__, exc)
             failed = [_refused(r, "lowering_error", exc) for t in states for r in t.accepted]
             return gm, [rec for t in states for rec in _not_rewritten(t)] + failed
+    for s in [s for s in states if s.accepted]:   # the passes edited the graph, not its code: regenerated once
+        s.gm.recompile()
     records = [rec for s in states for rec in _not_rewritten(s)]
     if not any(s.accepted for s in states):
         if verbose:   # a refusal's graph, to read what the finders saw

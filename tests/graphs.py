@@ -62,7 +62,7 @@ def candidates(gm: fx.GraphModule) -> list:
     """Every finder's candidates on a copy of ``gm`` (normalised as the pipeline does)."""
     from moe_compile.passes.grouped_regions import find_grouped_regions
     from moe_compile.passes.loop_regions import find_loop_regions
-    from moe_compile.pipeline import copy_graph_module
+    from moe_compile.lowering.graph_edit import copy_graph_module
 
     work = copy_graph_module(gm)
     annotate(work.graph)
