@@ -50,6 +50,8 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
+from .hf_recorders import REASON, describe, recorder_hooks
+
 __all__ = ["compile_blocks", "find_blocks"]
 
 log = logging.getLogger(__name__)
@@ -234,11 +236,29 @@ class _BlocksBackend:
 
         self.session = Session()
         self.session.place = placer(model)
+        self.model = weakref.ref(model)
 
     def __call__(self, gm, example_inputs, mode=None, options=None):
         from .backend import moe_backend
 
+        self._warn_recorders()
         return moe_backend(gm, example_inputs, mode=mode, options=options)
+
+    def _warn_recorders(self) -> None:
+        """Once per compile_blocks call: transformers' output recorders on the blocks (``output_router_logits``)
+        break every block's graph between its router and its experts (``hf_recorders``): say so, with the fix,
+        where the refusals themselves only say the expert ids came from another graph."""
+        model = self.model()
+        if ("recorders",) in self.session.warned or model is None:
+            return
+        found = recorder_hooks(model)
+        if found:
+            from .passes import reasons
+
+            detail = {"module": "the MoE layers", "cls": type(model).__name__, "what": "compile_blocks",
+                      "hooks": describe(found), "how": _UNDER_BLOCKS}
+            self.session.warn_once(("recorders",), f"moe_compile: refused [{REASON}] {reasons.message(REASON, detail)}"
+                                                   f"\n    fix: {reasons.fix(REASON)}")
 
     def moe_capture_ctx(self, options=None, mode=None):
         """The capture scope of every block (``backend._install_ctx_shim`` forwards it), with the shared session."""
@@ -254,6 +274,34 @@ def _moe_backend():
     from .backend import moe_backend
 
     return moe_backend
+
+
+_UNDER_BLOCKS = ("compiled block by block (compile_blocks), each block's frame reads that ContextVar, which Dynamo "
+                 "cannot trace: a graph break between the router and the experts of every block")
+
+
+def explain_regions(model, regions: tuple) -> tuple:
+    """For ``explain()`` of a ``compile_blocks`` model: its whole-model trace sets transformers' recorder inside
+    the trace, where the blocks' compiles break on it (``hf_recorders``): a region rewritten there, in a block
+    that carries a recorder, is refused in the compile that runs."""
+    call = compiled_blocks(model)
+    if call is None or call.backend != "moe":
+        return regions
+    hooked = {name: found for name in call.names if (found := recorder_hooks(model.get_submodule(name), name))}
+    if not hooked:
+        return regions
+    from .passes import reasons
+
+    out = []
+    for r in regions:
+        block = next((n for n in hooked if r.module == n or r.module.startswith(f"{n}.")), None)
+        if r.status == "rewritten" and block is not None:
+            detail = {"module": r.module, "cls": r.form, "what": f"top-{r.top_k} over {r.num_experts} experts",
+                      "hooks": describe(hooked[block]), "how": _UNDER_BLOCKS}
+            r = dataclasses.replace(r, status="refused", ops=(), code=REASON, reason=reasons.message(REASON, detail),
+                                    fix=reasons.fix(REASON))
+        out.append(r)
+    return tuple(out)
 
 
 def explain_notes(model, regions) -> tuple[str, ...]:

@@ -22,6 +22,7 @@ import inspect
 import torch
 import torch.nn as nn
 
+from .hf_recorders import REASON, describe, recorder_hooks
 from .records import REFUSED, RegionRecord
 
 
@@ -133,10 +134,29 @@ def records(model: nn.Module, eager: dict[str, str], breaks) -> list[RegionRecor
         file, span = spans[0]
         where = f"{file.rsplit('/', 1)[-1]}:{span.start}" if file else "?"
         detail = {"module": path or "<top>", "what": what, "cls": cls.__name__}
-        out.append(RegionRecord(module=path, form="eager", status=REFUSED, code="ran_eagerly",
-                                reason=reasons.message("ran_eagerly", detail), fix=reasons.fix("ran_eagerly"),
-                                ops=(), where=where))
+        recorders = _recorders_near(model, parts, holders)
+        code = REASON if recorders else "ran_eagerly"
+        if recorders:
+            detail.update(hooks=describe(recorders), how="inside activation checkpointing (gradient_checkpointing_"
+                          "enable) Dynamo cannot keep that append and runs the whole checkpointed layer eagerly")
+        out.append(RegionRecord(module=path, form="eager", status=REFUSED, code=code,
+                                reason=reasons.message(code, detail), fix=reasons.fix(code), ops=(), where=where))
     return out
+
+
+def _recorders_near(model: nn.Module, parts: list[str], holders: list[nn.Module]) -> list[tuple[str, str]]:
+    """transformers' output recorders (``hf_recorders``) in the two modules holding the experts nearest to
+    them that are not containers (the MoE block and the layer around it): what made the layer run eagerly
+    under activation checkpointing with ``output_router_logits=True`` (transformers' layers say whether they
+    checkpoint: ``gradient_checkpointing``; recorders elsewhere break nothing while no call asks for them)."""
+    if not any(getattr(h, "gradient_checkpointing", False) is True for h in holders):
+        return []
+    near = [(i, m) for i, m in enumerate(holders) if not isinstance(m, (nn.ModuleList, nn.ModuleDict))][-2:]
+    for i, m in reversed(near):   # the MoE block first, then the layer around it
+        found = recorder_hooks(m, ".".join(parts[:i]))
+        if found:
+            return found
+    return []
 
 
 def _span(cls: type) -> tuple[str, range]:

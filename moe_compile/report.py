@@ -138,8 +138,9 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
     regions = tuple(_explain_notes(_times_note(r, times[r]), config.disable) for r in regions)
     breaks = tuple(dict.fromkeys(GraphBreak(r.where, r.reason, r.fix, r.source, r.code)
                                  for r in records if r.is_break))
-    from .blocks import explain_notes
+    from .blocks import explain_notes, explain_regions
 
+    regions = explain_regions(fn, regions) if by_blocks else regions
     return Report(regions, breaks, graphs[0], errors=(str(failure),) if failure is not None else (),
                   notes=explain_notes(fn, regions) if by_blocks else _backend_note(compiled_with))
 

@@ -235,8 +235,36 @@ def routes_per_expert(cls: type) -> bool:
 
 @functools.lru_cache(maxsize=512)
 def routes(cls: type) -> bool:
-    """Some class of ``cls``'s MRO (below torch's own) has source that calls a router op (top-k, argmax)."""
-    return any(_ROUTES_WHOLE.search(src) for src in _class_sources(cls))
+    """Some class of ``cls``'s MRO (below torch's own), or a function of that class's module it calls, has
+    source that calls a router op (top-k, argmax): PhiMoE's router calls its module's ``sparsemixer``."""
+    return any(_ROUTES_WHOLE.search(src) for src in _class_sources(cls)) \
+        or any(_ROUTES_WHOLE.search(src) for src in _called_function_sources(cls))
+
+
+_CALLED = re.compile(r"(?<![\w.])(\w+)\(")
+
+
+def _called_function_sources(cls: type):
+    """The source of each function defined in the module of a class of ``cls``'s MRO (below torch's own)
+    that the class's source calls by its bare name (``sparsemixer(scores, ...)``)."""
+    import inspect
+    import sys
+
+    for c in cls.__mro__:
+        module = sys.modules.get(c.__module__)
+        if c.__module__.startswith(("torch.", "builtins")) or module is None:
+            continue
+        try:
+            names = dict.fromkeys(_CALLED.findall(inspect.getsource(c)))
+        except (OSError, TypeError):
+            continue
+        for name in names:
+            f = getattr(module, name, None)
+            if inspect.isfunction(f) and f.__module__ == c.__module__:
+                try:
+                    yield inspect.getsource(f)
+                except (OSError, TypeError):
+                    continue
 
 
 def in_moe_code(frames) -> bool:

@@ -198,6 +198,9 @@ def _clean_module_path(path: str) -> str:
     path = path.replace("._modules['", ".").replace("']", "")
     path = path.replace("[", ".").replace("]", "")
     path = path.strip(".")
+    # a block compiled in place (module.compile(), compile_blocks) reached by a hook's inlined call from the
+    # model's trace: layers.0._compiled_call_impl._torchdynamo_inline.__self__.mlp is layers.0.mlp
+    path = path.replace("._compiled_call_impl._torchdynamo_inline.__self__", "")
     # a module reached through other objects (peft's parametrized weights: type(...).__dict__[...].fget's
     # closure) has no attribute path from the model: none, so a region is named by its other nodes (helper-82)
     return path if re.fullmatch(r"[\w.]*", path) and "__closure__" not in path else ""

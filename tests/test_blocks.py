@@ -445,3 +445,69 @@ def test_generate_with_a_kv_cache_names_the_per_layer_guard(caplog):
     with torch._dynamo.config.patch(recompile_limit=4):
         rep = moe_compile.explain(model, torch.randint(3, 64, (3, 9)))
     assert [r.code for r in rep.refused] == ["recompile_limit_per_layer"], str(rep)
+
+
+def _with_router_logits(layers: int = 2):
+    """``tiny_qwen3_moe`` after one eager call with output_router_logits=True: transformers installed its
+    output recorders (forward hooks on each router, ``moe_compile/hf_recorders.py``); its eager twin."""
+    model = tiny_qwen3_moe(layers)
+    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids, output_router_logits=True)
+    return model, copy.deepcopy(model), ids
+
+
+def test_router_logits_recorders_whole_model_rewritten_like_eager():
+    """The fix the router_logits_recorder reason gives: a whole-model compile with output_router_logits=True
+    rewrites every layer and trains like eager (loss with the load-balancing term, router logits, every
+    gradient): the recorders' ContextVar is set inside the trace."""
+    torch._dynamo.reset()
+    model, eager, ids = _with_router_logits()
+    compiled = torch.compile(model, backend="moe", options=OPTS)
+    before = dict(records.counters)
+    outs = [m(input_ids=ids, labels=ids, output_router_logits=True) for m in (eager, compiled)]
+    for o in outs:
+        o.loss.backward()
+    assert records.counters["rewritten"] - before.get("rewritten", 0) == 2, dict(records.counters)
+    assert outs[0].aux_loss is not None
+    assert_close_rel(outs[1].loss, outs[0].loss, HF_FP32_REL, "loss")
+    assert_close_rel(outs[1].aux_loss, outs[0].aux_loss, HF_FP32_REL, "aux_loss")
+    for a, b in zip(outs[1].router_logits, outs[0].router_logits):
+        assert_close_rel(a, b, HF_FP32_REL, "router logits")
+    for (n, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+        assert_close_rel(p.grad, q.grad, HF_FP32_REL, f"gradient of {n}")
+
+
+@pytest.mark.parametrize("how", ["compile_blocks", "checkpointing"])
+def test_router_logits_recorders_are_named(how, caplog):
+    """Review helper-84: with transformers' router-logit recorders installed, compile_blocks refused every
+    layer with ids_from_graph_input (a fix about peft) while explain(), tracing the whole model, said 2
+    rewritten (paths `layers.0._compiled_call_impl._torchdynamo_inline.__self__.mlp...`); under
+    gradient_checkpointing_enable every layer ran eagerly with a generic ran_eagerly fix. Both name the
+    recorders and the fix now, in explain() and (compile_blocks) in the compile's warnings. Values as eager's."""
+    torch._dynamo.reset()
+    model, eager, ids = _with_router_logits()
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    if how == "compile_blocks":
+        moe_compile.compile_blocks(model, options=OPTS)
+        run = model
+    else:
+        for m in (model, eager):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        run = torch.compile(model, backend="moe", options=OPTS)
+    before = dict(records.counters)
+    losses = [m(input_ids=ids, labels=ids, output_router_logits=True).loss for m in (eager, run)]
+    for loss in losses:
+        loss.backward()
+    assert records.counters["rewritten"] == before.get("rewritten", 0)   # the case this test is about
+    assert_close_rel(losses[1], losses[0], HF_FP32_REL, "loss")
+    for (n, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+        assert_close_rel(p.grad, q.grad, HF_FP32_REL, f"gradient of {n}")
+    if how == "compile_blocks":
+        warned = [w for w in _warnings(caplog) if "[router_logits_recorder]" in w]
+        assert len(warned) == 1 and "model.layers.0.mlp.gate` (router_logits)" in warned[0], _warnings(caplog)
+    report = moe_compile.explain(run, input_ids=ids, labels=ids, output_router_logits=True)
+    # (regions only: a frame an earlier test's compile gave up on, the shared decoder-layer frame, may be listed)
+    regions = [r for r in report.regions if r.form != "skipped frame"]
+    assert [(r.module, r.status, r.code) for r in regions] == [
+        (f"model.layers.{i}.mlp.experts", "refused", "router_logits_recorder") for i in range(2)], report
+    assert "torch.compile(model, backend=\"moe\")" in regions[0].fix

@@ -163,3 +163,21 @@ def test_hf_phimoe_train_mode_router_gradient(inductor):
     with torch._inductor.config.patch(fallback_random=True):
         check_compiled(_Logits(_phimoe()), [ids], expect_rewritten=1, rel=HF_FP32_REL, grad_rel=HF_FP32_REL,
                        fresh_inputs=0, inductor=inductor, seed=4321)
+
+
+def test_hf_phimoe_experts_that_ran_eagerly_are_listed():
+    """PhiMoE routes in its module's ``sparsemixer`` function, not in a class: explain()'s probe for experts
+    that ran eagerly (``passes/moe_source.routes``) took its 3-D experts for no experts, and a layer run
+    eagerly (gradient checkpointing with transformers' router-logit recorders: review helper-84) was listed
+    nowhere: 0 rewritten, 0 refused. Listed now, with the recorders named."""
+    import moe_compile
+
+    torch._dynamo.reset()
+    model = _phimoe(layers=2)
+    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
+    compiled(input_ids=ids, labels=ids, output_router_logits=True).loss.backward()
+    report = moe_compile.explain(compiled, input_ids=ids, labels=ids, output_router_logits=True)
+    assert [(r.module, r.code) for r in report.regions] == [
+        (f"model.layers.{i}.mlp.experts", "router_logits_recorder") for i in range(2)], report

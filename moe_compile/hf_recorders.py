@@ -1,0 +1,56 @@
+"""transformers' output recorders on MoE layers: why a layer runs unrewritten with ``output_router_logits``.
+
+transformers 5 collects router logits (``output_router_logits=True``, for the load-balancing loss) and
+other per-layer outputs with forward hooks it installs, the first time a call asks for them, on the
+modules that produce them (``utils/output_capturing.py``: the router of each MoE layer). Each hook reads
+the active collector from a ``ContextVar`` and appends the module's output to a list that lives outside
+the module. Under torch.compile that is fine where the model's own forward is traced (a whole-model
+compile: the collector is set inside the trace), but not where the layer is compiled or checkpointed on
+its own:
+
+- ``compile_blocks``: the ``ContextVar`` read is untraceable inside a block's frame: a graph break
+  between the router and the experts in every layer (refused ``ids_from_graph_input``);
+- activation checkpointing (``gradient_checkpointing_enable``): Dynamo cannot keep the append to a list
+  outside the checkpointed call and runs the whole checkpointed layer eagerly (``ran_eagerly``).
+
+``recorder_hooks`` finds such hooks; ``REASON`` is what explain() and the warnings say instead.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+_RECORDER_MODULE = "transformers.utils.output_capturing"
+REASON = "router_logits_recorder"
+
+
+def _recorded_key(hook) -> str | None:
+    """The output a transformers recorder hook collects ("router_logits"), None for any other hook."""
+    if getattr(hook, "__module__", None) != _RECORDER_MODULE:
+        return None
+    names = getattr(getattr(hook, "__code__", None), "co_freevars", ())
+    cells = getattr(hook, "__closure__", None) or ()
+    for name, cell in zip(names, cells):
+        if name == "key":
+            try:
+                return str(cell.cell_contents)
+            except ValueError:   # an empty cell
+                return None
+    return "?"
+
+
+def recorder_hooks(module: nn.Module, prefix: str = "") -> list[tuple[str, str]]:
+    """(path, recorded output) of every module at or under ``module`` that carries a transformers output
+    recorder other than the hidden-state one (a decoder layer's output: recorded after the layer runs)."""
+    found = []
+    for path, m in module.named_modules(prefix=prefix):
+        for hook in getattr(m, "_forward_hooks", {}).values():
+            key = _recorded_key(hook)
+            if key is not None and key != "hidden_states":
+                found.append((path or "<top>", key))
+    return found
+
+
+def describe(found: list[tuple[str, str]]) -> str:
+    """``found`` (``recorder_hooks``) in a reason: the first few modules and what they record."""
+    found = sorted(found, key=lambda f: f[1] != "router_logits")   # the router's first: it splits the layer
+    return ", ".join(f"`{p}` ({k})" for p, k in found[:2]) + (f" and {len(found) - 2} more" if len(found) > 2 else "")
