@@ -101,6 +101,27 @@ def _shared_storage(params) -> bool:
     return False
 
 
+def held_only_by(params) -> bool:
+    """Every storage of ``params`` is held by them alone, each Parameter once, at disjoint places, none in shared
+    memory: a layout a compile made (``_rehome``) some of whose weights were replaced since (an expert module or
+    Parameter swapped, a ``.data`` assigned: review helper-85). ``_shared_storage`` calls that shared; moving
+    them cuts no tie (no other tensor holds those storages), where keeping them apart stacked a copy per step."""
+    storages: dict = {}
+    for p in params:
+        storage = p.untyped_storage()
+        if not p.is_contiguous() or storage.data_ptr() == 0 or storage.device.type == "cpu" and storage.is_shared():
+            return False
+        storages.setdefault(storage.data_ptr(), (storage, []))[1].append(p)
+        del storage   # one Python storage object per storage alive while counting: the one kept above
+    for storage, held in storages.values():
+        if len({id(p) for p in held}) != len(held) or torch._C._storage_Use_Count(storage._cdata) != len(held) + 1:
+            return False   # one Parameter twice (tied experts), or another tensor holds the storage too
+        spans = sorted((p.storage_offset(), p.storage_offset() + p.numel()) for p in held)
+        if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+            return False   # two Parameters on the same elements: a tie
+    return True
+
+
 def _rehome(groups: list[list[torch.Tensor]]) -> str:
     """Move E experts' weights of each group side by side into one [E, sum(N_g), K] buffer:
     expert e's weight of group g becomes rows [off_g, off_g + N_g) of buf[e]."""

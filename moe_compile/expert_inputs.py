@@ -230,16 +230,18 @@ class _Feed:
         """Re-home Parameters this graph runs with that no compile laid out, once, as the compile lays out
         the ones it compiled with (``lowering/rehome.py``): another block of the class that one compiled graph
         serves (a per-layer ``layer.compile(backend="moe")``; compile_blocks mirrors the layout itself), or
-        a ``.data`` that was replaced. Only plain leaf Parameters whose storage is theirs alone (never a
-        tie, a bucket view, shared memory) and never under FSDP2; True if they are laid out now."""
-        from moe_compile.lowering.rehome import _rehome, _shared_storage, fsdp_in_use, plain_group
+        a ``.data``, a Parameter or an expert module that was replaced. Only plain leaf Parameters whose
+        storage is theirs alone (never a tie, a bucket view, shared memory), or held by them alone (the old
+        layout of the ones not replaced: ``rehome.held_only_by``), and never under FSDP2; True if they are
+        laid out now."""
+        from moe_compile.lowering.rehome import _rehome, _shared_storage, fsdp_in_use, held_only_by, plain_group
 
         e = self.experts
         segs = [params[s * e:(s + 1) * e] for s in range(len(self.rows))]
         first = params[0]
         if not self.may_move or not all(map(plain_group, segs)) or not all(
                 p.is_leaf and p.dtype == first.dtype and p.device == first.device and p.shape[1:] == first.shape[1:]
-                for p in params) or _shared_storage(params) or fsdp_in_use():
+                for p in params) or _shared_storage(params) and not held_only_by(params) or fsdp_in_use():
             return False
         with torch.inference_mode(False):   # a first call under inference_mode: a normal buffer, not an inference one
             _rehome([list(seg) for seg in segs])
@@ -252,7 +254,9 @@ class _Feed:
         if len({p.untyped_storage().data_ptr() for p in params}) == len(params) and _shared_storage(params):
             return ("they are not in one buffer, and the backend does not move them there: a weight shares its "
                     "storage (an alias such as p.detach(), a view into a larger buffer, or shared memory)")
-        return "they no longer share the buffer they were stacked from (their .data was replaced)"
+        return ("they no longer share the buffer they were stacked from (a weight's .data, a Parameter or an expert "
+                "module was replaced), and another tensor holds the old buffer or a new weight, so the backend "
+                "does not move them back into one")
 
     def _warn(self, why: str, first: torch.Tensor) -> None:
         """Once per reason for these Parameters, however many graphs (recompiles) feed them (review helper-72)."""

@@ -139,19 +139,38 @@ def test_tensor_hooks_run(caplog):
     assert sum("gradient hooks" in r.getMessage() for r in caplog.records) == 1, caplog.text   # once (helper-72)
 
 
-def test_replaced_weights_are_read_where_they_are(caplog):
-    """``p.data = ...`` after compiling moves an expert out of the stacked buffer: the next steps stack
-    a copy (and warn once) instead of reading the stale buffer."""
+@pytest.mark.parametrize("how", ["data", "parameter", "module", "data_kept"])
+def test_replaced_weights_are_read_where_they_are(how, caplog):
+    """A weight replaced after compiling (``p.data = ...``, a new Parameter, a new expert module) leaves the
+    stacked buffer: the next steps read it where it is, never the stale buffer. Where nothing else holds the
+    old buffer or the new weight, the experts are laid out as one buffer again (they were stacked as a copy
+    on every step, with a warning that their .data was replaced: review helper-85); where the user keeps
+    the new tensor (``data_kept``: a tie the backend must not cut), a copy per step, warned once."""
     model = make_model(spelling="index_add", expert="swiglu", e=4, k=2)
     compiled = _compile(model)
     compiled(make_input((3, 5, 16))).sum().backward()   # the shapes _train uses: no recompile
+    expert = model.experts.experts[2]
+    kept = torch.randn_like(expert.w1.weight)
     with torch.no_grad():
-        model.experts.experts[2].w1.weight.data = torch.randn_like(model.experts.experts[2].w1.weight)
+        if how.startswith("data"):
+            expert.w1.weight.data = kept if how == "data_kept" else kept.clone()
+        elif how == "parameter":
+            expert.w1.weight = torch.nn.Parameter(kept.clone())
+        else:
+            torch.manual_seed(3)
+            model.experts.experts[2] = type(expert)(*expert.w1.weight.shape[::-1])
+    del expert
     ref = copy.deepcopy(model)
     model.zero_grad(set_to_none=True)
     with caplog.at_level(logging.WARNING, logger="moe_compile"):
-        _train(model, ref, compiled, steps=2)
-    assert sum("no longer share" in r.getMessage() for r in caplog.records) == 1, caplog.text
+        _train(model, ref, compiled, steps=3)
+    warned = sum("stacking a copy" in r.getMessage() for r in caplog.records)
+    experts = model.experts.experts
+    one_buffer = all(len({e.get_parameter(n).untyped_storage().data_ptr() for e in experts}) == 1
+                     for n in ("w1.weight", "w2.weight"))
+    assert (warned, one_buffer) == ((1, False) if how == "data_kept" else (0, True)), caplog.text
+    if how == "data_kept":
+        assert experts[2].w1.weight.untyped_storage().data_ptr() == kept.untyped_storage().data_ptr()
 
 
 def test_can_be_disabled():
