@@ -52,5 +52,6 @@ def recorder_hooks(module: nn.Module, prefix: str = "") -> list[tuple[str, str]]
 
 def describe(found: list[tuple[str, str]]) -> str:
     """``found`` (``recorder_hooks``) in a reason: the first few modules and what they record."""
-    found = sorted(found, key=lambda f: f[1] != "router_logits")   # the router's first: it splits the layer
+    routers = [f for f in found if f[1] == "router_logits"]
+    found = routers or found   # the routers' split the MoE layer; the others (attentions) are noise here
     return ", ".join(f"`{p}` ({k})" for p, k in found[:2]) + (f" and {len(found) - 2} more" if len(found) > 2 else "")

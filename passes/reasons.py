@@ -309,13 +309,14 @@ REASONS: dict[str, Reason] = {
         "compile each decoder layer on its own with moe_compile.compile_blocks(model) (a break inside a layer "
         "then splits its graph instead); code under torch.compiler.disable always runs eagerly"),
     "router_logits_recorder": Reason(
-        "`{module}` ({cls}: {what}) was not rewritten: transformers records per-layer outputs for the "
-        "load-balancing loss (output_router_logits=True) with forward hooks on {hooks}, which read a ContextVar and "
-        "append to a list outside the layer; {how}",
+        "`{module}` ({cls}: {what}) was not rewritten: transformers records per-layer outputs (the router logits of "
+        "output_router_logits=True, for the load-balancing loss) with forward hooks on {hooks}, installed all at once "
+        "by the first call that asked for any output_* (router logits, hidden states, attentions), which read a "
+        "ContextVar and append to a list outside the layer; {how}",
         "compile the whole model, torch.compile(model, backend=\"moe\"), without gradient_checkpointing_enable: "
         "its forward sets the recorder inside the trace, and the layers are rewritten with the recorder in their "
-        "graph; or train without output_router_logits (under compile_blocks the hooks break each block once a call has "
-        "asked for them, whatever later calls ask: reload the model)"),
+        "graph; or train without output_router_logits (under compile_blocks the hooks break each block once any call "
+        "has asked for an output_*, whatever later calls ask: reload the model and do not ask)"),
     "break_expert_hit_hf": Reason(
         "{what} at {at}: transformers' eager experts loop `{source}` iterates over a data-dependent list of the "
         "experts that got tokens{effect}",

@@ -447,12 +447,12 @@ def test_generate_with_a_kv_cache_names_the_per_layer_guard(caplog):
     assert [r.code for r in rep.refused] == ["recompile_limit_per_layer"], str(rep)
 
 
-def _with_router_logits(layers: int = 2):
-    """``tiny_qwen3_moe`` after one eager call with output_router_logits=True: transformers installed its
-    output recorders (forward hooks on each router, ``moe_compile/hf_recorders.py``); its eager twin."""
+def _with_router_logits(layers: int = 2, asked: str = "output_router_logits"):
+    """``tiny_qwen3_moe`` after one eager call that asked for ``asked``: transformers installed all its
+    output recorders (forward hooks on each router too, ``moe_compile/hf_recorders.py``); its eager twin."""
     model = tiny_qwen3_moe(layers)
     ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    model(input_ids=ids, labels=ids, output_router_logits=True)
+    model(input_ids=ids, labels=ids, **{asked: True})
     return model, copy.deepcopy(model), ids
 
 
@@ -477,17 +477,20 @@ def test_router_logits_recorders_whole_model_rewritten_like_eager():
         assert_close_rel(p.grad, q.grad, HF_FP32_REL, f"gradient of {n}")
 
 
-@pytest.mark.parametrize("how", ["compile_blocks", "checkpointing"])
+@pytest.mark.parametrize("how", ["compile_blocks", "checkpointing", "compile_blocks_hidden_states"])
 def test_router_logits_recorders_are_named(how, caplog):
     """Review helper-84: with transformers' router-logit recorders installed, compile_blocks refused every
     layer with ids_from_graph_input (a fix about peft) while explain(), tracing the whole model, said 2
     rewritten (paths `layers.0._compiled_call_impl._torchdynamo_inline.__self__.mlp...`); under
     gradient_checkpointing_enable every layer ran eagerly with a generic ran_eagerly fix. Both name the
-    recorders and the fix now, in explain() and (compile_blocks) in the compile's warnings. Values as eager's."""
+    recorders and the fix now, in explain() and (compile_blocks) in the compile's warnings. Values as eager's.
+    (``compile_blocks_hidden_states``: a first call that asked only for hidden states installs the routers'
+    recorders too, and the message says so: review helper-86.)"""
     torch._dynamo.reset()
-    model, eager, ids = _with_router_logits()
+    model, eager, ids = _with_router_logits(asked="output_hidden_states" if how.endswith("states") else
+                                            "output_router_logits")
     caplog.set_level(logging.WARNING, logger="moe_compile")
-    if how == "compile_blocks":
+    if how.startswith("compile_blocks"):
         moe_compile.compile_blocks(model, options=OPTS)
         run = model
     else:
@@ -502,9 +505,10 @@ def test_router_logits_recorders_are_named(how, caplog):
     assert_close_rel(losses[1], losses[0], HF_FP32_REL, "loss")
     for (n, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
         assert_close_rel(p.grad, q.grad, HF_FP32_REL, f"gradient of {n}")
-    if how == "compile_blocks":
+    if how.startswith("compile_blocks"):
         warned = [w for w in _warnings(caplog) if "[router_logits_recorder]" in w]
         assert len(warned) == 1 and "model.layers.0.mlp.gate` (router_logits)" in warned[0], _warnings(caplog)
+        assert "any output_*" in warned[0] and "self_attn" not in warned[0], warned[0]
     report = moe_compile.explain(run, input_ids=ids, labels=ids, output_router_logits=True)
     # (regions only: a frame an earlier test's compile gave up on, the shared decoder-layer frame, may be listed)
     regions = [r for r in report.regions if r.form != "skipped frame"]
