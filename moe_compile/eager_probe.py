@@ -118,9 +118,10 @@ def records(model: nn.Module, eager: dict[str, str], breaks) -> list[RegionRecor
     the frame's first line, in the class of the module holding the experts (the MoE block whose frame it is):
     its failing line may be in torch (a BatchNorm's data-dependent check inside an expert)."""
     from .passes import reasons
-    from .skipped_frames import _skipped
+    from .skipped_frames import live_skips
 
-    frames = [f"{file.rsplit('/', 1)[-1]}:{line}" for (file, line, _), r in list(_skipped.values()) if r in breaks]
+    frames = [f"{file.rsplit('/', 1)[-1]}:{line}" for (file, line, _), r in list(live_skips().values())
+              if r in breaks]
     out = []
     for path, what in eager.items():
         module = model.get_submodule(path) if path else model

@@ -272,7 +272,7 @@ def _earlier_skips(fn, tried: set) -> list[RegionRecord]:
     limit (explain's trace has its own budget; the model's compiled frame runs eagerly on new guards)."""
     from . import skipped_frames
 
-    if not skipped_frames._skipped:
+    if not skipped_frames.live_skips():
         return []
     spans = []
     # every class of each module's MRO below torch's own: a frame may be a base class's forward (transformers'
@@ -290,7 +290,7 @@ def _earlier_skips(fn, tried: set) -> list[RegionRecord]:
     # still marked: Dynamo has seen the frame's code since its last reset (torch._dynamo.reset() clears the
     # marks and what it has seen; a stale record named a frame of another test's model: review helper-77's run)
     seen = {(c.co_filename, c.co_firstlineno, c.co_name) for ref in list(input_codes.seen) if (c := ref()) is not None}
-    return [r for (file, line), (frame, r) in skipped_frames._skipped.items()
+    return [r for (file, line), (frame, r) in skipped_frames.live_skips().items()
             if (frame not in tried or r.code.startswith("recompile_limit")) and frame in seen
             and any(file == f and lo <= line < hi for f, lo, hi in spans)]
 

@@ -129,7 +129,8 @@ def report_skipped_frames(session, since_us: int, exclude: set = frozenset()) ->
                                  frames[-1].at, code=code, fix=break_fix(code, detail), source=frames[-1].source))
     if found:
         records.publish([r for _, r in found.values()], session)
-        _skipped.update(found)
+        live_skips().update(found)
+        _mark_epoch()
     return tuple(others.values())
 
 
@@ -170,6 +171,41 @@ def _holds_moe(frame_id: str, code: tuple, codes: dict, session) -> bool:
 # skipped frame, its record). explain() reports them for a model whose frames an earlier compile left
 # skipped (Dynamo never traces a skipped frame again)
 _skipped: dict = {}
+_epoch: list = []   # the compile-start callback that marks Dynamo's state since its last reset (``_mark_epoch``)
+
+
+def live_skips() -> dict:
+    """``_skipped``, emptied first where Dynamo was reset since its records were made: ``torch._dynamo.reset()``
+    drops every skip mark (a frame past the recompile limit is compiled again), so a record from before it is
+    stale (a test's model after another test's recompile limit, in one process: found writing a test)."""
+    if _skipped and not _epoch_alive():
+        _skipped.clear()
+    return _skipped
+
+
+def _epoch_alive() -> bool:
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:  # pragma: no cover - torch without compile callbacks: records are kept
+        return True
+    return bool(_epoch) and any(cb is _epoch[0] for cb in callback_handler.start_callbacks)
+
+
+def _mark_epoch() -> None:
+    """Register a no-op compile-start callback unless ours is still there: ``torch._dynamo.reset()`` clears
+    every callback (``callback_handler.clear``), which is how ``live_skips`` tells a reset happened."""
+    if _epoch_alive():
+        return
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:  # pragma: no cover
+        return
+
+    def since_last_reset(*_args, **_kwargs) -> None:
+        return None
+
+    _epoch[:] = [since_last_reset]
+    callback_handler.register_start_callback(since_last_reset)
 
 
 def _qualname(frame) -> str:

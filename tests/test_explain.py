@@ -497,3 +497,18 @@ def test_a_module_called_twice_is_one_row_that_says_so():
     rep = moe_compile.explain(_CalledTwice(), make_input((9, 16)))
     assert [r.module for r in rep.rewritten] == ["a"], str(rep)
     assert rep.rewritten[0].notes[0].startswith("found 2 times in the traced graphs"), str(rep)
+
+
+def test_skipped_frame_records_do_not_outlive_a_dynamo_reset():
+    """A frame Dynamo gave up on (past the recompile limit, say) is compiled again after torch._dynamo.reset():
+    its record must not be listed by a later explain() (found writing test_blocks' recorder test: another
+    test's per-layer recompile limit was listed for a model that never hit it)."""
+    from moe_compile import skipped_frames
+
+    rec = records.RegionRecord("", "skipped frame", records.REFUSED, "r", (), "m.py:3", code="recompile_limit")
+    skipped_frames.live_skips()[("m.py", 3)] = (("m.py", 1, "forward"), rec)
+    skipped_frames._mark_epoch()
+    torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))   # compiles run the marker: still listed
+    assert ("m.py", 3) in skipped_frames.live_skips()
+    torch._dynamo.reset()
+    assert ("m.py", 3) not in skipped_frames.live_skips()
