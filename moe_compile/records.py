@@ -107,7 +107,8 @@ class Session:
         graph at all (they ran eagerly, with everything they call)."""
         if compiled_frames and self.rewritten == 0:
             why = (f"{self.refused} MoE region(s) or graph break(s) were refused, each logged above"
-                   if self.refused else "no MoE layer was found in the compiled graphs")
+                   if self.refused else "no MoE layer was found in the compiled graphs; a layer Dynamo ran "
+                   "eagerly, such as a checkpointed layer after a graph break in it, never reaches the backend")
             if skipped and not self.refused:
                 why = (f"no graph reached the backend: Dynamo gave up on {'; '.join(skipped)}, which then ran "
                        "eagerly with everything it calls")
