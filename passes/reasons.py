@@ -313,9 +313,13 @@ REASONS: dict[str, Reason] = {
         "output_router_logits=True, for the load-balancing loss) with forward hooks on {hooks}, installed all at once "
         "by the first call that asked for any output_* (router logits, hidden states, attentions), which read a "
         "ContextVar and append to a list outside the layer; {how}",
-        "compile the whole model, torch.compile(model, backend=\"moe\"), without gradient_checkpointing_enable: "
-        "its forward sets the recorder inside the trace, and the layers are rewritten with the recorder in their "
-        "graph; or train without output_router_logits (under compile_blocks the hooks break each block once any call "
+        "compile the whole model, torch.compile(model, backend=\"moe\"): its forward sets the recorder inside the "
+        "trace, and the layers are rewritten with the recorder in their graph; with activation checkpointing also "
+        "set torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True (Dynamo then keeps the "
+        "append in the checkpointed forward and skips it in the backward's recomputation, where eager's recorder "
+        "appends nothing either: no collector is set then; the flag applies to all checkpointed code, so other "
+        "Python side effects in it are not replayed in the backward as eager replays them); or train without "
+        "output_router_logits (under compile_blocks the hooks break each block once any call "
         "has asked for an output_*, whatever later calls ask: reload the model and do not ask)"),
     "break_expert_hit_hf": Reason(
         "{what} at {at}: transformers' eager experts loop `{source}` iterates over a data-dependent list of the "

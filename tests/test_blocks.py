@@ -456,15 +456,22 @@ def _with_router_logits(layers: int = 2, asked: str = "output_router_logits"):
     return model, copy.deepcopy(model), ids
 
 
-def test_router_logits_recorders_whole_model_rewritten_like_eager():
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_router_logits_recorders_whole_model_rewritten_like_eager(checkpointing):
     """The fix the router_logits_recorder reason gives: a whole-model compile with output_router_logits=True
     rewrites every layer and trains like eager (loss with the load-balancing term, router logits, every
-    gradient): the recorders' ContextVar is set inside the trace."""
+    gradient): the recorders' ContextVar is set inside the trace. With gradient_checkpointing_enable, with
+    torch's skip_fwd_side_effects_in_bwd_under_checkpoint (the recorders' append kept in the forward, not
+    replayed in the backward's recomputation, where eager's recorder appends nothing: no collector then)."""
     torch._dynamo.reset()
     model, eager, ids = _with_router_logits()
+    if checkpointing:
+        for m in (model, eager):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     compiled = torch.compile(model, backend="moe", options=OPTS)
     before = dict(records.counters)
-    outs = [m(input_ids=ids, labels=ids, output_router_logits=True) for m in (eager, compiled)]
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=checkpointing):
+        outs = [m(input_ids=ids, labels=ids, output_router_logits=True) for m in (eager, compiled)]
     for o in outs:
         o.loss.backward()
     assert records.counters["rewritten"] - before.get("rewritten", 0) == 2, dict(records.counters)
