@@ -9,11 +9,15 @@ compile: the collector is set inside the trace), but not where the layer is comp
 its own:
 
 - ``compile_blocks``: the ``ContextVar`` read is untraceable inside a block's frame: a graph break
-  between the router and the experts in every layer (refused ``ids_from_graph_input``);
+  between the router and the experts in every layer (each refused ``ids_from_graph_input``);
 - activation checkpointing (``gradient_checkpointing_enable``): Dynamo cannot keep the append to a list
-  outside the checkpointed call and runs the whole checkpointed layer eagerly (``ran_eagerly``).
+  outside the checkpointed call and runs the whole checkpointed layer eagerly, unless torch's
+  ``skip_fwd_side_effects_in_bwd_under_checkpoint`` lets it keep the append in the forward (where eager's
+  recomputation in the backward appends nothing either: no collector is set then).
 
-``recorder_hooks`` finds such hooks; ``REASON`` is what explain() and the warnings say instead.
+transformers installs every recorder, the routers' included, on the first call that asks for any output
+(``output_hidden_states`` too). ``recorder_hooks`` finds them; ``REASON`` is the code explain() (both
+cases) and compile_blocks' warning give instead of ``ids_from_graph_input`` / ``ran_eagerly``.
 """
 from __future__ import annotations
 

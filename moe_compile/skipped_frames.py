@@ -183,29 +183,33 @@ def live_skips() -> dict:
     return _skipped
 
 
-def _epoch_alive() -> bool:
+def _start_callbacks():
+    """Dynamo's compile-start callback handler, or None (a torch without one: records are kept)."""
     try:
         from torch._dynamo.callback import callback_handler
-    except ImportError:  # pragma: no cover - torch without compile callbacks: records are kept
-        return True
-    return bool(_epoch) and any(cb is _epoch[0] for cb in callback_handler.start_callbacks)
+    except ImportError:  # pragma: no cover
+        return None
+    ok = hasattr(callback_handler, "register_start_callback") and hasattr(callback_handler, "start_callbacks")
+    return callback_handler if ok else None
+
+
+def _epoch_alive() -> bool:
+    handler = _start_callbacks()
+    return handler is None or bool(_epoch) and any(cb is _epoch[0] for cb in handler.start_callbacks)
 
 
 def _mark_epoch() -> None:
     """Register a no-op compile-start callback unless ours is still there: ``torch._dynamo.reset()`` clears
     every callback (``callback_handler.clear``), which is how ``live_skips`` tells a reset happened."""
-    if _epoch_alive():
-        return
-    try:
-        from torch._dynamo.callback import callback_handler
-    except ImportError:  # pragma: no cover
+    handler = _start_callbacks()
+    if handler is None or _epoch_alive():
         return
 
     def since_last_reset(*_args, **_kwargs) -> None:
         return None
 
     _epoch[:] = [since_last_reset]
-    callback_handler.register_start_callback(since_last_reset)
+    handler.register_start_callback(since_last_reset)
 
 
 def _qualname(frame) -> str:
