@@ -50,7 +50,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from .hf_recorders import REASON, describe, recorder_hooks
+from .hf_recorders import REASON, UNDER_BLOCKS, recorder_hooks, refusal
 
 __all__ = ["compile_blocks", "find_blocks"]
 
@@ -253,12 +253,9 @@ class _BlocksBackend:
             return
         found = recorder_hooks(model)
         if found:
-            from .passes import reasons
-
-            detail = {"module": "the MoE layers", "cls": type(model).__name__, "what": "compile_blocks",
-                      "hooks": describe(found), "how": _UNDER_BLOCKS}
-            self.session.warn_once(("recorders",), f"moe_compile: refused [{REASON}] {reasons.message(REASON, detail)}"
-                                                   f"\n    fix: {reasons.fix(REASON)}")
+            reason, fix = refusal(found, UNDER_BLOCKS, module="the MoE layers", cls=type(model).__name__,
+                                  what="compile_blocks")
+            self.session.warn_once(("recorders",), f"moe_compile: refused [{REASON}] {reason}\n    fix: {fix}")
 
     def moe_capture_ctx(self, options=None, mode=None):
         """The capture scope of every block (``backend._install_ctx_shim`` forwards it), with the shared session."""
@@ -276,10 +273,6 @@ def _moe_backend():
     return moe_backend
 
 
-_UNDER_BLOCKS = ("compiled block by block (compile_blocks), each block's frame reads that ContextVar, which Dynamo "
-                 "cannot trace: a graph break between the router and the experts of every block")
-
-
 def explain_regions(model, regions: tuple) -> tuple:
     """For ``explain()`` of a ``compile_blocks`` model: its whole-model trace sets transformers' recorder inside
     the trace, where the blocks' compiles break on it (``hf_recorders``): a region rewritten there, in a block
@@ -290,16 +283,13 @@ def explain_regions(model, regions: tuple) -> tuple:
     hooked = {name: found for name in call.names if (found := recorder_hooks(model.get_submodule(name), name))}
     if not hooked:
         return regions
-    from .passes import reasons
-
     out = []
     for r in regions:
         block = next((n for n in hooked if r.module == n or r.module.startswith(f"{n}.")), None)
         if r.status == "rewritten" and block is not None:
-            detail = {"module": r.module, "cls": r.form, "what": f"top-{r.top_k} over {r.num_experts} experts",
-                      "hooks": describe(hooked[block]), "how": _UNDER_BLOCKS}
-            r = dataclasses.replace(r, status="refused", ops=(), code=REASON, reason=reasons.message(REASON, detail),
-                                    fix=reasons.fix(REASON))
+            reason, fix = refusal(hooked[block], UNDER_BLOCKS, module=r.module, cls=r.form,
+                                  what=f"top-{r.top_k} over {r.num_experts} experts")
+            r = dataclasses.replace(r, status="refused", ops=(), code=REASON, reason=reason, fix=fix)
         out.append(r)
     return tuple(out)
 

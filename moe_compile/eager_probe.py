@@ -22,7 +22,7 @@ import inspect
 import torch
 import torch.nn as nn
 
-from .hf_recorders import REASON, describe, recorder_hooks
+from .hf_recorders import REASON, UNDER_CHECKPOINT, recorder_hooks, refusal
 from .records import REFUSED, RegionRecord
 
 
@@ -137,11 +137,10 @@ def records(model: nn.Module, eager: dict[str, str], breaks) -> list[RegionRecor
         detail = {"module": path or "<top>", "what": what, "cls": cls.__name__}
         recorders = _recorders_near(model, parts, holders)
         code = REASON if recorders else "ran_eagerly"
-        if recorders:
-            detail.update(hooks=describe(recorders), how="inside activation checkpointing (gradient_checkpointing_"
-                          "enable) Dynamo cannot keep that append and runs the whole checkpointed layer eagerly")
-        out.append(RegionRecord(module=path, form="eager", status=REFUSED, code=code,
-                                reason=reasons.message(code, detail), fix=reasons.fix(code), ops=(), where=where))
+        reason, fix = (refusal(recorders, UNDER_CHECKPOINT, **detail) if recorders
+                       else (reasons.message(code, detail), reasons.fix(code)))
+        out.append(RegionRecord(module=path, form="eager", status=REFUSED, code=code, reason=reason, fix=fix, ops=(),
+                                where=where))
     return out
 
 

@@ -25,6 +25,11 @@ import torch.nn as nn
 
 _RECORDER_MODULE = "transformers.utils.output_capturing"
 REASON = "router_logits_recorder"
+# what the recorders do to the layer, in the reason (its ``how``)
+UNDER_BLOCKS = ("compiled block by block (compile_blocks), each block's frame reads that ContextVar, which Dynamo "
+                "cannot trace: a graph break between the router and the experts of every block")
+UNDER_CHECKPOINT = ("inside activation checkpointing (gradient_checkpointing_enable) Dynamo cannot keep that append "
+                    "and runs the whole checkpointed layer eagerly")
 
 
 def _recorded_key(hook) -> str | None:
@@ -59,3 +64,12 @@ def describe(found: list[tuple[str, str]]) -> str:
     routers = [f for f in found if f[1] == "router_logits"]
     found = routers or found   # the routers' split the MoE layer; the others (attentions) are noise here
     return ", ".join(f"`{p}` ({k})" for p, k in found[:2]) + (f" and {len(found) - 2} more" if len(found) > 2 else "")
+
+
+def refusal(found: list[tuple[str, str]], how: str, **detail) -> tuple[str, str]:
+    """(reason, fix) of ``REASON`` for the recorders ``found`` (``recorder_hooks``), ``how`` they stop the rewrite
+    (``UNDER_BLOCKS``, ``UNDER_CHECKPOINT``), and the layer's ``module``, ``cls`` and ``what``."""
+    from moe_compile.passes import reasons
+
+    detail.update(hooks=describe(found), how=how)
+    return reasons.message(REASON, detail), reasons.fix(REASON)

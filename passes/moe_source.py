@@ -209,17 +209,22 @@ def _function_body(filename: str, lineno: int) -> str | None:
     return None
 
 
-def _class_sources(cls: type):
-    """The source of each class of ``cls``'s MRO below torch's own (those that have one)."""
+def _mro_sources(cls: type):
+    """(class, its source) for each class of ``cls``'s MRO below torch's own (those that have one)."""
     import inspect
 
     for c in cls.__mro__:
         if c.__module__.startswith(("torch.", "builtins")):
             continue
         try:
-            yield inspect.getsource(c)
+            yield c, inspect.getsource(c)
         except (OSError, TypeError):
             continue
+
+
+def _class_sources(cls: type):
+    """The source of each class of ``cls``'s MRO below torch's own (those that have one)."""
+    return (src for _, src in _mro_sources(cls))
 
 
 @functools.lru_cache(maxsize=512)
@@ -237,34 +242,28 @@ def routes_per_expert(cls: type) -> bool:
 def routes(cls: type) -> bool:
     """Some class of ``cls``'s MRO (below torch's own), or a function of that class's module it calls, has
     source that calls a router op (top-k, argmax): PhiMoE's router calls its module's ``sparsemixer``."""
-    return any(_ROUTES_WHOLE.search(src) for src in _class_sources(cls)) \
-        or any(_ROUTES_WHOLE.search(src) for src in _called_function_sources(cls))
+    sources = list(_mro_sources(cls))
+    return any(_ROUTES_WHOLE.search(src) for _, src in sources) \
+        or any(_ROUTES_WHOLE.search(f) for c, src in sources for f in _called_function_sources(c, src))
 
 
 _CALLED = re.compile(r"(?<![\w.])(\w+)\(")
 
 
-def _called_function_sources(cls: type):
-    """The source of each function defined in the module of a class of ``cls``'s MRO (below torch's own)
-    that the class's source calls by its bare name (``sparsemixer(scores, ...)``)."""
+def _called_function_sources(c: type, src: str):
+    """The source of each function defined in class ``c``'s module that ``src`` (its source) calls by its bare
+    name (``sparsemixer(scores, ...)``)."""
     import inspect
     import sys
 
-    for c in cls.__mro__:
-        module = sys.modules.get(c.__module__)
-        if c.__module__.startswith(("torch.", "builtins")) or module is None:
-            continue
-        try:
-            names = dict.fromkeys(_CALLED.findall(inspect.getsource(c)))
-        except (OSError, TypeError):
-            continue
-        for name in names:
-            f = getattr(module, name, None)
-            if inspect.isfunction(f) and f.__module__ == c.__module__:
-                try:
-                    yield inspect.getsource(f)
-                except (OSError, TypeError):
-                    continue
+    module = sys.modules.get(c.__module__)
+    for name in dict.fromkeys(_CALLED.findall(src)) if module is not None else ():
+        f = getattr(module, name, None)
+        if inspect.isfunction(f) and f.__module__ == c.__module__:
+            try:
+                yield inspect.getsource(f)
+            except (OSError, TypeError):
+                continue
 
 
 def in_moe_code(frames) -> bool:

@@ -77,21 +77,24 @@ def written(node: fx.Node) -> fx.Node | None:
     return None
 
 
+def _cached(table: dict, key, compute, arg):
+    """``table[key]``, ``compute(arg)`` the first time; ``compute(arg)`` every time for an unhashable key."""
+    try:
+        return table[key]
+    except KeyError:
+        value = table[key] = compute(arg)
+        return value
+    except TypeError:   # an unhashable key (a callable target)
+        return compute(arg)
+
+
 _INPLACE_TARGETS: dict = {}   # (op, target) -> whether the call writes its first argument by its name alone
 
 
 def _inplace_target(node: fx.Node) -> bool:
     """``operator.iadd``, ``t.add_``, ``t.__setitem__``: in place by what is called, whatever the arguments
     (once per target: ``written`` runs ~6 times per node of a graph)."""
-    key = (node.op, node.target)
-    try:
-        return _INPLACE_TARGETS[key]
-    except KeyError:
-        pass
-    except TypeError:   # an unhashable target
-        return _inplace_by_name(node)
-    found = _INPLACE_TARGETS[key] = _inplace_by_name(node)
-    return found
+    return _cached(_INPLACE_TARGETS, (node.op, node.target), _inplace_by_name, node)
 
 
 def _inplace_by_name(node: fx.Node) -> bool:
@@ -140,14 +143,7 @@ def _signature(target):
     """``inspect.signature(target)`` once per function (None without one): a builtin's is parsed from its
     text signature on every call, 0.2 ms each; ``written`` asks for it on every call with a positional
     ``True`` (``keepdim``, ``as_tuple``), 0.8 s of a 5 s dynamo stage at 128 experts x 4 layers."""
-    try:
-        return _SIGNATURES[target]
-    except KeyError:
-        pass
-    except TypeError:   # an unhashable callable
-        return _bind_signature(target)
-    sig = _SIGNATURES[target] = _bind_signature(target)
-    return sig
+    return _cached(_SIGNATURES, target, _bind_signature, target)
 
 
 def _bind_signature(target):
