@@ -209,6 +209,8 @@ def compile_blocks(model: nn.Module, backend="moe", *, blocks: Iterable[nn.Modul
     groups = [g for g in by_class.values() if len(g) > 1]
     if groups:
         _MirrorOnce(model, groups)
+    if isinstance(shared, _BlocksBackend):
+        _NothingAfterModelCall(model, shared.session)
     return blocks
 
 
@@ -364,6 +366,41 @@ class _CompiledLoss:
 
     def __reduce__(self):
         return _eager_loss, (self.eager,)
+
+
+class _NothingAfterModelCall:
+    """A forward hook on the (eager) root: the nothing-rewritten warning of a compile_blocks session is decided
+    when the model's call ends, not when its first block's does (a dense first block, as in DeepSeek-V3's
+    ``first_k_dense_replace`` or Qwen3-MoE's ``mlp_only_layers``, rewrote nothing before any MoE block had
+    compiled: the warning said the model rewrote nothing; review helper-90). Removes itself once the session
+    rewrote a region or warned. A deep copy of the model gets a no-op hook (the session holds a lock)."""
+
+    _ON: "weakref.WeakKeyDictionary[nn.Module, _NothingAfterModelCall]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, model: nn.Module, session):
+        if (earlier := self._ON.get(model)) is not None:   # an earlier compile_blocks call's
+            earlier.handle.remove()
+        self.session = session
+        session.defer_nothing = True
+        self.handle = model.register_forward_hook(self)
+        self._ON[model] = self
+
+    def __call__(self, module, args, output):
+        session = self.session
+        session.flush_nothing()
+        if session.rewritten or ("nothing",) in session.warned:
+            self.handle.remove()
+
+    def __reduce__(self):
+        return _no_op_hook, ()
+
+
+def _no_op_hook():
+    return _no_op
+
+
+def _no_op(*args):
+    return None
 
 
 class _MirrorOnce:

@@ -78,6 +78,11 @@ class Session:
         # whether this session's first call has lifted the run-eagerly marks an earlier compile left on
         # frames in MoE code (skipped_frames.lift_earlier_skips)
         self.lifted_earlier_skips = False
+        # compile_blocks' session: the nothing-rewritten verdict waits for the end of the model's call (a
+        # dense first block compiles, and ends its call, before any MoE block has); what waits: the frames
+        # given up on, or None when nothing does (flush_nothing)
+        self.defer_nothing = False
+        self.pending_nothing: tuple[str, ...] | None = None
         # Inductor's fallback_random when this session's compile first ran the passes (it decides which rewrites
         # keep eager's random draws): explain() of the compiled model follows it, not the value at explain time
         self.fallback_random: bool | None = None
@@ -104,17 +109,32 @@ class Session:
     def after_call(self, compiled_frames: bool, skipped: tuple[str, ...] = ()) -> None:
         """After a call of the compiled model that compiled frames: warn once if nothing was rewritten.
         ``skipped``: frames outside MoE code that Dynamo gave up on in a call that handed this session no
-        graph at all (they ran eagerly, with everything they call)."""
-        if compiled_frames and self.rewritten == 0:
-            why = (f"{self.refused} MoE region(s) or graph break(s) were refused, each logged above"
-                   if self.refused else "no MoE layer was found in the compiled graphs; a layer Dynamo ran "
-                   "eagerly, such as a checkpointed layer after a graph break in it, never reaches the backend")
-            if skipped and not self.refused:
-                why = (f"no graph reached the backend: Dynamo gave up on {'; '.join(skipped)}, which then ran "
-                       "eagerly with everything it calls")
-            self.warn_once(("nothing",), f"moe_compile: backend=\"moe\" rewrote no MoE region of this compiled model "
-                                         f"({why}); it runs as torch.compile's default backend would run it. "
-                                         "moe_compile.explain(compiled_model, *inputs) lists what was found and why.")
+        graph at all (they ran eagerly, with everything they call). A ``defer_nothing`` session keeps the
+        verdict for ``flush_nothing``."""
+        if not compiled_frames or self.rewritten:
+            return
+        if self.defer_nothing:
+            self.pending_nothing = tuple(dict.fromkeys((*(self.pending_nothing or ()), *skipped)))
+            return
+        why = (f"{self.refused} MoE region(s) or graph break(s) were refused, each logged above"
+               if self.refused else "no MoE layer was found in the compiled graphs; a layer Dynamo ran "
+               "eagerly, such as a checkpointed layer after a graph break in it, never reaches the backend")
+        if skipped and not self.refused:
+            why = (f"no graph reached the backend: Dynamo gave up on {'; '.join(skipped)}, which then ran "
+                   "eagerly with everything it calls")
+        self.warn_once(("nothing",), f"moe_compile: backend=\"moe\" rewrote no MoE region of this compiled model "
+                                     f"({why}); it runs as torch.compile's default backend would run it. "
+                                     "moe_compile.explain(compiled_model, *inputs) lists what was found and why.")
+
+    def flush_nothing(self) -> None:
+        """The end of a model's call, for a ``defer_nothing`` session: the verdict its block calls kept."""
+        pending, self.pending_nothing = self.pending_nothing, None
+        if pending is not None:
+            self.defer_nothing = False
+            try:
+                self.after_call(True, pending)
+            finally:
+                self.defer_nothing = True
 
 
 _default_session = Session()   # compiles outside a capture scope (a backend called directly)

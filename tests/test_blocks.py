@@ -315,7 +315,10 @@ def test_find_blocks_takes_repeated_owners_not_one_layers_experts_and_explain_na
 
 def test_dense_first_block_of_a_class_mirrors_from_a_rehomed_one(caplog):
     """The first block of the class is dense (its graph re-homes nothing): the MoE blocks still get
-    the re-homed block's layout, so no block stacks a copy every step (a warning said so)."""
+    the re-homed block's layout, so no block stacks a copy every step (a warning said so). And no
+    nothing-rewritten warning: it was decided when the dense first block's call ended, before any MoE
+    block had compiled (DeepSeek-V3's first_k_dense_replace, Qwen3-MoE's mlp_only_layers; review
+    helper-90); a deep copy of the model (its root carries the hook that decides it now) trains alike."""
     torch._dynamo.reset()   # Block.forward's cache entries of other tests' compiles
     eager = LoopLM(4, dense=(0,))
     model = copy.deepcopy(eager)
@@ -324,6 +327,8 @@ def test_dense_first_block_of_a_class_mirrors_from_a_rehomed_one(caplog):
     _train_like_eager(eager, model, steps=3)
     assert all(_shares_one_storage(b) for b in model.layers[1:])
     assert "stacking a copy" not in caplog.text and ".data was replaced" not in caplog.text, caplog.text
+    assert "rewrote no MoE region" not in caplog.text, caplog.text
+    _train_like_eager(copy.deepcopy(eager), copy.deepcopy(model), steps=1)
 
 
 @pytest.mark.parametrize("tie", ["alias", "shared_memory"])
