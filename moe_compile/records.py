@@ -118,7 +118,9 @@ class Session:
             return
         why = (f"{self.refused} MoE region(s) or graph break(s) were refused, each logged above"
                if self.refused else "no MoE layer was found in the compiled graphs; a layer Dynamo ran "
-               "eagerly, such as a checkpointed layer after a graph break in it, never reaches the backend")
+               "eagerly, such as a checkpointed layer after a graph break in it, never reaches the backend; a dense "
+               "layer compiled on its own (torch.compile per decoder layer) has none: each torch.compile call "
+               "reports on its own graphs, moe_compile.compile_blocks(model) on the model's")
         if skipped and not self.refused:
             why = (f"no graph reached the backend: Dynamo gave up on {'; '.join(skipped)}, which then ran "
                    "eagerly with everything it calls")
