@@ -89,6 +89,33 @@ def _build_steps(a: Analysis, nodes: list[fx.Node]):
     return steps, operands
 
 
+def _numbers(x, out: list):
+    """``x`` with its Python numbers (not bools) taken out into ``out`` in order."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        out.append(x)
+        return "#"
+    if isinstance(x, (list, tuple)):
+        return type(x)(_numbers(i, out) for i in x)
+    return x
+
+
+def _differs(ours: list, theirs: list, expert: int) -> Finding:
+    """Why expert ``expert``'s steps are not expert 0's: only a Python number (a per-expert scale or clamp
+    bound), or their structure (review helper-90: the first said "differs in structure" too)."""
+    if len(ours) == len(theirs):
+        for a, b in zip(ours, theirs):
+            na, nb = [], []
+            shape_a = (a.op, a.target, _numbers(a.args, na), _numbers(a.kwargs, na), a.linear, a.dtype)
+            shape_b = (b.op, b.target, _numbers(b.args, nb), _numbers(b.kwargs, nb), b.linear, b.dtype)
+            if shape_a != shape_b:
+                break
+            if na != nb:
+                x, y = next((x, y) for x, y in zip(na, nb) if x != y)
+                op = getattr(a.target, "__name__", str(a.target))
+                return Finding.of("expert_numbers_differ", None, expert=expert, op=op, ours=x, theirs=y)
+    return Finding.of("experts_differ", None, expert=expert)
+
+
 def _form(a: Analysis, s: Storage, nodes) -> str:
     ops = {canon(n) for n in nodes}
     one_hot = "one_hot" in ops or any(c.rows.enum[0] == "where" for c in s.contribs.values())
@@ -186,7 +213,7 @@ def find_loop_regions(gm: fx.GraphModule, analysis: Analysis | None = None) -> l
             built = [_build_steps(a, functions[e]) for e in sorted(s.contribs)]
             differs = next((e for e, (steps, _) in enumerate(built) if steps != built[0][0]), None)
             if differs is not None:
-                findings = [Finding.of("experts_differ", None, expert=differs)]
+                findings = [_differs(built[0][0], built[differs][0], differs)]
         if findings:
             found.append(Candidate(module, form, where, None, tuple(findings), len(s.contribs), k))
             continue

@@ -106,6 +106,11 @@ REASONS: dict[str, Reason] = {
         "Dynamo does not specialize floats there), so the experts' values may differ and one grouped op cannot "
         "apply them", "compile without dynamic=True (the default keeps such numbers constant), or set "
         "torch._dynamo.config.specialize_float = True, or make the number one shared value outside the experts"),
+    "expert_numbers_differ": Reason(
+        "expert {expert}'s MLP is expert 0's with another number in `{op}` ({theirs} where expert 0 has {ours}): "
+        "one grouped op applies one function to every expert's rows",
+        "use one number for every expert; a per-expert scale of the output can be folded into the last linear's "
+        "weight (w2.weight * scale); other per-expert numbers (clamp bounds, ...) keep the layer compiled as written"),
     "weight_shapes_differ": Reason("expert weights have different shapes {shapes}",
                                    "give every expert the same layer sizes"),
     "no_linear": Reason("the expert function has no linear layer", "nothing to group: not an MoE expert MLP"),

@@ -179,3 +179,28 @@ def test_dynamic_shapes_expert_floats(specialize_float, caplog):
         check_compiled(_ClampedLoop(), [x], expect_rewritten=int(specialize_float),
                        expect_refused=int(not specialize_float), dynamic=True)
     assert ("[expert_numbers_dynamic]" in caplog.text) != specialize_float, caplog.text
+
+
+@pytest.mark.parametrize("where", ["scale", "clamp"])
+def test_experts_differing_in_a_number_are_named_so(where, caplog):
+    """ModuleList experts whose layers are the same but a Python number differs per expert (an output scale, a
+    clamp bound) are refused (one grouped op applies one function); the reason said "differs in structure" and
+    the fix "give every expert the same layers", which they have (review helper-90). Now expert_numbers_differ,
+    naming the op and both numbers, with the fold-into-the-weight fix; a structural difference keeps
+    experts_differ. Values and gradients as eager's."""
+    model = _ClampedLoop()
+    for j, expert in enumerate(model.experts):
+        expert.limit = 0.5 + j if where == "clamp" else expert.limit
+        expert.alpha = 1.702 * (1 + j) if where == "scale" else expert.alpha
+    x = make_input((3, 5, 16)) * 4
+    with caplog.at_level("WARNING"):
+        check_compiled(model, [x], expect_rewritten=0, expect_refused=1)
+    (line,) = [ln for ln in caplog.text.splitlines() if "[expert_numbers_differ]" in ln]
+    want = "`clamp` (-1.5 where expert 0 has -0.5)" if where == "clamp" else "`mul` (3.404 where expert 0 has 1.702)"
+    assert want in line and "experts_differ]" not in caplog.text, caplog.text
+
+    model = _ClampedLoop()
+    model.experts[2] = torch.nn.Sequential(torch.nn.Linear(16, 24, bias=False), torch.nn.GELU(), torch.nn.Linear(24, 16, bias=False))
+    with caplog.at_level("WARNING"):
+        check_compiled(model, [x], expect_rewritten=0, expect_refused=1)
+    assert "[experts_differ] " in caplog.text, caplog.text
