@@ -254,7 +254,8 @@ def stack_expert_params(gm: fx.GraphModule, example_inputs, may_move: bool = Tru
     plan = StackPlan(tuple(i for i in range(len(placeholders)) if i not in removed), tuple(stacks))
     notes = [f"{len(removed)} expert weights enter the compiled graph as {len(stacks)} stacked input(s), one "
              "autograd leaf each (gradients handed to the same Parameters): no per-Parameter autograd or "
-             "wrapper cost (Dynamo still checks each Parameter)"]
+             "wrapper cost (Dynamo still checks each Parameter); backward(inputs=...) and torch.autograd.grad "
+             "that name expert weights without the input x need moe.stack_expert_params=False"]
     return plan, plan.inputs(list(example_inputs), fakes), groups, notes
 
 

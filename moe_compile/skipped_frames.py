@@ -126,7 +126,8 @@ def report_skipped_frames(session, since_us: int, exclude: set = frozenset()) ->
         found[(frames[-1].filename, frames[-1].lineno)] = (
             (skipped.filename, skipped.lineno, skipped.name),
             records.RegionRecord("", "skipped frame", records.REFUSED, reasons.message(code, detail), (),
-                                 frames[-1].at, code=code, fix=break_fix(code, detail), source=frames[-1].source))
+                                 detail["at"], code=code, fix=break_fix(code, detail),
+                                 source=frames[-1].source if detail["at"] == frames[-1].at else detail["source"]))
     if found:
         records.publish([r for _, r in found.values()], session)
         live_skips().update(found)

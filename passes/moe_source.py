@@ -22,6 +22,7 @@ import ast
 import dataclasses
 import functools
 import linecache
+import os
 import re
 
 
@@ -141,6 +142,33 @@ def _enclosing_function(filename: str, lineno: int) -> str | None:
             if best is None or node.lineno >= best.lineno:
                 best = node
     return "".join(lines[best.lineno - 1:best.end_lineno]) if best is not None else None
+
+
+# calls that break Dynamo's graph wherever they are: inside a loop's body Dynamo gives up on the loop and
+# reports only its `for` line (reason "step_unsupported")
+_UNTRACEABLE_METHODS = {"retain_grad", "tolist", "numpy", "cpu", "register_full_backward_hook"}
+_UNTRACEABLE_FUNCTIONS = {"print", "breakpoint"}
+
+
+def untraceable_in_loop(filename: str, lineno: int) -> str | None:
+    """In the body of the ``for`` loop at ``filename:lineno``: the first call Dynamo cannot trace
+    (``y.retain_grad()``, ``print(...)``, ``.tolist()``), as "`source` at file:line", else None."""
+    lines = linecache.getlines(filename)
+    try:
+        tree = ast.parse("".join(lines))
+    except (SyntaxError, ValueError):
+        return None
+    loop = next((n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.While)) and n.lineno == lineno), None)
+    if loop is None:
+        return None
+    calls = sorted((n for stmt in loop.body for n in ast.walk(stmt) if isinstance(n, ast.Call)),
+                   key=lambda n: (n.lineno, n.col_offset))
+    for call in calls:
+        f = call.func
+        if isinstance(f, ast.Attribute) and f.attr in _UNTRACEABLE_METHODS or \
+                isinstance(f, ast.Name) and f.id in _UNTRACEABLE_FUNCTIONS:
+            return f"`{lines[call.lineno - 1].strip()}` at {os.path.basename(filename)}:{call.lineno}"
+    return None
 
 
 _ROUTES_WHOLE = re.compile(r"\btopk\(|\bargmax\(|\.max\(\s*(dim\s*=\s*)?-?\d")

@@ -294,6 +294,11 @@ REASONS: dict[str, Reason] = {
         "take gradients with loss.backward() or torch.autograd.grad(loss, params) on the compiled model, which "
         "the rewrite serves; a torch.func transform inside the compiled function traces, but runs the MoE layer "
         "unrewritten (func_transform)"),
+    "break_module_backward_hook": Reason(
+        "{what} at {at}: `{source}` calls a module that has a backward hook (register_full_backward_hook or "
+        "register_full_backward_pre_hook), which Dynamo does not trace{effect}",
+        "register the hook on a module outside the MoE layer (the decoder layer, or the model), or use a tensor "
+        "hook (`out.register_hook(...)` in forward, or on a Parameter), which the rewrite keeps"),
     "func_transform": Reason(
         "the MoE layer at {at} runs under a torch.func transform traced into the compiled graph (`{transform}`); "
         "the backend does not rewrite inside one, so the layer is compiled as written",
@@ -312,7 +317,9 @@ REASONS: dict[str, Reason] = {
         "activation checkpointing (torch.utils.checkpoint, gradient_checkpointing_enable) runs the whole "
         "checkpointed call eagerly, and a frame Dynamo gives up on runs as written; remove that graph break, or "
         "compile each decoder layer on its own with moe_compile.compile_blocks(model) (a break inside a layer "
-        "then splits its graph instead); code under torch.compiler.disable always runs eagerly"),
+        "then splits its graph instead); code under torch.compiler.disable always runs eagerly, and so do the "
+        "segments of torch.utils.checkpoint.checkpoint_sequential, which Dynamo skips (call checkpoint() per "
+        "segment instead)"),
     "router_logits_recorder": Reason(
         "`{module}` ({cls}: {what}) was not rewritten: transformers records per-layer outputs (the router logits of "
         "output_router_logits=True, for the load-balancing loss) with forward hooks on {hooks}, installed all at once "
@@ -368,11 +375,10 @@ REASONS: dict[str, Reason] = {
         "(peft's target_modules)"),
     "break_in_expert_loop": Reason(
         "{what} at {at}: `{source}`: a graph break inside the loop's body, where Dynamo cannot resume (it gives "
-        "up on the loop); e.g. a slice with tensor bounds `x[start[e]:end[e]]` reads the bounds on the host, as "
-        "`.item()` does{effect}",
-        "select each expert's rows with tensor ops (`tok, slot = torch.where(ids == e)`), or sort the rows and run "
-        "torch._grouped_mm with offsets from the counts (no host reads); TORCH_LOGS=\"graph_breaks\" names the "
-        "break in the body"),
+        "up on the loop); {cause}{effect}",
+        "move calls Dynamo cannot trace (retain_grad, print, .tolist()) out of the loop; select each expert's rows "
+        "with tensor ops (`tok, slot = torch.where(ids == e)`), or sort the rows and run torch._grouped_mm with "
+        "offsets from the counts (no host reads); TORCH_LOGS=\"graph_breaks\" names the break in the body"),
     "break_bincount": Reason(
         "{what} at {at}: `{source}`: bincount has a data-dependent output length{effect}",
         "use `one_hot(ids, E).sum(0)` or `torch.histc(ids.float(), bins=E, min=0, max=E - 1)`"),

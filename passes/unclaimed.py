@@ -64,7 +64,7 @@ from .expert_ids import ID_VIEWS, OTHER_ROUTERS, router_kind, router_root, route
 from .id_range import holds_ids
 from .listed_experts import listed, listed_source, past_common, stacked_layers_dropped
 from .moe_source import (Frame, _enclosing_function, declares_experts_implementation, enclosing_class,  # noqa: F401
-                         in_moe_code, node_frames)
+                         in_moe_code, node_frames, untraceable_in_loop)
 from .normalize import canon, common_module, module_path, source_name, val, where_in_user_code
 from .token_paths import MATMULS, downstream, ep_experts_of, graph_params, param_of, router_params, token_values
 from .unclaimed_base import (_GATHERS, Unclaimed, _claimed_by, _dims, _expert_choice, _near, _past_output,
@@ -375,6 +375,11 @@ def classify_break(frames, reason: str) -> tuple[str, dict]:
         limit = re.search(r"limit type: (\w+)", low)
         detail["limit"] = limit.group(1) if limit else "recompile_limit"
         detail["value"] = getattr(torch._dynamo.config, detail["limit"], "?")
+    elif "module-level backwards hooks" in low:
+        code = "break_module_backward_hook"
+        user = [fr for fr in frames if not fr.filename.endswith("torch/nn/modules/module.py")]
+        if user:   # the call of the hooked module, not torch's hook set-up
+            detail.update(at=user[-1].at, source=user[-1].source or "?")
     elif "unsupported functorch tracing attempt" in low:
         code = "break_func_transform"
     elif "expert_hit" in src:
@@ -389,6 +394,10 @@ def classify_break(frames, reason: str) -> tuple[str, dict]:
         code = "break_bincount"
     elif "step_unsupported" in low and src.startswith(("for ", "while ")):
         code = "break_in_expert_loop"
+        inner = untraceable_in_loop(f.filename, f.lineno)
+        detail["cause"] = (f"the body calls {inner}, which Dynamo cannot trace" if inner else
+                           "e.g. a slice with tensor bounds `x[start[e]:end[e]]` reads the bounds on the host, as "
+                           "`.item()` does")
     elif "data-dependent branching" in low or src.startswith(("if ", "elif ", "while ")) and (
             "data-dependent" in low or "generic_jump" in low or ".item()" in src):
         code = "break_random_branch" if _RANDOM_DRAW.search(src) else "break_data_dependent"

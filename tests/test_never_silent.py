@@ -2466,3 +2466,57 @@ def test_messages_of_adapter_forms():
     code, _ = classify_break([Frame(__file__, 1, "forward"), Frame(parametrize, 92, "_maybe_set", "dest.set_(src)")],
                              "Unsupported function call")
     assert code == "break_parametrization"
+
+
+class _RetainInLoop(nn.Module):
+    """A per-expert loop that keeps one expert's output gradient for inspection (``y.retain_grad()``)."""
+
+    def __init__(self, h=16, e=4, k=2):
+        super().__init__()
+        self.e, self.k = e, k
+        self.gate = nn.Linear(h, e, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(h, 12) for _ in range(e))
+        self.kept = None
+
+    def forward(self, x):
+        w, ids = torch.topk(self.gate(x).softmax(-1), self.k, -1)
+        out = torch.zeros_like(x)
+        for e in range(self.e):
+            tok, slot = torch.where(ids == e)
+            y = self.experts[e](x[tok])
+            if e == 1:
+                y.retain_grad()
+                self.kept = y
+            out.index_add_(0, tok, y * w[tok, slot, None])
+        return out
+
+
+def test_untraceable_call_in_an_expert_loop_is_named(caplog):
+    """``y.retain_grad()`` inside the expert loop: Dynamo gives up on the loop and reports only its ``for``
+    line; the reason gave a tensor-bounds slice as its example and the fix said to select rows with
+    torch.where, which the loop does (review helper-89). Now the call in the body is named, and the fix says
+    to move it out of the loop. Values and gradients as eager's."""
+    x = make_input((10, 16))
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        check_compiled(_RetainInLoop(), [x], expect_rewritten=0, expect_refused=1)
+    (w,) = _warnings(caplog, "break_in_expert_loop")
+    assert "`y.retain_grad()` at test_never_silent.py:" in w and "move calls Dynamo cannot trace" in w, w
+
+
+def test_module_backward_hook_inside_the_layer_is_named(caplog):
+    """A full backward hook on one expert module: Dynamo gives up on the layer's frame ("Module-level backwards
+    hooks require compiled autograd"). It was break_other located at torch's module.py (`BackwardHook(...)`)
+    with the fix "move the code Dynamo cannot trace out of the MoE layer", and explain() listed the experts
+    also as ran_eagerly, "no graph break in MoE code says why" (review helper-89). Now break_module_backward_hook
+    at the layer's frame, with where to put the hook instead; no ran_eagerly row. Values as eager's."""
+    model = make_model(spelling="index_add", e=4, k=2)
+    model.experts.experts[1].register_full_backward_hook(lambda mod, gin, gout: None)
+    x = make_input((10, 16))
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        check_compiled(model, [x], expect_rewritten=0, expect_refused=1)
+    (w,) = _warnings(caplog, "break_module_backward_hook")
+    assert "module.py" not in w.split("fix:")[0] and "outside the MoE layer" in w, w
+    torch._dynamo.reset()
+    report = moe_compile.explain(model, x)
+    assert [b.reason_code for b in report.graph_breaks] == ["break_module_backward_hook"], report
+    assert all(r.code != "ran_eagerly" for r in report.regions), report
