@@ -142,7 +142,8 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
 
     regions = explain_regions(fn, regions) if by_blocks else regions
     return Report(regions, breaks, graphs[0], errors=(str(failure),) if failure is not None else (),
-                  notes=explain_notes(fn, regions) if by_blocks else _backend_note(compiled_with))
+                  notes=explain_notes(fn, regions) if by_blocks else
+                  _backend_note(compiled_with) + _submodules_note(fn, compiled_with, regions))
 
 
 def _setup_error(exc: BaseException):
@@ -211,6 +212,35 @@ def _backend_note(compiled_with: str | None) -> tuple[str, ...]:
         return ()
     return (f"this model was compiled with backend={compiled_with!r}, which rewrites no MoE region: the report "
             "shows what torch.compile(model, backend=\"moe\") would do",)
+
+
+def _submodules_note(fn, compiled_with: str | None, regions) -> tuple[str, ...]:
+    """A model not compiled itself whose submodules are (``layer.compile()``, or ``torch.compile(layer)``
+    assigned back): explain traced the whole model, so say which are compiled and which rewritten regions
+    lie outside them, and run eagerly (review helper-90: "3 rewritten" where one layer was compiled)."""
+    from .backend import moe_backend
+
+    if compiled_with is not None or not isinstance(fn, torch.nn.Module):
+        return ()
+    compiled = [_plain_path(n) for n, m in fn.named_modules() if n and not n.endswith("_orig_mod") and
+                _compiled_with(getattr(m, "_compiled_call_impl", None) or m, m, moe_backend)[0] == "moe"]
+    if not compiled:
+        return ()
+    inside = lambda path: any(path == c or path.startswith(f"{c}.") for c in compiled)  # noqa: E731
+    shown = ", ".join(compiled[:3]) + (", ..." if len(compiled) > 3 else "")
+    out = [f"this model is not compiled itself; {len(compiled)} submodule(s) are, with backend=\"moe\" ({shown}): "
+           "explain traced a whole-model compile, regions inside those submodules are rewritten as listed, the rest "
+           "runs eagerly"]
+    eager = sorted({r.module or "<top>" for r in regions if r.status == "rewritten" and not inside(_plain_path(r.module))})
+    if eager:
+        out.append(f"{', '.join(eager)}: outside every submodule compiled with backend=\"moe\", so it runs eagerly or "
+                   "as that other compile runs it (NOT rewritten); compile the model, or each block with "
+                   "moe_compile.compile_blocks(model)")
+    return tuple(out)
+
+
+def _plain_path(path: str) -> str:
+    return ".".join(p for p in path.split(".") if p != "_orig_mod")
 
 
 def _explain_options(user: dict) -> tuple[dict, MoEConfig]:

@@ -512,3 +512,28 @@ def test_skipped_frame_records_do_not_outlive_a_dynamo_reset():
     assert ("m.py", 3) in skipped_frames.live_skips()
     torch._dynamo.reset()
     assert ("m.py", 3) not in skipped_frames.live_skips()
+
+
+@pytest.mark.parametrize("how", ["in_place", "assigned_back", "other_backend"])
+def test_explain_of_a_model_whose_submodule_alone_is_compiled(how):
+    """Only one layer compiled (``layer.mlp.compile(backend="moe")``, or ``torch.compile(layer)`` assigned back):
+    explain() traces the whole model and said "2 rewritten" with no word that the other layer runs eagerly
+    (review helper-90). Now notes name the compiled submodule and the regions outside it; a submodule compiled
+    with another backend counts as not compiled with ours."""
+    torch._dynamo.reset()
+    x = make_input((6, 16))
+    model = _TwoLayers()
+    if how == "in_place":
+        model.layers[1].mlp.compile(backend="moe", options={"moe.inductor": False})
+    elif how == "assigned_back":
+        model.layers[1] = torch.compile(model.layers[1], backend="moe", options={"moe.inductor": False})
+    else:
+        model.layers[1].mlp.compile(backend="aot_eager")
+    model(x)
+    rep = moe_compile.explain(model, x)
+    if how == "other_backend":
+        assert not rep.notes, str(rep)
+        return
+    compiled = "layers.1.mlp" if how == "in_place" else "layers.1"
+    assert len(rep.notes) == 2 and f"({compiled})" in rep.notes[0], str(rep)
+    assert rep.notes[1].startswith("layers.0.mlp: outside every submodule compiled"), str(rep)
