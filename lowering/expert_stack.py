@@ -255,7 +255,7 @@ def stack_expert_params(gm: fx.GraphModule, example_inputs, may_move: bool = Tru
     notes = [f"{len(removed)} expert weights enter the compiled graph as {len(stacks)} stacked input(s), one "
              "autograd leaf each (gradients handed to the same Parameters): no per-Parameter autograd or "
              "wrapper cost (Dynamo still checks each Parameter); backward(inputs=...) and torch.autograd.grad "
-             "that name expert weights without the input x need moe.stack_expert_params=False"]
+             "with respect to expert weights need moe.stack_expert_params=False"]
     return plan, plan.inputs(list(example_inputs), fakes), groups, notes
 
 

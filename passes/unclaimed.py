@@ -377,7 +377,7 @@ def classify_break(frames, reason: str) -> tuple[str, dict]:
         detail["value"] = getattr(torch._dynamo.config, detail["limit"], "?")
     elif "module-level backwards hooks" in low:
         code = "break_module_backward_hook"
-        user = [fr for fr in frames if not fr.filename.endswith("torch/nn/modules/module.py")]
+        user = [fr for fr in frames if not fr.filename.replace("\\", "/").endswith("torch/nn/modules/module.py")]
         if user:   # the call of the hooked module, not torch's hook set-up
             detail.update(at=user[-1].at, source=user[-1].source or "?")
     elif "unsupported functorch tracing attempt" in low:
