@@ -210,7 +210,7 @@ def compile_blocks(model: nn.Module, backend="moe", *, blocks: Iterable[nn.Modul
     if groups:
         _MirrorOnce(model, groups)
     if isinstance(shared, _BlocksBackend):
-        _NothingAfterModelCall(model, shared.session)
+        _NothingAfterModelCall(model, shared.session, blocks)
     return blocks
 
 
@@ -238,6 +238,7 @@ class _BlocksBackend:
 
         self.session = Session()
         self.session.place = placer(model)
+        self.session.blocks = True
         self.model = weakref.ref(model)
 
     def __call__(self, gm, example_inputs, mode=None, options=None):
@@ -369,27 +370,47 @@ class _CompiledLoss:
 
 
 class _NothingAfterModelCall:
-    """A forward hook on the (eager) root: the nothing-rewritten warning of a compile_blocks session is decided
-    when the model's call ends, not when its first block's does (a dense first block, as in DeepSeek-V3's
-    ``first_k_dense_replace`` or Qwen3-MoE's ``mlp_only_layers``, rewrote nothing before any MoE block had
-    compiled: the warning said the model rewrote nothing; review helper-90). Removes itself once the session
-    rewrote a region or warned. A deep copy of the model gets a no-op hook (the session holds a lock)."""
+    """Hooks on the (eager) root: while a call of the model runs, the nothing-rewritten verdict of a compile_blocks
+    session waits for the call's end (a dense first block, as in DeepSeek-V3's ``first_k_dense_replace`` or
+    Qwen3-MoE's ``mlp_only_layers``, rewrote nothing before any MoE block had compiled: the warning said the model
+    rewrote nothing; review helper-90). Blocks called outside a call of the root (a loop over ``model.layers`` in
+    user code, ``lm.model(...)``) decide at once, as a whole-model compile's call does. The hooks remove
+    themselves once the session rewrote a region or warned, and an earlier compile_blocks call's on the same
+    blocks go (their session sees no more calls). A deep copy of the model gets no-op hooks (the session holds a
+    lock). Under a trace of the root (explain(), a whole-model compile) they do nothing."""
 
-    _ON: "weakref.WeakKeyDictionary[nn.Module, _NothingAfterModelCall]" = weakref.WeakKeyDictionary()
+    _ON: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
 
-    def __init__(self, model: nn.Module, session):
-        if (earlier := self._ON.get(model)) is not None:   # an earlier compile_blocks call's
-            earlier.handle.remove()
-        self.session = session
-        session.defer_nothing = True
-        self.handle = model.register_forward_hook(self)
-        self._ON[model] = self
+    def __init__(self, model: nn.Module, session, blocks: list[nn.Module]):
+        self.session, self.blocks, self.depth = session, {id(b) for b in blocks}, 0
+        earlier = self._ON.setdefault(model, [])
+        for hook in [h for h in earlier if h.blocks <= self.blocks]:
+            hook.remove()
+            earlier.remove(hook)
+        earlier.append(self)
+        self.handles = (model.register_forward_pre_hook(self.enter),
+                        model.register_forward_hook(self, always_call=True))
+
+    def enter(self, module, args):
+        if not torch.compiler.is_compiling():
+            self.depth += 1
+            self.session.defer_nothing = True
 
     def __call__(self, module, args, output):
+        if torch.compiler.is_compiling() or self.depth == 0:
+            return
+        self.depth -= 1
+        if self.depth:
+            return
         session = self.session
+        session.defer_nothing = False
         session.flush_nothing()
         if session.rewritten or ("nothing",) in session.warned:
-            self.handle.remove()
+            self.remove()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
     def __reduce__(self):
         return _no_op_hook, ()
@@ -415,6 +436,8 @@ class _MirrorOnce:
         self.handle = model.register_forward_pre_hook(self)
 
     def __call__(self, module, args):
+        if torch.compiler.is_compiling():   # traced with the root (explain(), a whole-model compile): not a call
+            return None
         self.calls += 1
         if self.calls < 2:  # the first call compiles (and re-homes) the first block of each class
             return None

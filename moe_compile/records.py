@@ -78,9 +78,10 @@ class Session:
         # whether this session's first call has lifted the run-eagerly marks an earlier compile left on
         # frames in MoE code (skipped_frames.lift_earlier_skips)
         self.lifted_earlier_skips = False
-        # compile_blocks' session: the nothing-rewritten verdict waits for the end of the model's call (a
-        # dense first block compiles, and ends its call, before any MoE block has); what waits: the frames
-        # given up on, or None when nothing does (flush_nothing)
+        # compile_blocks' session, while a call of the model runs: the nothing-rewritten verdict waits for the
+        # call's end (a dense first block compiles, and ends its call, before any MoE block has); what waits:
+        # the frames given up on, or None when nothing does (flush_nothing). ``blocks``: compile_blocks' session
+        self.blocks = False
         self.defer_nothing = False
         self.pending_nothing: tuple[str, ...] | None = None
         # Inductor's fallback_random when this session's compile first ran the passes (it decides which rewrites
@@ -118,9 +119,10 @@ class Session:
             return
         why = (f"{self.refused} MoE region(s) or graph break(s) were refused, each logged above"
                if self.refused else "no MoE layer was found in the compiled graphs; a layer Dynamo ran "
-               "eagerly, such as a checkpointed layer after a graph break in it, never reaches the backend; a dense "
-               "layer compiled on its own (torch.compile per decoder layer) has none: each torch.compile call "
-               "reports on its own graphs, moe_compile.compile_blocks(model) on the model's")
+               "eagerly, such as a checkpointed layer after a graph break in it, never reaches the backend" + (
+                   "" if self.blocks else "; a dense layer compiled on its own (torch.compile per decoder layer) "
+                   "has none: each torch.compile call reports on its own graphs, moe_compile.compile_blocks(model) "
+                   "on the model's"))
         if skipped and not self.refused:
             why = (f"no graph reached the backend: Dynamo gave up on {'; '.join(skipped)}, which then ran "
                    "eagerly with everything it calls")
@@ -129,14 +131,10 @@ class Session:
                                      "moe_compile.explain(compiled_model, *inputs) lists what was found and why.")
 
     def flush_nothing(self) -> None:
-        """The end of a model's call, for a ``defer_nothing`` session: the verdict its block calls kept."""
+        """The end of a model's call: the verdict its block calls kept while ``defer_nothing`` was set."""
         pending, self.pending_nothing = self.pending_nothing, None
         if pending is not None:
-            self.defer_nothing = False
-            try:
-                self.after_call(True, pending)
-            finally:
-                self.defer_nothing = True
+            self.after_call(True, pending)
 
 
 _default_session = Session()   # compiles outside a capture scope (a backend called directly)

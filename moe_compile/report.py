@@ -222,8 +222,12 @@ def _submodules_note(fn, compiled_with: str | None, regions) -> tuple[str, ...]:
 
     if compiled_with is not None or not isinstance(fn, torch.nn.Module):
         return ()
-    compiled = [_plain_path(n) for n, m in fn.named_modules() if n and not n.endswith("_orig_mod") and
-                _compiled_with(getattr(m, "_compiled_call_impl", None) or m, m, moe_backend)[0] == "moe"]
+    compiled = []
+    for n, m in fn.named_modules():
+        how = _compiled_with(getattr(m, "_compiled_call_impl", None) or m, m, moe_backend) \
+            if n and not n.endswith("_orig_mod") else (None, {}, None, False)
+        if how[0] == "moe" and not how[3]:   # not a compile_blocks model (its blocks are listed themselves)
+            compiled.append(_plain_path(n))
     if not compiled:
         return ()
     inside = lambda path: any(path == c or path.startswith(f"{c}.") for c in compiled)  # noqa: E731

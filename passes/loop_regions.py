@@ -21,6 +21,8 @@ After lowering (``lowering/region.py``)::
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch.fx as fx
 
 from .loop_dataflow import Analysis, analyze
@@ -90,30 +92,37 @@ def _build_steps(a: Analysis, nodes: list[fx.Node]):
 
 
 def _numbers(x, out: list):
-    """``x`` with its Python numbers (not bools) taken out into ``out`` in order."""
+    """``x`` with its Python numbers (not bools) taken out into ``out`` in order; the encoded operands
+    ("step", i), ("slot", s), ("in",) are kept whole (their indices are positions, not numbers)."""
     if isinstance(x, (int, float)) and not isinstance(x, bool):
         out.append(x)
         return "#"
+    if isinstance(x, tuple) and x and x[0] in ("step", "slot", "in"):
+        return x
     if isinstance(x, (list, tuple)):
         return type(x)(_numbers(i, out) for i in x)
     return x
 
 
 def _differs(ours: list, theirs: list, expert: int) -> Finding:
-    """Why expert ``expert``'s steps are not expert 0's: only a Python number (a per-expert scale or clamp
-    bound), or their structure (review helper-90: the first said "differs in structure" too)."""
-    if len(ours) == len(theirs):
-        for a, b in zip(ours, theirs):
-            na, nb = [], []
-            shape_a = (a.op, a.target, _numbers(a.args, na), _numbers(a.kwargs, na), a.linear, a.dtype)
-            shape_b = (b.op, b.target, _numbers(b.args, nb), _numbers(b.kwargs, nb), b.linear, b.dtype)
-            if shape_a != shape_b:
-                break
-            if na != nb:
-                x, y = next((x, y) for x, y in zip(na, nb) if x != y)
-                op = getattr(a.target, "__name__", str(a.target))
-                return Finding.of("expert_numbers_differ", None, expert=expert, op=op, ours=x, theirs=y)
-    return Finding.of("experts_differ", None, expert=expert)
+    """Why expert ``expert``'s steps are not expert 0's: only Python numbers (a per-expert scale or clamp
+    bound: every step the same but for them), or their structure (review helper-90: the first said
+    "differs in structure" too)."""
+    first = None
+    if len(ours) != len(theirs):
+        return Finding.of("experts_differ", None, expert=expert)
+    for a, b in zip(ours, theirs):
+        na, nb = [], []
+        a_masked = dataclasses.replace(a, args=_numbers(a.args, na), kwargs=_numbers(a.kwargs, na))
+        b_masked = dataclasses.replace(b, args=_numbers(b.args, nb), kwargs=_numbers(b.kwargs, nb))
+        if a_masked != b_masked:
+            return Finding.of("experts_differ", None, expert=expert)
+        if first is None and na != nb:
+            x, y = next((x, y) for x, y in zip(na, nb) if x != y)
+            first = dict(op=getattr(a.target, "__name__", str(a.target)), ours=x, theirs=y)
+    if first is None:
+        return Finding.of("experts_differ", None, expert=expert)
+    return Finding.of("expert_numbers_differ", None, expert=expert, **first)
 
 
 def _form(a: Analysis, s: Storage, nodes) -> str:

@@ -146,7 +146,7 @@ def _enclosing_function(filename: str, lineno: int) -> str | None:
 
 # calls that break Dynamo's graph wherever they are: inside a loop's body Dynamo gives up on the loop and
 # reports only its `for` line (reason "step_unsupported")
-_UNTRACEABLE_METHODS = {"retain_grad", "tolist", "numpy", "cpu", "register_full_backward_hook"}
+_UNTRACEABLE_METHODS = {"retain_grad", "tolist", "register_full_backward_hook"}   # not .cpu(): traced
 _UNTRACEABLE_FUNCTIONS = {"print", "breakpoint"}
 
 

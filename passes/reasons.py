@@ -295,7 +295,7 @@ REASONS: dict[str, Reason] = {
         "the rewrite serves; a torch.func transform inside the compiled function traces, but runs the MoE layer "
         "unrewritten (func_transform)"),
     "break_module_backward_hook": Reason(
-        "{what} at {at}: `{source}` calls a module that has a backward hook (register_full_backward_hook or "
+        "{what} at {at}: a module called there has a backward hook (register_full_backward_hook or "
         "register_full_backward_pre_hook), which Dynamo does not trace{effect}",
         "register the hook on a module outside the MoE layer (the decoder layer, or the model), or use a tensor "
         "hook (`out.register_hook(...)` in forward, or on a Parameter), which the rewrite keeps"),

@@ -331,6 +331,29 @@ def test_dense_first_block_of_a_class_mirrors_from_a_rehomed_one(caplog):
     _train_like_eager(copy.deepcopy(eager), copy.deepcopy(model), steps=1)
 
 
+def test_nothing_rewritten_verdict_of_blocks_called_without_the_root(caplog):
+    """The verdict waits for the end of a call of the root only while one runs: blocks called by user code
+    (a loop over ``model.layers``, ``lm.model(...)``) decide at once, as before (review helper-91: with the
+    verdict always deferred to the root's hook, a model whose blocks are only called directly never warned).
+    And explain() between the first and the second call traces the root's hooks as no-ops (it traced the
+    layout mirror into the weights' re-homing: past Dynamo's recompile limit, 16 graphs)."""
+    torch._dynamo.reset()
+    model = LoopLM(3, dense=(0, 1, 2))
+    moe_compile.compile_blocks(model, options=OPTS)
+    caplog.set_level(logging.WARNING, logger="moe_compile")
+    h = torch.randn(10, 16)
+    for layer in model.layers:
+        h = layer(h)
+    assert caplog.text.count("rewrote no MoE region") == 1, caplog.text
+    torch._dynamo.reset()
+    model = LoopLM(3, dense=(0,))
+    moe_compile.compile_blocks(model, options=OPTS)
+    x = torch.randn(10, 16)
+    model(x)
+    assert moe_compile.explain(model, x).graphs == 1
+    _train_like_eager(LoopLM(3, dense=(0,)), model, steps=1)
+
+
 @pytest.mark.parametrize("tie", ["alias", "shared_memory"])
 def test_mirror_keeps_weights_held_by_another_tensor_where_they_are(tie, caplog):
     """A later block's expert weight that another tensor also holds (a user's ``p.detach()`` alias

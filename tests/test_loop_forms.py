@@ -181,6 +181,13 @@ def test_dynamic_shapes_expert_floats(specialize_float, caplog):
     assert ("[expert_numbers_dynamic]" in caplog.text) != specialize_float, caplog.text
 
 
+class _SwappedExpert(_ClampedExpert):
+    def forward(self, x):
+        g, u = self.up(x).chunk(2, -1)
+        u, g = u.clamp(-self.limit, self.limit), g.clamp(max=self.limit)
+        return self.down((g + 1) * u * torch.sigmoid(u * (self.alpha * 1.0)))
+
+
 @pytest.mark.parametrize("where", ["scale", "clamp"])
 def test_experts_differing_in_a_number_are_named_so(where, caplog):
     """ModuleList experts whose layers are the same but a Python number differs per expert (an output scale, a
@@ -198,6 +205,15 @@ def test_experts_differing_in_a_number_are_named_so(where, caplog):
     (line,) = [ln for ln in caplog.text.splitlines() if "[expert_numbers_differ]" in ln]
     want = "`clamp` (-1.5 where expert 0 has -0.5)" if where == "clamp" else "`mul` (3.404 where expert 0 has 1.702)"
     assert want in line and "experts_differ]" not in caplog.text, caplog.text
+
+    model = _ClampedLoop()   # the same ops on swapped operands: their positions are no numbers (helper-91)
+    swapped = _SwappedExpert(16, 24)
+    swapped.load_state_dict(model.experts[1].state_dict())
+    model.experts[1] = swapped
+    with caplog.at_level("WARNING"):
+        check_compiled(model, [x], expect_rewritten=0, expect_refused=1)
+    assert "[experts_differ] " in caplog.text and "expert 1's" in caplog.text, caplog.text
+    caplog.clear()
 
     model = _ClampedLoop()
     model.experts[2] = torch.nn.Sequential(torch.nn.Linear(16, 24, bias=False), torch.nn.GELU(), torch.nn.Linear(24, 16, bias=False))
