@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import weakref
 from typing import Iterable
 
@@ -404,6 +405,8 @@ class _NothingAfterModelCall:
             return
         session = self.session
         session.defer_nothing = False
+        if sys.exc_info()[1] is not None:   # the call raised (always_call): its verdict waits for a call that ends
+            return
         session.flush_nothing()
         if session.rewritten or ("nothing",) in session.warned:
             self.remove()
