@@ -333,8 +333,9 @@ def test_dense_first_block_of_a_class_mirrors_from_a_rehomed_one(caplog):
 
 def test_nothing_rewritten_verdict_of_blocks_called_without_the_root(caplog):
     """The verdict waits for the end of a call of the root only while one runs: blocks called by user code
-    (a loop over ``model.layers``, ``lm.model(...)``) decide at once, as before (review helper-91: with the
-    verdict always deferred to the root's hook, a model whose blocks are only called directly never warned).
+    (a loop over ``model.layers``) decide at once, as before (review helper-91: with the verdict always
+    deferred to the root's hook, a model whose blocks are only called directly never warned); a module above
+    the blocks called directly (``lm.model(...)``) waits for the end of its call (review helper-93).
     And explain() between the first and the second call traces the root's hooks as no-ops (it traced the
     layout mirror into the weights' re-homing: past Dynamo's recompile limit, 16 graphs)."""
     torch._dynamo.reset()
@@ -345,6 +346,12 @@ def test_nothing_rewritten_verdict_of_blocks_called_without_the_root(caplog):
     for layer in model.layers:
         h = layer(h)
     assert caplog.text.count("rewrote no MoE region") == 1, caplog.text
+    caplog.clear()
+    torch._dynamo.reset()   # the inner model called directly (lm.model(...)): it waits for that call (helper-93)
+    outer = nn.ModuleDict({"model": LoopLM(3, dense=(0,))})
+    moe_compile.compile_blocks(outer, blocks="model.layers", options=OPTS)
+    outer["model"](torch.randn(10, 16))
+    assert "rewrote no MoE region" not in caplog.text, caplog.text
     torch._dynamo.reset()
     model = LoopLM(3, dense=(0,))
     moe_compile.compile_blocks(model, options=OPTS)
