@@ -212,7 +212,7 @@ def compile_blocks(model: nn.Module, backend="moe", *, blocks: Iterable[nn.Modul
     if isinstance(shared, _BlocksBackend):
         from .blocks_verdict import NothingAfterModelCall
 
-        NothingAfterModelCall(model, shared.session, blocks)
+        NothingAfterModelCall(model, shared.session, blocks, _COMPILED[model].names)
     return blocks
 
 

@@ -22,14 +22,14 @@ class NothingAfterModelCall:
 
     _ON: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
 
-    def __init__(self, model: nn.Module, session, blocks: list[nn.Module]):
+    def __init__(self, model: nn.Module, session, blocks: list[nn.Module], names: tuple[str, ...]):
         self.session, self.blocks, self.depth = session, {id(b) for b in blocks}, 0
         earlier = self._ON.setdefault(model, [])
         for hook in [h for h in earlier if h.blocks <= self.blocks]:
             hook.remove()
             earlier.remove(hook)
         earlier.append(self)
-        self.handles = [handle for m in _above(model, blocks) for handle in (
+        self.handles = [handle for m in _above(model, names) for handle in (
             m.register_forward_pre_hook(_Hook(self.enter)), m.register_forward_hook(_Hook(self.leave), always_call=True))]
 
     def enter(self, module, args):
@@ -56,10 +56,10 @@ class NothingAfterModelCall:
             handle.remove()
 
 
-def _above(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
-    """``model`` and the modules every block lies under (``lm.model``, ``lm.model.layers``), not the blocks."""
-    names = {id(m): n for n, m in model.named_modules()}
-    paths = [names[id(b)].split(".") for b in blocks if id(b) in names]
+def _above(model: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
+    """``model`` and the modules every block (by its qualified ``names``) lies under (``lm.model``,
+    ``lm.model.layers``), not the blocks."""
+    paths = [n.split(".") for n in names]
     common = []
     for parts in zip(*(p[:-1] for p in paths)) if paths else ():
         if len(set(parts)) > 1:

@@ -129,12 +129,24 @@ _EXPERT_COMPUTE = re.compile(r"\w\[[^\]\n]+\]\s*\(|\b_?grouped_(mm|gemm)\w*\(|\b
                              re.I)
 
 
+def _parsed(filename: str) -> tuple[list[str], ast.AST | None]:
+    """``filename``'s lines (linecache's) and their syntax tree, None where they do not parse."""
+    lines = linecache.getlines(filename)
+    return lines, _parse("".join(lines))
+
+
+@functools.lru_cache(maxsize=16)
+def _parse(text: str) -> ast.AST | None:
+    try:
+        return ast.parse(text)
+    except (SyntaxError, ValueError):
+        return None
+
+
 def _enclosing_function(filename: str, lineno: int) -> str | None:
     """The text of the innermost function holding ``filename:lineno``, else None."""
-    lines = linecache.getlines(filename)
-    try:
-        tree = ast.parse("".join(lines))
-    except (SyntaxError, ValueError):
+    lines, tree = _parsed(filename)
+    if tree is None:
         return None
     best = None
     for node in ast.walk(tree):
@@ -153,10 +165,8 @@ _UNTRACEABLE_FUNCTIONS = {"print", "breakpoint"}
 def untraceable_in_loop(filename: str, lineno: int) -> str | None:
     """In the body of the ``for`` loop at ``filename:lineno``: the first call Dynamo cannot trace
     (``y.retain_grad()``, ``print(...)``, ``.tolist()``), as "`source` at file:line", else None."""
-    lines = linecache.getlines(filename)
-    try:
-        tree = ast.parse("".join(lines))
-    except (SyntaxError, ValueError):
+    lines, tree = _parsed(filename)
+    if tree is None:
         return None
     loop = next((n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.While)) and n.lineno == lineno), None)
     if loop is None:
