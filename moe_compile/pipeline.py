@@ -2,8 +2,8 @@
 
     stage          graph                                     passes
     dynamo         a copy of Dynamo's torch-level graph      normalize, loop_regions, grouped_regions,
-                                                             check, lower, swiglu, weights_in_swiglu,
-                                                             router_topk, host_syncs
+                                                             check, unclaimed, lower, static_counts, swiglu,
+                                                             weights_in_swiglu, router_topk, host_syncs
     before_compile the rewritten graph and its real inputs   stack_expert_params
     post_grad      each forward / backward ATen graph after  wgrad_early, ep_overlap, runtime_ops
                    AOTAutograd (Inductor's post-grad hook,
@@ -162,6 +162,14 @@ def _weights_in_swiglu(s: DynamoState) -> None:
                 s.region_nodes[id(r)].update(added)
 
 
+def _static_counts(s: DynamoState) -> None:
+    if s.accepted:
+        from moe_compile.lowering.static_counts import use_static_counts
+        from moe_compile.passes.static_counts import find_static_bincounts
+
+        use_static_counts(s.gm, find_static_bincounts(s.gm.graph))
+
+
 def _router_topk(s: DynamoState) -> None:
     if s.accepted:
         from moe_compile.lowering.router_topk import use_router_topk
@@ -253,6 +261,9 @@ PASSES: tuple[Pass, ...] = (
     Pass("unclaimed", "dynamo", _unclaimed, False,
          "record MoE-like code that no candidate covers (passes/unclaimed.py): never silent"),
     Pass("lower", "dynamo", _lower, False, "rewrite accepted regions into moe_compile ops (lowering/region.py)"),
+    Pass("static_counts", "dynamo", _static_counts, True,
+         "bincount(router ids, minlength=E) still read outside the regions (a load-balancing loss) -> a "
+         "static-length count on the device: no host read of its length (lowering/static_counts.py)"),
     Pass("swiglu", "dynamo", _swiglu, True,
          "silu(h[:, :N]) * h[:, N:] on rewritten GEMM outputs -> moe_compile.swiglu (lowering/swiglu.py)"),
     Pass("weights_in_swiglu", "dynamo", _weights_in_swiglu, True,
@@ -299,7 +310,7 @@ def _with_fused(nodes: set) -> set:
     return nodes | {u for n in nodes for u in n.users if (canon(u) or "") == "moe_compile::swiglu"}
 
 
-_REWRITES = ("lower", "swiglu", "weights_in_swiglu", "router_topk")   # dynamo passes that edit the graph
+_REWRITES = ("lower", "static_counts", "swiglu", "weights_in_swiglu", "router_topk")   # dynamo passes that edit the graph
 _READS_ONLY = ("loop_regions", "grouped_regions", "check", "unclaimed")   # their scans are shared
 
 
