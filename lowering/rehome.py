@@ -20,6 +20,9 @@ A later ``model.to(...)`` allocates new storages: the op then reads the weights 
 Never for weights whose storage is not theirs alone (``_shared_storage``: ZeroRedundancyOptimizer's
 bucket views, experts tied through ``.data``, a user's alias): those ties would be cut.
 
+Never for weights a rewritten region reads inside a ``torch.compiler.nested_compile_region`` function that
+Dynamo inlined (``nested_region_note``): the next trace of that function as a subgraph would refuse them.
+
 Never under FSDP2 (``fully_shard``): the parameters a compiled graph reads are FSDP's unsharded
 parameters, whose storage FSDP refills on every all-gather; moving their ``.data`` would leave the
 experts computing with the weights of the step that compiled (``fsdp_in_use``; the graph then reads
@@ -140,6 +143,25 @@ def _rehome(groups: list[list[torch.Tensor]]) -> str:
                 g[e].data = buf[e, off:off + n]
                 off += n
     return f"re-homed {len(groups)} x {len(groups[0])} expert weights {tuple(first.shape)} into one buffer"
+
+
+NESTED_REGION_NOTE = "expert weights not re-homed: the layer runs in"
+
+
+def nested_region_note(gm: fx.GraphModule) -> str | None:
+    """Why ``gm``'s ModuleList expert weights must stay where they are, else None: a rewritten region reading
+    them runs in a ``torch.compiler.nested_compile_region`` function that Dynamo inlined into this graph. Dynamo
+    traces such a function as an ``invoke_subgraph`` again on its next compile (another input shape, explain()),
+    and refuses subgraph inputs that share storage (UncapturedHigherOrderOpError): re-homed weights would."""
+    from moe_compile.passes.moe_source import compile_region_frame
+
+    lists = [n for n in gm.graph.nodes if (canon(n) or "").startswith("moe_compile::grouped_mm_list")]
+    frame = compile_region_frame(lists) if lists else None
+    if frame is None:
+        return None
+    return (f"{NESTED_REGION_NOTE} `{frame.name}` ({frame.at}), a torch.compiler.nested_compile_region function, "
+            "whose subgraph may not take inputs that share storage (the grouped GEMMs read the per-expert weights "
+            "in place)")
 
 
 def fsdp_in_use() -> bool:

@@ -392,6 +392,7 @@ def _moe_backend(gm, example_inputs, mode, options):
     plan, inputs, stacked = None, example_inputs, []
     try:
         if new_gm is not gm:
+            config, records = pipeline.keep_weights_in_nested_region(new_gm, records, config)
             before = pipeline.run_before_compile(new_gm, example_inputs, records, config)
             plan, inputs, stacked, records = before.plan, before.inputs, before.to_rehome, before.records
         compiled = _compile_rewritten(new_gm, inputs, config, inductor_options, records)

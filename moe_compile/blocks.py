@@ -28,7 +28,8 @@ bf16 logits. Same function, same values (tests/test_blocks.py); models without a
 ``torch.compiler.nested_compile_region`` (one whole-model graph whose blocks are one shared
 subgraph) is NOT a way to get this with ``backend="moe"``: the block becomes an ``invoke_subgraph``
 higher-order op whose body the backend's passes do not enter, so no MoE layer is rewritten (each
-such subgraph holding an MoE layer is refused with code ``nested_region``, warned once).
+such subgraph holding an MoE layer is refused with code ``nested_region``, warned once; a region Dynamo
+inlines instead is rewritten, lowering/rehome.nested_region_note).
 
 ModuleList experts: after compiling a graph the backend re-homes the expert weights it read into
 one buffer per linear (``lowering/rehome.py``), but only for the parameters that graph was

@@ -442,6 +442,21 @@ def post_grad_hook(config):
     return run
 
 
+def keep_weights_in_nested_region(gm: fx.GraphModule, records: list, config):
+    """(config, records) for compiling ``gm``: ``rehome_weights`` off for this graph, noted, where a rewritten
+    region runs in a nested_compile_region function (``lowering/rehome.nested_region_note``)."""
+    from moe_compile.lowering.rehome import nested_region_note
+    from moe_compile.records import current_session
+
+    if "rehome_weights" in config.disable and not current_session().explaining:   # explain() never re-homes
+        return config, records
+    note = nested_region_note(gm)
+    if note is None:
+        return config, records
+    return (dataclasses.replace(config, disable=tuple(dict.fromkeys(config.disable + ("rehome_weights",)))),
+            [dataclasses.replace(r, notes=r.notes + (note,)) if r.status == REWRITTEN else r for r in records])
+
+
 def run_before_compile(gm: fx.GraphModule, example_inputs, records: list, config) -> BeforeCompileState:
     """The before_compile stage on the rewritten graph (edited in place). Returns its state: the plan
     (None when the graph keeps Dynamo's inputs), the inputs to compile it with, the records (what the

@@ -278,9 +278,12 @@ def _explain_notes(r: RegionRecord, disabled: tuple = ()) -> RegionRecord:
     if not (r.status == REWRITTEN and any(o.startswith("grouped_mm_list") for o in r.ops)):
         return r
     from .lowering.expert_stack import why_not_stacked
+    from .lowering.rehome import NESTED_REGION_NOTE
     from .pipeline import _LIST_NOTE
 
     notes = r.notes
+    if any(n.startswith(NESTED_REGION_NOTE) for n in notes):   # the compile does not re-home them either
+        disabled = tuple(disabled) + ("rehome_weights",)
     if {"stack_expert_params", "rehome_weights"} & set(disabled):   # stacked only where they were re-homed
         notes = tuple(n.split(_LIST_NOTE)[0] + _LIST_NOTE + " one by one (ModuleList experts; this compile sets "
                       "moe.stack_expert_params or moe.rehome_weights to False, or lists it in moe.disable): guards, "

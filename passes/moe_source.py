@@ -15,6 +15,9 @@ scope), where only file names, line numbers and function names are known:
 ``enclosing_class`` / ``declares_experts_implementation``
     the top-level class around a line, and whether transformers' ``@use_experts_implementation``
     decorates it.
+``in_compile_region`` / ``compile_region_frame``
+    whether ``torch.compiler.nested_compile_region`` decorates the function around a line / around a
+    frame of some nodes' user stacks.
 """
 from __future__ import annotations
 
@@ -146,18 +149,49 @@ def _parse(text: str) -> ast.AST | None:
 def _enclosing_function(filename: str, lineno: int) -> str | None:
     """The text of the innermost function holding ``filename:lineno``, else None."""
     lines, tree = _parsed(filename)
-    if tree is None:
-        return None
+    best = _innermost_function(tree, lineno)
+    return "".join(lines[best.lineno - 1:best.end_lineno]) if best is not None else None
+
+
+def _innermost_function(tree: ast.AST | None, lineno: int) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
     best = None
-    for node in ast.walk(tree):
+    for node in ast.walk(tree) if tree is not None else ():
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.lineno <= lineno <= (node.end_lineno or 0):
             if best is None or node.lineno >= best.lineno:
                 best = node
-    return "".join(lines[best.lineno - 1:best.end_lineno]) if best is not None else None
+    return best
 
 
 # calls that break Dynamo's graph wherever they are: inside a loop's body Dynamo gives up on the loop and
 # reports only its `for` line (reason "step_unsupported")
+_REGION_DECORATORS = {"nested_compile_region", "mark_compile_region"}
+
+
+def in_compile_region(filename: str, lineno: int) -> bool:
+    """The innermost function holding ``filename:lineno`` is decorated with
+    ``torch.compiler.nested_compile_region`` (as ``@nested_compile_region``, ``@torch.compiler.nested_compile_region``
+    or called: ``@nested_compile_region(...)``)."""
+    best = _innermost_function(_parsed(filename)[1], lineno)
+    for d in best.decorator_list if best is not None else ():
+        d = d.func if isinstance(d, ast.Call) else d
+        if (d.attr if isinstance(d, ast.Attribute) else getattr(d, "id", None)) in _REGION_DECORATORS:
+            return True
+    return False
+
+
+def compile_region_frame(nodes) -> Frame | None:
+    """The first frame of the nodes' user stacks that runs in a ``nested_compile_region`` function (one Dynamo
+    inlined into the graph instead of keeping it as an ``invoke_subgraph``), else None."""
+    seen = set()
+    for n in nodes:
+        for f in node_frames(n):
+            if (f.filename, f.lineno) not in seen:
+                seen.add((f.filename, f.lineno))
+                if in_compile_region(f.filename, f.lineno):
+                    return f
+    return None
+
+
 _UNTRACEABLE_METHODS = {"retain_grad", "tolist", "register_full_backward_hook"}   # not .cpu(): traced
 _UNTRACEABLE_FUNCTIONS = {"print", "breakpoint"}
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import moe_compile
 import moe_compile.backend as backend
-from helpers import SwiGLU, check_compiled, make_input, make_model
+from helpers import FP32_REL, SwiGLU, assert_close_rel, check_compiled, make_input, make_model
 from moe_compile import records
 
 OPTS = {"moe.inductor": False}
@@ -593,6 +593,42 @@ def test_moe_inside_nested_compile_region_is_reported(monkeypatch, caplog):
     assert len(found) == 1, caplog.text
     assert "top-2 router over 4 experts" in found[0] and "compile_blocks" in caplog.text
     assert "no MoE layer was found" not in caplog.text
+
+
+class _NestedLoop(nn.Module):
+    """A ModuleList expert loop called from a torch.compiler.nested_compile_region method: Dynamo inlines it
+    (the where/nonzero sizes), so the backend rewrites it."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe = make_model(spelling="index_add", e=4, k=2)
+
+    @torch.compiler.nested_compile_region
+    def block(self, x):
+        return self.moe(x)
+
+    def forward(self, x):
+        return self.block(x) + 1
+
+
+def test_modulelist_experts_in_an_inlined_nested_compile_region_keep_their_storage():
+    """Re-homing the expert weights of such a layer into one buffer made Dynamo's next trace of the region (a new
+    batch size, explain()) raise UncapturedHigherOrderOpError: invoke_subgraph refuses inputs that share storage
+    (review helper-94). The weights stay where they are, and the note says why."""
+    torch.manual_seed(0)
+    model = _NestedLoop()
+    check_compiled(model, [make_input((8, 16))], expect_rewritten=1, options={"moe.inductor": False})
+    compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
+    eager = copy.deepcopy(model)
+    for t in (8, 12, 5):
+        x = make_input((t, 16))
+        assert_close_rel(compiled(x), eager(x), FP32_REL, f"{t} tokens")
+    w1 = [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.shape[0] != 4]
+    assert len({w.weight.untyped_storage().data_ptr() for w in w1}) == len(w1), "expert weights were re-homed"
+    rep = moe_compile.explain(compiled, make_input((7, 16)))
+    assert [r.status for r in rep.regions] == ["rewritten"], str(rep)
+    assert any("nested_compile_region" in n and "`block`" in n for n in rep.regions[0].notes), str(rep)
+    assert not any("moves them into one buffer" in n for n in rep.regions[0].notes), str(rep)
 
 
 class DrawnRouterMoE(nn.Module):
