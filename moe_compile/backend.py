@@ -171,6 +171,12 @@ def _note_break(exc: BaseException) -> None:
     ``moe.strict``) gets a note with the reason code and the fix."""
     if getattr(exc, "_moe_compile_noted", False) or not hasattr(exc, "add_note"):
         return
+    if type(exc).__name__ == "UncapturedHigherOrderOpError" and "aliasing" in str(exc):
+        exc.add_note("moe_compile: if the inputs that alias are expert weights of a rewritten layer, the backend "
+                     "re-homed them into one buffer (a nested_compile_region it could not see)\n  fix: "
+                     "options={\"moe.rehome_weights\": False} keeps them where they are")
+        exc._moe_compile_noted = True
+        return
     stack = getattr(exc, "real_stack", None)
     if not stack:
         return

@@ -184,12 +184,23 @@ def compile_region_frame(nodes) -> Frame | None:
     inlined into the graph instead of keeping it as an ``invoke_subgraph``), else None."""
     seen = set()
     for n in nodes:
+        classes = {c for _, c in (n.meta.get("nn_module_stack") or {}).values() if isinstance(c, type)}
         for f in node_frames(n):
             if (f.filename, f.lineno) not in seen:
                 seen.add((f.filename, f.lineno))
-                if in_compile_region(f.filename, f.lineno):
+                # decorated in the source, or wrapped later (``cls.forward = nested_compile_region(cls.forward)``)
+                if in_compile_region(f.filename, f.lineno) or any(_marked_method(c, f) for c in classes):
                     return f
     return None
+
+
+def _marked_method(cls: type, f: Frame) -> bool:
+    """``cls.<f.name>`` is a function wrapped by nested_compile_region whose code holds the frame's line."""
+    code = getattr(getattr(getattr(cls, f.name, None), "__marked_compile_region_fn__", None), "__code__", None)
+    if code is None or code.co_filename != f.filename:
+        return False
+    lines = [line for _, _, line in code.co_lines() if line is not None]
+    return bool(lines) and code.co_firstlineno <= f.lineno <= max(lines)
 
 
 _UNTRACEABLE_METHODS = {"retain_grad", "tolist", "register_full_backward_hook"}   # not .cpu(): traced

@@ -611,12 +611,35 @@ class _NestedLoop(nn.Module):
         return self.block(x) + 1
 
 
-def test_modulelist_experts_in_an_inlined_nested_compile_region_keep_their_storage():
+class _WrappedLater(nn.Module):
+    """The same layer, its class's forward wrapped by nested_compile_region after the class was written."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe = make_model(spelling="index_add", e=4, k=2)
+
+    def forward(self, x):
+        return self.moe(x)
+
+
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _WrappedLater()
+
+    def forward(self, x):
+        return self.block(x) + 1
+
+
+@pytest.mark.parametrize("how", ["decorated", "wrapped"])
+def test_modulelist_experts_in_an_inlined_nested_compile_region_keep_their_storage(how, monkeypatch):
     """Re-homing the expert weights of such a layer into one buffer made Dynamo's next trace of the region (a new
     batch size, explain()) raise UncapturedHigherOrderOpError: invoke_subgraph refuses inputs that share storage
-    (review helper-94). The weights stay where they are, and the note says why."""
+    (review helper-94). The weights stay where they are, and the note names the function."""
     torch.manual_seed(0)
-    model = _NestedLoop()
+    if how == "wrapped":
+        monkeypatch.setattr(_WrappedLater, "forward", torch.compiler.nested_compile_region(_WrappedLater.forward))
+    model = _NestedLoop() if how == "decorated" else _Outer()
     check_compiled(model, [make_input((8, 16))], expect_rewritten=1, options={"moe.inductor": False})
     compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
     eager = copy.deepcopy(model)
@@ -627,7 +650,8 @@ def test_modulelist_experts_in_an_inlined_nested_compile_region_keep_their_stora
     assert len({w.weight.untyped_storage().data_ptr() for w in w1}) == len(w1), "expert weights were re-homed"
     rep = moe_compile.explain(compiled, make_input((7, 16)))
     assert [r.status for r in rep.regions] == ["rewritten"], str(rep)
-    assert any("nested_compile_region" in n and "`block`" in n for n in rep.regions[0].notes), str(rep)
+    name = "block" if how == "decorated" else "forward"
+    assert any("nested_compile_region" in n and f"`{name}`" in n for n in rep.regions[0].notes), str(rep)
     assert not any("moves them into one buffer" in n for n in rep.regions[0].notes), str(rep)
 
 
@@ -2556,3 +2580,15 @@ def test_module_backward_hook_inside_the_layer_is_named(caplog):
     report = moe_compile.explain(model, x)
     assert [b.reason_code for b in report.graph_breaks] == ["break_module_backward_hook"], report
     assert all(r.code != "ran_eagerly" for r in report.regions), report
+
+
+def test_subgraph_aliasing_error_names_the_rehome_fix():
+    """A nested_compile_region the backend cannot see (neither decorated in the source nor a wrapped method of a
+    module on the layer's path) still re-homes: Dynamo's aliasing error then carries the fix."""
+    from torch._dynamo.exc import UncapturedHigherOrderOpError
+
+    from moe_compile.backend import _note_break
+
+    exc = UncapturedHigherOrderOpError("Encountered aliasing during higher order op tracing: invoke_subgraph")
+    _note_break(exc)
+    assert any('"moe.rehome_weights": False' in n for n in getattr(exc, "__notes__", ())), exc
