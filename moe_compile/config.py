@@ -124,7 +124,26 @@ class MoEConfig:
             ours["mode"] = mode
         if "debug" not in ours and _env_flag("MOE_COMPILE_DEBUG"):
             ours["debug"] = True
+        _check_contradictions(ours, rest)
         return cls(**ours), rest
+
+
+def _check_contradictions(ours: dict[str, Any], rest: dict[str, Any]) -> None:
+    """Options that would silently undo each other (review helper-95) raise, naming both."""
+    if ours.get("inductor") is False:
+        moot = [k for k in rest if k != "fallback_random"] + (["mode"] if ours.get("mode", "default") != "default" else [])
+        if moot:
+            raise ValueError(f"MoEConfig: moe.inductor=False compiles without Inductor (AOTAutograd, eager kernels), "
+                             f"so {moot} would have no effect; drop them, or leave moe.inductor at True")
+    disable = ours.get("disable", ())
+    disable = (disable,) if isinstance(disable, str) else tuple(disable) if isinstance(disable, (list, tuple, set)) else ()
+    for name in ("rehome_weights", "stack_expert_params"):
+        if ours.get(name) is True and name in disable:
+            raise ValueError(f"MoEConfig: moe.{name}=True and moe.disable lists {name!r}; keep one of them")
+    chunks = ours.get("ep_overlap_chunks", 1)
+    if isinstance(chunks, int) and chunks > 1 and "ep_overlap" in disable:
+        raise ValueError(f"MoEConfig: moe.ep_overlap_chunks={chunks} splits each expert-parallel layer for the "
+                         "ep_overlap pass, which moe.disable turns off: the chunks would only cost time; drop one")
 
 
 def inductor_options(options: dict[str, Any]) -> dict[str, Any]:

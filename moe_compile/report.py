@@ -251,7 +251,9 @@ def _explain_options(user: dict) -> tuple[dict, MoEConfig]:
     """(the compile's options as explain runs them: without Inductor, weights left where they are,
     quiet; the compile's own config: its moe.inductor, its moe.disable)."""
     config, _ = MoEConfig.from_options(None, user)
-    return {**{k: v for k, v in user.items() if k != "moe.debug"}, **_EXPLAIN_OPTIONS,
+    kept = {k: v for k, v in user.items() if k.startswith("moe.") and k not in ("moe.debug", "moe.mode")
+            or k == "fallback_random"}   # Inductor's options and mode mean nothing without Inductor
+    return {**kept, **_EXPLAIN_OPTIONS,
             "moe.disable": tuple(dict.fromkeys((*config.disable, *_EXPLAIN_OPTIONS["moe.disable"])))}, config
 
 

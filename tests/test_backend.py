@@ -187,6 +187,31 @@ def test_malformed_options_name_the_problem(options, expect):
         MoEConfig.from_options(None, options)
 
 
+@pytest.mark.parametrize("mode, options, expect", [
+    (None, {"moe.inductor": False, "max_autotune": True}, r"moe.inductor=False .* \['max_autotune'\] would have no"),
+    ("max-autotune", {"moe.inductor": False}, r"moe.inductor=False .* \['mode'\]"),
+    (None, {"moe.inductor": False, "moe.mode": "reduce-overhead"}, r"\['mode'\]"),
+    (None, {"moe.stack_expert_params": True, "moe.disable": ["stack_expert_params"]}, "keep one of them"),
+    (None, {"moe.rehome_weights": True, "moe.disable": "rehome_weights"}, "keep one of them"),
+    (None, {"moe.ep_overlap_chunks": 2, "moe.disable": ["ep_overlap"]}, "ep_overlap_chunks=2 splits"),
+])
+def test_options_that_undo_each_other_raise(mode, options, expect):
+    """Were accepted, one of them silently without effect (review helper-95)."""
+    from moe_compile.config import MoEConfig
+
+    with pytest.raises(ValueError, match=expect):
+        MoEConfig.from_options(mode, options)
+    MoEConfig.from_options(None, {"moe.inductor": False, "fallback_random": True})   # read without Inductor too
+
+
+def test_explain_of_a_model_compiled_with_inductor_options():
+    """explain() runs without Inductor: the compile's Inductor options and mode are not passed on to it."""
+    model = make_model(spelling="index_add")
+    compiled = torch.compile(model, backend="moe", options={"max_autotune": False, "moe.mode": "max-autotune"})
+    rep = moe_compile.explain(compiled, make_input((6, 16)))
+    assert [r.status for r in rep.regions] == ["rewritten"], str(rep)
+
+
 def test_api_calls_on_the_wrong_object_name_the_problem():
     with pytest.raises(TypeError, match="expected a model .* got the class Linear"):
         moe_compile.explain(nn.Linear, make_input((3, 16)))
