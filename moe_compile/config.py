@@ -165,6 +165,10 @@ def inductor_options(options: dict[str, Any]) -> dict[str, Any]:
                 + (f" (did you mean {' or '.join(map(repr, close))}?)" if close else "")
                 + f". moe options: {MoEConfig.allowed_keys()}; Inductor's {len(known)} options: "
                 "torch._inductor.list_options()")
+        if "custom" in name and name.endswith("pass") and not _custom_pass(value):
+            raise ValueError(f"MoEConfig: Inductor option {key!r} must be None, a callable taking an fx.Graph (a "
+                             f"torch._inductor.custom_graph_pass.CustomGraphPass), or a list of those; got "
+                             f"{type(value).__name__} {value!r}")
         get_type = getattr(inductor_config, "get_type", None)
         expected = get_type(name) if get_type is not None else None
         if isinstance(expected, type) and typing.get_origin(expected) is None and not isinstance(value, expected):
@@ -172,3 +176,8 @@ def inductor_options(options: dict[str, Any]) -> dict[str, Any]:
                              f"{type(value).__name__} {value!r} (its default is {known[name]!r})")
         out[name] = value
     return out
+
+
+def _custom_pass(value) -> bool:
+    """An Inductor ``*_custom_*pass`` value: None, a callable, or a list / tuple of callables."""
+    return value is None or callable(value) or isinstance(value, (list, tuple)) and all(map(callable, value))

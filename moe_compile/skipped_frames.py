@@ -36,6 +36,19 @@ def lift_input_error_skips(since_us: int) -> set[tuple]:
     return failed
 
 
+def raised_frames(since_us: int, exc: BaseException) -> set[tuple]:
+    """Frames whose compile since ``since_us`` failed with ``exc``'s type, as (file, first line, name), when
+    ``exc`` left the call: Dynamo raised that failure (``moe.strict``, an Inductor error on the unrewritten
+    graph too), so the frame did not run eagerly, and the next call compiles it again (review helper-95)."""
+    try:
+        from torch._dynamo.utils import get_compilation_metrics
+    except ImportError:  # pragma: no cover - torch without these
+        return set()
+    return {(m.co_filename, m.co_firstlineno, m.co_name) for m in get_compilation_metrics()
+            if getattr(m, "fail_type", None) == type(exc).__name__ and getattr(m, "co_filename", None)
+            and (getattr(m, "start_time_us", None) or since_us) >= since_us}
+
+
 def lift_earlier_skips(before_us: int) -> set[tuple]:
     """At a ``backend="moe"`` session's first call: lift Dynamo's run-eagerly mark from each frame in MoE
     code that an earlier compile gave up on before ``before_us`` (stock torch.compile of the same class

@@ -204,6 +204,16 @@ def test_options_that_undo_each_other_raise(mode, options, expect):
     MoEConfig.from_options(None, {"moe.inductor": False, "fallback_random": True})   # read without Inductor too
 
 
+def test_custom_pass_option_of_the_wrong_type_names_the_key():
+    """Typed Optional[Callable] in Inductor's config, so the type check let 5 through: compiling failed twice deep
+    in Inductor ("'int' object is not callable"), the unrewritten fallback included (review helper-95)."""
+    from moe_compile.config import MoEConfig
+
+    with pytest.raises(ValueError, match="'post_grad_custom_post_pass' must be None, a callable"):
+        MoEConfig.from_options(None, {"post_grad_custom_post_pass": 5})
+    MoEConfig.from_options(None, {"post_grad_custom_post_pass": lambda graph: None, "joint_custom_pre_pass": None})
+
+
 def test_explain_of_a_model_compiled_with_inductor_options():
     """explain() runs without Inductor: the compile's Inductor options and mode are not passed on to it."""
     model = make_model(spelling="index_add")

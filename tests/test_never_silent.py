@@ -2592,3 +2592,19 @@ def test_subgraph_aliasing_error_names_the_rehome_fix():
     exc = UncapturedHigherOrderOpError("Encountered aliasing during higher order op tracing: invoke_subgraph")
     _note_break(exc)
     assert any('"moe.rehome_weights": False' in n for n in getattr(exc, "__notes__", ())), exc
+
+
+def test_a_frame_whose_failure_is_raised_is_not_said_to_run_eagerly(caplog):
+    """moe.strict raises Dynamo's failure on a `.tolist()` of the counts: the call raises, every call does, nothing
+    runs eagerly; the warning said "Dynamo gave up on the frame ..., which runs eagerly" (review helper-95)."""
+    from zoo_models import DeepSeekLoopMoE
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    compiled = torch.compile(DeepSeekLoopMoE(16, 12, 4, 2), backend="moe",
+                             options={"moe.inductor": False, "moe.strict": True})
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        for _ in range(2):
+            with pytest.raises(Exception, match="data-dependent"):
+                compiled(make_input((6, 16)))
+    assert "runs eagerly" not in caplog.text, caplog.text
