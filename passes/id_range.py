@@ -26,8 +26,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from .normalize import _SAME_VALUES, _index_source, arg, canon, shape, val
-from .writes import per_graph, storage_base, written
+from .normalize import _SAME_VALUES, _index_source, arg, canon, dtype_view, shape, val
+from .writes import all_written, per_graph, storage_base
 
 _KEEP = {"view", "reshape", "flatten", "unflatten", "contiguous", "clone", "detach", "unsqueeze", "squeeze",
          "expand", "view_as", "reshape_as", "expand_as", "t", "transpose", "permute", "getitem", "select", "narrow",
@@ -73,16 +73,20 @@ class _Writes:
     def __init__(self, graph: fx.Graph):
         # the outputs of topk / max / sort are separate tensors (storage_base takes them for views of their
         # producer): a write to the values is not one to the indices
+        # (not with out=: then they are the buffers given, which other nodes may write)
         self.memo: dict = {n: n for n in graph.nodes if canon(n) == "getitem" and isinstance(n.args[0], fx.Node)
-                           and canon(n.args[0]) in _TUPLES}
+                           and canon(n.args[0]) in _TUPLES and "out" not in n.args[0].kwargs}
         self.by_base: dict = {}
+        self.unnamed: list = []   # writes whose tensors all_written cannot name: they may be anywhere
         for u in graph.nodes:
-            t = written(u)
-            if t is not None:
+            targets = all_written(u)
+            if targets is None:
+                self.unnamed.append(u)
+            for t in targets or ():
                 self.by_base.setdefault(storage_base(t, self.memo), []).append(u)
 
     def _on(self, node: fx.Node) -> list:
-        return self.by_base.get(storage_base(node, self.memo), [])
+        return self.by_base.get(storage_base(node, self.memo), []) + self.unnamed
 
     def keep(self, node: fx.Node) -> bool:
         """Every in-place write into ``node``'s storage (through any view) keeps values >= 0."""
@@ -137,7 +141,7 @@ def _nonnegative(n, writes: _Writes, depth: int) -> bool:
     def sub(x):
         return _nonnegative(x, writes, depth - 1)
     if op in _KEEP and isinstance(src, fx.Node):
-        return sub(src)
+        return not dtype_view(n) and sub(src)
     if op in _CASTS and isinstance(src, fx.Node):
         v = val(n)
         return isinstance(v, torch.Tensor) and holds_ids(v.dtype, id_bound(src)) and sub(src)
@@ -173,7 +177,7 @@ def id_bound(ids: fx.Node) -> int | None:
     another value (``sel[drop] = E``: a sentinel E that histc(max=E) counts as expert E - 1's)."""
     through = _SAME_VALUES | {"view", "reshape", "flatten"}
     n = _index_source(ids, through)
-    if n is None or not isinstance(n.args[0], fx.Node):
+    if n is None or not n.args or not isinstance(n.args[0], fx.Node):
         return None
     dim = arg(n, 2, "dim", -1) if canon(n) == "topk" else arg(n, 1, "dim", None)
     s = shape(n.args[0])
@@ -181,7 +185,7 @@ def id_bound(ids: fx.Node) -> int | None:
     if bound is None:
         return None
     way = [ids]
-    while canon(way[-1]) in through and isinstance(way[-1].args[0], fx.Node):
+    while canon(way[-1]) in through and way[-1].args and isinstance(way[-1].args[0], fx.Node):
         way.append(way[-1].args[0])
     writes = _writes_of(ids.graph)
     return bound if all(writes.keep_below(n, bound) for n in way) else None

@@ -247,17 +247,22 @@ def ancestors(nodes, stop=None) -> set[fx.Node]:
 _SAME_VALUES = {"to", "long", "int", "contiguous", "clone", "detach"}
 
 
+def dtype_view(n: fx.Node) -> bool:
+    """``t.view(dtype)``: the same bytes read as another dtype, not the same values."""
+    return canon(n) == "view" and any(isinstance(a, torch.dtype) for a in (*n.args[1:], *n.kwargs.values()))
+
+
 def _index_source(ids: fx.Node, through) -> fx.Node | None:
     """The ``topk`` / ``max(dim)`` / ``argmax`` node whose index output ``ids`` is (its ``[1]`` or
     ``.indices``, or the argmax itself), reached back through ops named in ``through``; else None."""
     n = ids
-    while canon(n) in through and isinstance(n.args[0], fx.Node):
+    while canon(n) in through and n.args and isinstance(n.args[0], fx.Node) and not dtype_view(n):
         n = n.args[0]
     op = canon(n)
     if op in ("getitem", "getattr") and isinstance(n.args[0], fx.Node) and canon(n.args[0]) in ("topk", "max") \
-            and n.args[1] in (1, "indices"):
+            and n.args[1] in (1, "indices") and "out" not in n.args[0].kwargs:   # out=: buffers others may write
         return n.args[0]
-    return n if op == "argmax" else None
+    return n if op == "argmax" and "out" not in n.kwargs else None
 
 
 def distinct_per_row(ids: fx.Node) -> bool:

@@ -39,9 +39,9 @@ def find_static_bincounts(graph: fx.Graph) -> tuple[StaticBincount, ...]:
     query or a runtime assert reads (those go with the dead code)."""
     found = []
     for n in graph.nodes:
-        if n.op not in ("call_function", "call_method") or canon(n) != "bincount" or not n.args:
+        if n.op not in ("call_function", "call_method") or canon(n) != "bincount":
             continue
-        ids, weights, length = n.args[0], arg(n, 1, "weights"), arg(n, 2, "minlength", 0)
+        ids, weights, length = arg(n, 0, "input"), arg(n, 1, "weights"), arg(n, 2, "minlength", 0)
         v = val(ids) if isinstance(ids, fx.Node) else None
         if weights is not None or isinstance(length, bool) or not isinstance(length, int) or length <= 0 \
                 or not isinstance(v, torch.Tensor) or v.dim() != 1 or v.dtype.is_floating_point:

@@ -77,6 +77,44 @@ def written(node: fx.Node) -> fx.Node | None:
     return None
 
 
+def all_written(node: fx.Node) -> list[fx.Node] | None:
+    """Every tensor a call node writes in place: ``written``'s, each tensor of a list first argument
+    (``torch._foreach_add_([a, b], 1)``) or of a tuple ``out=`` (``torch.sort(x, out=(v, i))``), and each argument
+    an op's schema marks as written (a custom op's ``mutates_args``, whatever its name). [] when it writes nothing;
+    None when it writes something this cannot name (an in-place call on an argument that is no tensor node)."""
+    if node.op not in ("call_function", "call_method"):
+        return []
+    found = [t for t in [written(node)] if t is not None]
+    out = node.kwargs.get("out")
+    if isinstance(out, (tuple, list)):
+        found += [t for t in out if isinstance(t, fx.Node)]
+    first = node.args[0] if node.args else None
+    if _inplace_name(node) and isinstance(first, (tuple, list)):
+        found += [t for t in first if isinstance(t, fx.Node)]
+    found += _schema_writes(node)
+    if not found and writes_in_place(node):
+        return None
+    return list(dict.fromkeys(found))
+
+
+def _schema_writes(node: fx.Node) -> list[fx.Node]:
+    """The arguments an OpOverload's (or every overload of a packet's) schema marks as written."""
+    target = node.target if node.op == "call_function" else None
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        schemas = [getattr(target, o)._schema for o in target.overloads()]
+    elif isinstance(target, torch._ops.OpOverload):
+        schemas = [target._schema]
+    else:
+        return []
+    out = []
+    for schema in schemas:
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                v = node.args[i] if i < len(node.args) and not a.kwarg_only else node.kwargs.get(a.name)
+                out += [t for t in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, fx.Node)]
+    return out
+
+
 def _cached(table: dict, key, compute, arg):
     """``table[key]``, ``compute(arg)`` the first time; ``compute(arg)`` every time for an unhashable key."""
     try:

@@ -5,6 +5,8 @@ eager's values and gradients. Counts it cannot prove static (ids that may reach 
 the note names them."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn as nn
@@ -24,9 +26,9 @@ class SortedWithAux(nn.Module):
     bincount is read by the loss only). ``minlength``: bincount's (E: provably E counts; 1: the length
     is the largest id + 1, data-dependent). ``sentinel``: the loss counts a copy of the ids in which an id may be overwritten with E."""
 
-    def __init__(self, offsets="bincount", minlength=E, sentinel=False, routing="random"):
+    def __init__(self, offsets="bincount", minlength=E, sentinel=False, routing="random", counted=None):
         super().__init__()
-        self.offsets, self.minlength, self.sentinel = offsets, minlength, sentinel
+        self.offsets, self.minlength, self.sentinel, self.counted = offsets, minlength, sentinel, counted
         self.gate = nn.Linear(H, E)
         if routing == "empty":   # experts 1 and E-1 never chosen
             with torch.no_grad():
@@ -39,7 +41,7 @@ class SortedWithAux(nn.Module):
         w, ids = torch.topk(probs, K, dim=-1)
         w = w.to(x.dtype)
         flat = ids.reshape(-1)
-        counted = flat
+        counted = flat if self.counted is None else self.counted(ids, flat, probs)
         if self.sentinel:
             counted = flat.clone()
             counted[probs.reshape(-1)[:flat.numel()] < 0] = E   # never true, but nothing shows it
@@ -78,6 +80,18 @@ def test_bincount_read_by_a_loss_is_counted_with_a_static_length(dtype, offsets,
     assert "bincount" not in _syncs_note(model, x)
 
 
+def test_ids_flattened_by_keyword_arguments(caplog):
+    """torch.flatten(input=ids): the ids walk read args[0] of a keyword-only call, and the IndexError cost the
+    graph its whole rewrite (review helper-96); a failure of this optional pass now only leaves the bincount."""
+    torch.manual_seed(0)
+    model = SortedWithAux("histc", counted=lambda ids, flat, probs: torch.flatten(input=ids)).to(torch.bfloat16)
+    x = make_input((2, 7, H), torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        check_compiled(model, [x], expect_rewritten=1)
+        _syncs_note(model, x)
+    assert "failed" not in caplog.text, caplog.text
+
+
 def test_static_counts_under_inductor():
     """Inductor compiles the static count (an int64 scatter_add) with the rest."""
     torch.manual_seed(0)
@@ -85,10 +99,58 @@ def test_static_counts_under_inductor():
     check_compiled(model, [make_input((3, 5, H), torch.bfloat16)], expect_rewritten=1, inductor=True)
 
 
-@pytest.mark.parametrize("kw", [dict(minlength=1), dict(sentinel=True)], ids=["minlength_1", "sentinel"])
+@torch.library.custom_op("moe_compile_tests::bump", mutates_args={"t"})
+def _bump(t: torch.Tensor, v: int) -> None:
+    """Adds v in place: written by its schema, not its name."""
+    t.add_(v)
+
+
+@_bump.register_fake
+def _(t, v):
+    return None
+
+
+def _foreach_add(ids, flat, probs):
+    c = flat.clone()
+    torch._foreach_add_([c], E)
+    return c
+
+
+def _sort_out(ids, flat, probs):
+    c, vals = flat.clone(), torch.empty(flat.shape, dtype=probs.dtype)
+    torch.sort(probs.detach().repeat(1, K).reshape(-1)[:flat.numel()], out=(vals, c))   # positions up to T * K - 1
+    return c
+
+
+def _topk_out_buffer(ids, flat, probs):
+    buf, vals = torch.empty(ids.shape, dtype=torch.int64), torch.empty(ids.shape, dtype=probs.dtype)
+    _, again = torch.topk(probs.detach(), K, dim=-1, out=(vals, buf))
+    buf.add_(E)   # a write into the buffer topk's indices are
+    return again.reshape(-1)
+
+
+def _custom_op(ids, flat, probs):
+    c = flat.clone()
+    _bump(c, E)
+    return c
+
+
+COUNTED_BEYOND_E = {
+    "minlength_1": dict(minlength=1),
+    "sentinel": dict(sentinel=True),
+    "foreach_add": dict(counted=_foreach_add),                     # review helper-96: writes it did not see
+    "sort_out_tuple": dict(counted=_sort_out),
+    "topk_out_buffer": dict(counted=_topk_out_buffer),
+    "custom_op_write": dict(counted=_custom_op),
+    "dtype_view": dict(counted=lambda ids, flat, probs: ids.to(torch.uint8).view(torch.int16).reshape(-1)),
+}
+
+
+@pytest.mark.parametrize("kw", COUNTED_BEYOND_E.values(), ids=COUNTED_BEYOND_E.keys())
 def test_bincount_of_ids_that_may_reach_its_length_keeps_the_note(kw):
-    """Where an id may be >= minlength (minlength below E; a sentinel E written into the ids) the length is
-    data-dependent: the bincount stays, and the note names it."""
+    """Where an id may be >= minlength (minlength below E; E written into the ids by a sentinel, a foreach op, a
+    tuple out=, a custom op that mutates; the ids' bytes read as another dtype) the length is data-dependent:
+    the bincount stays (the static count raised an index error there), and the note names it."""
     torch.manual_seed(0)
     model = SortedWithAux("histc", **kw).to(torch.bfloat16)
     x = make_input((2, 7, H), torch.bfloat16)
