@@ -87,6 +87,9 @@ class Session:
         # Inductor's fallback_random when this session's compile first ran the passes (it decides which rewrites
         # keep eager's random draws): explain() of the compiled model follows it, not the value at explain time
         self.fallback_random: bool | None = None
+        # rewritten regions whose compile then failed (code compile_error; run unrewritten), by (module, where):
+        # explain() of the compiled model reports them so, not as the rewrite its Inductor-less trace makes
+        self.compile_errors: dict = {}
 
     def warn_once(self, key, message: str) -> None:
         with self.lock:
@@ -103,6 +106,8 @@ class Session:
                 self.rewritten += 1
                 continue
             self.refused += 1
+            if r.code == "compile_error":
+                self.compile_errors[r.module, r.where] = r
             if r.code not in _WARNED_ELSEWHERE:  # a break: once per source line (every layer shares it)
                 key = ("break", r.code, r.where) if r.is_break else ("region", r.module, r.code, r.where)
                 self.warn_once(key, format_warning(r))
@@ -157,9 +162,11 @@ def session_scope(session: Session):
 def publish(records, session: Session | None = None) -> None:
     """Count, log (once per session and region) and hand out the records of one compiled graph."""
     records = list(records)
-    for r in records:
-        counters[r.status] += 1
-    (session or current_session()).count(records)
+    session = session or current_session()
+    if not session.explaining:   # explain() changes nothing, the process-wide counts included
+        for r in records:
+            counters[r.status] += 1
+    session.count(records)
     for sink in getattr(_local, "sinks", []):
         sink.append(records)
 

@@ -136,6 +136,8 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
     records += eager_probe.records(fn, eager, [r for r in records if r.is_break])
     regions = tuple(r for r in records if not r.is_break)
     regions = tuple(_explain_notes(_times_note(r, times[r]), config.disable) for r in regions)
+    failed = getattr(_compile_session(in_place or model_or_fn), "compile_errors", {})
+    regions = tuple(failed.get((r.module, r.where), r) if r.status == REWRITTEN else r for r in regions)
     breaks = tuple(dict.fromkeys(GraphBreak(r.where, r.reason, r.fix, r.source, r.code)
                                  for r in records if r.is_break))
     from .blocks import explain_notes, explain_regions
@@ -179,13 +181,7 @@ def _compiled_with(obj, user_obj, moe_backend) -> tuple[str | None, dict, bool |
     compile does, not the default one."""
     from .blocks import _BlocksBackend, compiled_blocks
 
-    ctx = getattr(obj, "dynamo_ctx", None)   # a compiled module's; a compiled function's is in its closure
-    for cell in () if ctx is not None else (getattr(obj, "__closure__", None) or ()):
-        try:
-            if isinstance(cell.cell_contents, torch._dynamo.eval_frame._TorchDynamoContext):
-                ctx = cell.cell_contents
-        except ValueError:   # an empty cell
-            continue
+    ctx = _dynamo_ctx(obj)
     backend, name, dynamic = getattr(ctx, "callback", None), None, getattr(ctx, "_dynamic", None)
     for _ in range(8):   # Dynamo's wrappers of the backend, down to torch.compile's
         fn = getattr(backend, "compiler_fn", None)
@@ -205,6 +201,23 @@ def _compiled_with(obj, user_obj, moe_backend) -> tuple[str | None, dict, bool |
     if call is not None:
         return call.backend, dict(call.options) if call.backend == "moe" else {}, call.dynamic, True
     return None, {}, None, False
+
+
+def _dynamo_ctx(obj):
+    """Dynamo's context of a compiled module (``dynamo_ctx``) or function (in its closure), else None."""
+    ctx = getattr(obj, "dynamo_ctx", None)
+    for cell in () if ctx is not None else (getattr(obj, "__closure__", None) or ()):
+        try:
+            if isinstance(cell.cell_contents, torch._dynamo.eval_frame._TorchDynamoContext):
+                ctx = cell.cell_contents
+        except ValueError:   # an empty cell
+            continue
+    return ctx
+
+
+def _compile_session(obj):
+    """The records.Session of the torch.compile(backend="moe") call that compiled ``obj``, else None."""
+    return getattr(getattr(_dynamo_ctx(obj), "_backend_ctx_ctor", None), "session", None)
 
 
 def _backend_note(compiled_with: str | None) -> tuple[str, ...]:

@@ -194,6 +194,32 @@ def test_explain_leaves_weights_buffers_and_rng():
     assert torch.equal(torch.random.get_rng_state(), rng), "explain() consumed random numbers"
 
 
+def test_explain_leaves_the_counters():
+    """moe_compile.counters counted explain's trace as one more rewritten region (review helper-94)."""
+    model = make_model(spelling="index_add")
+    before = dict(moe_compile.counters)
+    rep = moe_compile.explain(model, make_input((6, 16)))
+    assert len(rep.rewritten) == 1 and dict(moe_compile.counters) == before, (before, moe_compile.counters)
+
+
+def test_explain_reports_a_region_whose_inductor_compile_failed(monkeypatch):
+    """A rewritten graph that only Inductor fails on (here a post_grad pass) is compiled unrewritten (compile_error,
+    warned); explain(), whose trace runs no Inductor, reported the region as rewritten (review helper-95)."""
+    import moe_compile.lowering.wgrad_order as wgrad_order
+
+    def boom(graph):
+        raise RuntimeError("injected post_grad failure")
+
+    monkeypatch.setattr(wgrad_order, "hoist_weight_gradients", boom)
+    torch._dynamo.reset()
+    model = make_model(spelling="index_add")
+    compiled = torch.compile(model, backend="moe", options={"fx_graph_cache": False})
+    compiled(make_input((6, 16))).sum().backward()
+    rep = moe_compile.explain(compiled, make_input((6, 16)))
+    assert [(r.status, r.code) for r in rep.regions] == [("refused", "compile_error")], str(rep)
+    assert "injected post_grad failure" in rep.regions[0].reason
+
+
 class _CountsAsSizes(nn.Module):
     """A rewritten loop that also keeps each expert's token count as a Python number (``tok.shape[0]``)."""
 
