@@ -337,3 +337,21 @@ def test_training_step_is_bitwise_reproducible_cuda(form, deterministic):
     for run in runs[1:]:
         for name, a, b in zip(names, runs[0], run):
             assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max().item())
+
+
+@pytest.mark.parametrize("offsets, disable", [("bincount", ()), ("histc", ()), ("histc", ("static_counts",))])
+def test_bincount_read_by_a_loss_keeps_cuda_graphs_cuda(offsets, disable):
+    """A load-balancing loss on bincount counts beside a rewritten sorted layer: the static_counts pass gives them
+    a static length, so Inductor's CUDA graphs capture the step (bincount's data-dependent length makes it skip
+    them: the case with the pass disabled) and the values and gradients are eager's."""
+    from test_static_counts import H, SortedWithAux
+
+    torch.manual_seed(0)
+    model = SortedWithAux(offsets).to(torch.bfloat16).cuda()
+    x = make_input((3, 37, H), torch.bfloat16).cuda()
+    torch._dynamo.reset()
+    skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+    check_compiled(model, [x], expect_rewritten=1, inductor=True, fresh_inputs=2,
+                   options={"triton.cudagraphs": True, "moe.disable": disable})
+    skipped = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] > skips
+    assert skipped == bool(disable), f"CUDA graphs {'were' if skipped else 'were not'} skipped"
