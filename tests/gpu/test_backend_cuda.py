@@ -340,18 +340,27 @@ def test_training_step_is_bitwise_reproducible_cuda(form, deterministic):
 
 
 @pytest.mark.parametrize("offsets, disable", [("bincount", ()), ("histc", ()), ("histc", ("static_counts",))])
-def test_bincount_read_by_a_loss_keeps_cuda_graphs_cuda(offsets, disable):
+def test_bincount_read_by_a_loss_does_not_sync_cuda(offsets, disable):
     """A load-balancing loss on bincount counts beside a rewritten sorted layer: the static_counts pass gives them
-    a static length, so Inductor's CUDA graphs capture the step (bincount's data-dependent length makes it skip
-    them: the case with the pass disabled) and the values and gradients are eager's."""
+    a static length, so the compiled step makes the host wait nowhere (torch's sync debug mode raises on a
+    synchronizing op: bincount sizes its output on the host, the case with the pass disabled) and the values and
+    gradients are eager's."""
     from test_static_counts import H, SortedWithAux
 
     torch.manual_seed(0)
     model = SortedWithAux(offsets).to(torch.bfloat16).cuda()
-    x = make_input((3, 37, H), torch.bfloat16).cuda()
-    torch._dynamo.reset()
-    skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
-    check_compiled(model, [x], expect_rewritten=1, inductor=True, fresh_inputs=2,
-                   options={"triton.cudagraphs": True, "moe.disable": disable})
-    skipped = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] > skips
-    assert skipped == bool(disable), f"CUDA graphs {'were' if skipped else 'were not'} skipped"
+    x = make_input((3, 37, H), torch.bfloat16).cuda().detach().requires_grad_()   # (a CPU leaf's grad: a copy back)
+    check_compiled(model, [x], expect_rewritten=1, inductor=True, fresh_inputs=1, options={"moe.disable": disable})
+    compiled = torch.compile(model, backend="moe", options={"moe.disable": disable})
+    for _ in range(2):   # compile, warm up
+        compiled(x).float().sum().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        compiled(x).float().sum().backward()
+        synced = None
+    except RuntimeError as exc:
+        synced = exc
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert (synced is not None) == bool(disable), f"host sync: {synced}"
