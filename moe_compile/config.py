@@ -32,7 +32,8 @@ class MoEConfig:
         (eager kernels: fast to compile, for debugging and CPU tests).
     capture_dynamic: trace where/nonzero/boolean masks into the graph (Dynamo's
         capture_dynamic_output_shape_ops), scoped to this backend's frames.
-    strict: raise on an internal error of a pass instead of leaving the graph unchanged.
+    strict: raise on an internal error of a pass instead of leaving the graph unchanged; also lets Dynamo's own
+        failure on a frame raise (its suppress_errors off), where by default that frame runs eagerly, warned.
     rehome_weights: move ModuleList expert weights into one buffer per linear at compile time
         (same Parameters and values; lets the grouped GEMM read them as one 3-D tensor, no per-step
         copy). False is the same as listing "rehome_weights" in ``disable``.
