@@ -97,22 +97,26 @@ def all_written(node: fx.Node) -> list[fx.Node] | None:
     return list(dict.fromkeys(found))
 
 
+_SCHEMA_WRITES: dict = {}   # op -> ((position, name, keyword only) of each argument its schemas mark written)
+
+
 def _schema_writes(node: fx.Node) -> list[fx.Node]:
     """The arguments an OpOverload's (or every overload of a packet's) schema marks as written."""
     target = node.target if node.op == "call_function" else None
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        schemas = [getattr(target, o)._schema for o in target.overloads()]
-    elif isinstance(target, torch._ops.OpOverload):
-        schemas = [target._schema]
-    else:
+    if not isinstance(target, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
         return []
     out = []
-    for schema in schemas:
-        for i, a in enumerate(schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write:
-                v = node.args[i] if i < len(node.args) and not a.kwarg_only else node.kwargs.get(a.name)
-                out += [t for t in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, fx.Node)]
+    for i, name, kwarg_only in _cached(_SCHEMA_WRITES, target, _written_args, target):
+        v = node.args[i] if i < len(node.args) and not kwarg_only else node.kwargs.get(name)
+        out += [t for t in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, fx.Node)]
     return out
+
+
+def _written_args(target) -> tuple:
+    schemas = [getattr(target, o)._schema for o in target.overloads()] \
+        if isinstance(target, torch._ops.OpOverloadPacket) else [target._schema]
+    return tuple(dict.fromkeys((i, a.name, a.kwarg_only) for schema in schemas for i, a in enumerate(schema.arguments)
+                               if a.alias_info is not None and a.alias_info.is_write))
 
 
 def _cached(table: dict, key, compute, arg):
