@@ -310,6 +310,9 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, max_tokens: int |
     _ROOTS.setdefault(mesh.get_group().group_name, weakref.WeakSet()).add(model)
     for path, module, num_experts, names in found:
         _shard(path, module, num_experts, names, mesh, max_tokens)
+    from . import ep_optim_state
+
+    ep_optim_state.install()   # the optimizer state of the shards, in checkpoints (ep_optim_state.py)
     return model
 
 
