@@ -38,7 +38,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .config import MoEConfig
-from .skipped_frames import lift_earlier_skips, lift_input_error_skips, report_skipped_frames
+from .skipped_frames import lift_earlier_skips, lift_input_error_skips, raised_frames, report_skipped_frames
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class _Scope:
             if exc is not None:
                 _note_break(exc)
             if _frames_tried() != self.frames or self.session.graphs != self.graphs:   # (fullgraph: no frame count)
-                failed = lift_input_error_skips(self.t0) if exc is not None else frozenset()
+                failed = lift_input_error_skips(self.t0) | raised_frames(self.t0, exc) if exc is not None else frozenset()
                 skipped = report_skipped_frames(self.session, self.t0, failed)
                 if exc is None:   # a call that raised ran nothing "as the default backend would"
                     # frames outside MoE code are named only when no graph reached this backend in the

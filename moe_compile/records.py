@@ -104,6 +104,7 @@ class Session:
         for r in records:
             if r.status == REWRITTEN:
                 self.rewritten += 1
+                self.compile_errors.pop((r.module, r.where), None)   # a later compile of it succeeded
                 continue
             self.refused += 1
             if r.code == "compile_error":

@@ -264,8 +264,8 @@ def _explain_options(user: dict) -> tuple[dict, MoEConfig]:
     """(the compile's options as explain runs them: without Inductor, weights left where they are,
     quiet; the compile's own config: its moe.inductor, its moe.disable)."""
     config, _ = MoEConfig.from_options(None, user)
-    kept = {k: v for k, v in user.items() if k.startswith("moe.") and k not in ("moe.debug", "moe.mode")
-            or k == "fallback_random"}   # Inductor's options and mode mean nothing without Inductor
+    kept = {k: v for k, v in user.items() if k.startswith("moe.") and k not in ("moe.debug", "moe.mode", "moe.rehome_weights")
+            or k == "fallback_random"}   # Inductor's options and mode mean nothing without Inductor; explain never re-homes
     return {**kept, **_EXPLAIN_OPTIONS,
             "moe.disable": tuple(dict.fromkeys((*config.disable, *_EXPLAIN_OPTIONS["moe.disable"])))}, config
 

@@ -44,9 +44,16 @@ def raised_frames(since_us: int, exc: BaseException) -> set[tuple]:
         from torch._dynamo.utils import get_compilation_metrics
     except ImportError:  # pragma: no cover - torch without these
         return set()
+    raised = str(exc)
     return {(m.co_filename, m.co_firstlineno, m.co_name) for m in get_compilation_metrics()
             if getattr(m, "fail_type", None) == type(exc).__name__ and getattr(m, "co_filename", None)
-            and (getattr(m, "start_time_us", None) or since_us) >= since_us}
+            and (getattr(m, "start_time_us", None) or since_us) >= since_us
+            and _first_line(getattr(m, "fail_reason", None)) in raised}   # that failure, not another of its type
+
+
+def _first_line(text) -> str:
+    lines = (text or "").strip().splitlines()
+    return lines[0].strip() if lines else "\0"   # no reason recorded: matches nothing
 
 
 def lift_earlier_skips(before_us: int) -> set[tuple]:

@@ -189,18 +189,37 @@ def compile_region_frame(nodes) -> Frame | None:
             if (f.filename, f.lineno) not in seen:
                 seen.add((f.filename, f.lineno))
                 # decorated in the source, or wrapped later (``cls.forward = nested_compile_region(cls.forward)``)
-                if in_compile_region(f.filename, f.lineno) or any(_marked_method(c, f) for c in classes):
+                if in_compile_region(f.filename, f.lineno) or any(_marked_method(c, f) for c in classes) \
+                        or _marked_in_module(f):
                     return f
     return None
 
 
-def _marked_method(cls: type, f: Frame) -> bool:
-    """``cls.<f.name>`` is a function wrapped by nested_compile_region whose code holds the frame's line."""
-    code = getattr(getattr(getattr(cls, f.name, None), "__marked_compile_region_fn__", None), "__code__", None)
+def _marked_in_module(f: Frame) -> bool:
+    """A nested_compile_region wrapper whose code holds the frame's line among the globals of the module loaded
+    from the frame's file, or the attributes of its classes: a function or method wrapped under any name
+    (``@ncr``, ``Model.block = nested_compile_region(Model.block)``, ``region = nested_compile_region(fn)``)."""
+    import sys
+
+    for module in [m for m in list(sys.modules.values()) if getattr(m, "__file__", None) == f.filename]:
+        for value in list(vars(module).values()):
+            members = list(vars(value).values()) if isinstance(value, type) else [value]
+            if any(_marked_code_holds(getattr(v, "__marked_compile_region_fn__", None), f) for v in members):
+                return True
+    return False
+
+
+def _marked_code_holds(fn, f: Frame) -> bool:
+    code = getattr(fn, "__code__", None)
     if code is None or code.co_filename != f.filename:
         return False
     lines = [line for _, _, line in code.co_lines() if line is not None]
     return bool(lines) and code.co_firstlineno <= f.lineno <= max(lines)
+
+
+def _marked_method(cls: type, f: Frame) -> bool:
+    """``cls.<f.name>`` is a function wrapped by nested_compile_region whose code holds the frame's line."""
+    return _marked_code_holds(getattr(getattr(cls, f.name, None), "__marked_compile_region_fn__", None), f)
 
 
 _UNTRACEABLE_METHODS = {"retain_grad", "tolist", "register_full_backward_hook"}   # not .cpu(): traced

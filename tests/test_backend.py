@@ -216,10 +216,10 @@ def test_custom_pass_option_of_the_wrong_type_names_the_key():
 
 def test_explain_of_a_model_compiled_with_inductor_options():
     """explain() runs without Inductor: the compile's Inductor options and mode are not passed on to it."""
-    model = make_model(spelling="index_add")
-    compiled = torch.compile(model, backend="moe", options={"max_autotune": False, "moe.mode": "max-autotune"})
-    rep = moe_compile.explain(compiled, make_input((6, 16)))
-    assert [r.status for r in rep.regions] == ["rewritten"], str(rep)
+    for options in ({"max_autotune": False, "moe.mode": "max-autotune"}, {"moe.rehome_weights": True}):
+        compiled = torch.compile(make_model(spelling="index_add"), backend="moe", options=options)
+        rep = moe_compile.explain(compiled, make_input((6, 16)))
+        assert [r.status for r in rep.regions] == ["rewritten"], str(rep)
 
 
 def test_api_calls_on_the_wrong_object_name_the_problem():

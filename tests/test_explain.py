@@ -220,6 +220,18 @@ def test_explain_reports_a_region_whose_inductor_compile_failed(monkeypatch):
     assert "injected post_grad failure" in rep.regions[0].reason
 
 
+def test_a_compile_error_is_withdrawn_when_a_later_compile_rewrites_the_region():
+    """The compile_error explain() reports for a compiled model goes once a recompile (another input shape) of the
+    same region succeeds (review helper-97)."""
+    from moe_compile.records import REFUSED, REWRITTEN, RegionRecord, Session
+
+    session = Session(quiet=True)
+    session.count([RegionRecord("moe", "loop", REFUSED, "failed", (), "m.py:3", code="compile_error")])
+    assert ("moe", "m.py:3") in session.compile_errors
+    session.count([RegionRecord("moe", "loop", REWRITTEN, "", ("grouped_mm",), "m.py:3")])
+    assert not session.compile_errors
+
+
 class _CountsAsSizes(nn.Module):
     """A rewritten loop that also keeps each expert's token count as a Python number (``tok.shape[0]``)."""
 

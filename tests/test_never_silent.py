@@ -631,7 +631,30 @@ class _Outer(nn.Module):
         return self.block(x) + 1
 
 
-@pytest.mark.parametrize("how", ["decorated", "wrapped"])
+_ncr = torch.compiler.nested_compile_region
+
+
+class _NestedAlias(_NestedLoop):
+    """The region decorated on the compiled root's own method, under another name."""
+
+    @_ncr
+    def block(self, x):
+        return self.moe(x)
+
+
+def _run_moe(moe, x):
+    return moe(x)
+
+
+_run_moe_region = torch.compiler.nested_compile_region(_run_moe)   # a plain function wrapped where it is used
+
+
+class _NestedCallSite(_NestedLoop):
+    def forward(self, x):
+        return _run_moe_region(self.moe, x) + 1
+
+
+@pytest.mark.parametrize("how", ["decorated", "wrapped", "alias", "call_site"])
 def test_modulelist_experts_in_an_inlined_nested_compile_region_keep_their_storage(how, monkeypatch):
     """Re-homing the expert weights of such a layer into one buffer made Dynamo's next trace of the region (a new
     batch size, explain()) raise UncapturedHigherOrderOpError: invoke_subgraph refuses inputs that share storage
@@ -639,7 +662,7 @@ def test_modulelist_experts_in_an_inlined_nested_compile_region_keep_their_stora
     torch.manual_seed(0)
     if how == "wrapped":
         monkeypatch.setattr(_WrappedLater, "forward", torch.compiler.nested_compile_region(_WrappedLater.forward))
-    model = _NestedLoop() if how == "decorated" else _Outer()
+    model = {"decorated": _NestedLoop, "wrapped": _Outer, "alias": _NestedAlias, "call_site": _NestedCallSite}[how]()
     check_compiled(model, [make_input((8, 16))], expect_rewritten=1, options={"moe.inductor": False})
     compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
     eager = copy.deepcopy(model)
@@ -650,7 +673,7 @@ def test_modulelist_experts_in_an_inlined_nested_compile_region_keep_their_stora
     assert len({w.weight.untyped_storage().data_ptr() for w in w1}) == len(w1), "expert weights were re-homed"
     rep = moe_compile.explain(compiled, make_input((7, 16)))
     assert [r.status for r in rep.regions] == ["rewritten"], str(rep)
-    name = "block" if how == "decorated" else "forward"
+    name = {"decorated": "block", "wrapped": "forward", "alias": "block", "call_site": "_run_moe"}[how]
     assert any("nested_compile_region" in n and f"`{name}`" in n for n in rep.regions[0].notes), str(rep)
     assert not any("moves them into one buffer" in n for n in rep.regions[0].notes), str(rep)
 
