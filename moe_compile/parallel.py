@@ -289,10 +289,11 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, max_tokens: int |
     for path, module, num_experts, names in found:   # every container checked before any is sharded
         where = f"parallelize_experts: '{path or type(module).__name__}'"
         if num_experts % mesh.size():
+            hint = ("" if not path else " If it holds no experts (a [N, ...] weight of another kind, e.g. per-head "
+                    "projections), name the expert containers instead: torch.distributed.tensor.parallel."
+                    "parallelize_module(model, mesh, {\"<path of the experts>\": ExpertParallel()})")   # not when named
             raise ValueError(f"{where} has {num_experts} experts, not divisible by the ep mesh size {mesh.size()}; "
-                             "nothing was sharded. If it holds no experts (a [N, ...] weight of another kind, e.g. "
-                             "per-head projections), name the expert containers instead: torch.distributed.tensor."
-                             "parallel.parallelize_module(model, mesh, {\"<path of the experts>\": ExpertParallel()})")
+                             f"nothing was sharded.{hint}")
         if any(isinstance(module._parameters[n], DTensor) for n in names):   # FSDP's (or a DTensor plan's)
             raise ValueError(f"{where}: its expert weights are DTensors already (fully_shard, or another "
                              "DTensor sharding, came first); call parallelize_experts on the plain model, then "

@@ -229,6 +229,9 @@ def test_api_calls_on_the_wrong_object_name_the_problem():
         moe_compile.explain("model", make_input((3, 16)))
     with pytest.raises(TypeError, match="compile_blocks: expected an nn.Module .* got str"):
         moe_compile.compile_blocks("model")
+    from moe_compile.parallel import clip_grad_norm_   # torch's calling convention: an AttributeError (helper-98)
+    with pytest.raises(TypeError, match=r"takes the model .* not clip_grad_norm_\(model.parameters\(\)"):
+        clip_grad_norm_(nn.Linear(2, 2).parameters(), 1.0)
 
 
 def test_bad_mode_raises_before_tracing():

@@ -404,6 +404,8 @@ def body_parallel(rank, ep, tmp):
     assert not moe_compile.parallel.ep_infos(two) and two.a.experts.gate_up.shape[0] == 2 * ep
     with pytest.raises(ValueError, match="name the expert containers instead: .*ExpertParallel"):
         parallelize_experts(TinyMoE(e=3), mesh)
+    with pytest.raises(ValueError, match="nothing was sharded.$"):   # named already (ExpertParallel): no such hint
+        parallelize_experts(TinyMoE(e=3).experts, mesh)
     # a loss of a forward before sharding still alive (review helper-66): its graph holds the experts'
     # gradient nodes at the full shape, and the next backward failed with "invalid gradient at index 2"
     kept = TinyMoE(e=2 * ep, bias=True, seed=5)
