@@ -69,6 +69,7 @@ class BlocksCompile:
     backend: str
     options: dict
     dynamic: bool | None = None
+    session: object = dataclasses.field(default=None, compare=False)   # the moe backend's records.Session
 
 
 # model -> its compile_blocks call (explain() says what ran eagerly and follows the call's options)
@@ -201,7 +202,8 @@ def compile_blocks(model: nn.Module, backend="moe", *, blocks: Iterable[nn.Modul
         block.compile(backend=shared, **compile_kwargs)
     _COMPILED[model] = BlocksCompile(tuple(names[id(b)] for b in blocks if id(b) in names),
                                      "moe" if _is_moe(backend) else _backend_name(backend),
-                                     dict(compile_kwargs.get("options") or {}), compile_kwargs.get("dynamic"))
+                                     dict(compile_kwargs.get("options") or {}), compile_kwargs.get("dynamic"),
+                                     getattr(shared, "session", None))
     if loss:
         compile_loss(model, backend, **compile_kwargs)
     by_class: dict[type, list[nn.Module]] = {}

@@ -136,8 +136,12 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
     records += eager_probe.records(fn, eager, [r for r in records if r.is_break])
     regions = tuple(r for r in records if not r.is_break)
     regions = tuple(_explain_notes(_times_note(r, times[r]), config.disable) for r in regions)
-    failed = getattr(_compile_session(in_place or model_or_fn), "compile_errors", {})
-    regions = tuple(failed.get((r.module, r.where), r) if r.status == REWRITTEN else r for r in regions)
+    from .blocks import compiled_blocks
+
+    session = _compile_session(in_place or model_or_fn) or (getattr(compiled_blocks(fn), "session", None) if by_blocks
+                                                            else None)
+    failed = getattr(session, "compile_errors", {})
+    regions = tuple(_compile_error_of(r, failed) if r.status == REWRITTEN and failed else r for r in regions)
     breaks = tuple(dict.fromkeys(GraphBreak(r.where, r.reason, r.fix, r.source, r.code)
                                  for r in records if r.is_break))
     from .blocks import explain_notes, explain_regions
@@ -201,6 +205,17 @@ def _compiled_with(obj, user_obj, moe_backend) -> tuple[str | None, dict, bool |
     if call is not None:
         return call.backend, dict(call.options) if call.backend == "moe" else {}, call.dynamic, True
     return None, {}, None, False
+
+
+def _compile_error_of(r: RegionRecord, failed: dict) -> RegionRecord:
+    """The compile's compile_error record of the region explain found as ``r`` (same line; the same module, or one
+    inside the other: a block's graph names its layer ``layers.0.experts.experts``, explain's trace ``layers.0``),
+    at explain's module path; else ``r``."""
+    for (module, where), e in failed.items():
+        if where == r.where and (module == r.module or module.startswith(f"{r.module}.") or r.module.startswith(
+                f"{module}.") or not r.module):
+            return dataclasses.replace(e, module=r.module, num_experts=r.num_experts, top_k=r.top_k)
+    return r
 
 
 def _dynamo_ctx(obj):

@@ -202,9 +202,22 @@ def test_explain_leaves_the_counters():
     assert len(rep.rewritten) == 1 and dict(moe_compile.counters) == before, (before, moe_compile.counters)
 
 
-def test_explain_reports_a_region_whose_inductor_compile_failed(monkeypatch):
+class _TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([make_model(spelling="index_add", e=4, k=2) for _ in range(2)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "compile_blocks"])
+def test_explain_reports_a_region_whose_inductor_compile_failed(monkeypatch, how):
     """A rewritten graph that only Inductor fails on (here a post_grad pass) is compiled unrewritten (compile_error,
-    warned); explain(), whose trace runs no Inductor, reported the region as rewritten (review helper-95)."""
+    warned); explain(), whose trace runs no Inductor, reported the region as rewritten (review helper-95; under
+    compile_blocks too: helper-97)."""
     import moe_compile.lowering.wgrad_order as wgrad_order
 
     def boom(graph):
@@ -212,11 +225,15 @@ def test_explain_reports_a_region_whose_inductor_compile_failed(monkeypatch):
 
     monkeypatch.setattr(wgrad_order, "hoist_weight_gradients", boom)
     torch._dynamo.reset()
-    model = make_model(spelling="index_add")
-    compiled = torch.compile(model, backend="moe", options={"fx_graph_cache": False})
+    if how == "torch.compile":
+        model = compiled = torch.compile(make_model(spelling="index_add"), backend="moe",
+                                         options={"fx_graph_cache": False})
+    else:
+        model = compiled = _TwoLayers()
+        moe_compile.compile_blocks(model, blocks="layers", options={"fx_graph_cache": False}, loss=False)
     compiled(make_input((6, 16))).sum().backward()
-    rep = moe_compile.explain(compiled, make_input((6, 16)))
-    assert [(r.status, r.code) for r in rep.regions] == [("refused", "compile_error")], str(rep)
+    rep = moe_compile.explain(model, make_input((6, 16)))
+    assert rep.regions and {(r.status, r.code) for r in rep.regions} == {("refused", "compile_error")}, str(rep)
     assert "injected post_grad failure" in rep.regions[0].reason
 
 
