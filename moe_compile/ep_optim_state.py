@@ -6,46 +6,60 @@
 ``Shard(0)`` DTensors of the global [E, ...] shape. An optimizer's state for such a Parameter is a
 plain tensor of this rank's rows; torch's checkpointing takes a plain tensor for one that is the same
 on every rank and keeps one rank's copy: a resume gave every rank the other rank's Adam moments, a
-load into the unsharded model failed on the shape (review helper-98). So, for each optimizer that steps
-such Parameters (found by a global optimizer step post-hook, installed by ``parallelize_experts``):
+load into the unsharded model failed on the shape (review helper-98). So ``install`` (called by
+``parallelize_experts``, once per process) wraps ``torch.optim.Optimizer.state_dict`` and
+``load_state_dict``; for an optimizer holding such Parameters (any other is left exactly as torch has it):
 
-    state_dict()       each state tensor of this rank's rows -> the Shard(0) DTensor of the global
-                       tensor over the ep mesh (a view: loading into it writes the optimizer's state)
-    load_state_dict()  a DTensor -> this rank's rows (``to_local`` of Shard(0) over that mesh, else rows
-                       of the full tensor); a plain tensor of the global shape -> this rank's rows
+    state_dict()       each state tensor of per-expert rows ([E / ep, ...], the Parameter's number of dims:
+                       Adam's moments, Adafactor's factored row / column statistics) -> the Shard(0) DTensor
+                       of the global tensor over the ep mesh (a view: loading into it writes the optimizer's
+                       state); any other non-scalar state (a sum over this rank's experts) raises: no
+                       checkpoint can say which experts it covers
+    load_state_dict()  a DTensor -> this rank's rows (``to_local`` of Shard(0) over that mesh, else rows of the
+                       full tensor); a plain tensor of the global shape -> a copy of this rank's rows
 
-Parameters that are DTensors already (``fsdp_ignored_params``' views, FSDP's) are left alone.
+A class-level wrapper, not per-optimizer hooks: an optimizer may load state before its first step, create its
+state in its constructor (Adagrad) or get its experts by ``add_param_group`` later (review helper-99).
+Parameters that are DTensors already (``fsdp_ignored_params``' views, FSDP's) are left alone. A per-rank
+``torch.save(optimizer.state_dict())`` file holds those DTensors: load it with ``torch.distributed.tensor``
+imported, or save through torch.distributed.checkpoint.
 """
 from __future__ import annotations
 
-import weakref
+import functools
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from .ep_info import EPInfo, _global_view
 
-_SEEN: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 _installed = False
 
 
 def install() -> None:
-    """Once per process: look at each optimizer after its first step (``register_optimizer_step_post_hook``)."""
+    """Once per process: wrap ``Optimizer.state_dict`` / ``load_state_dict`` (subclasses inherit them)."""
     global _installed
-    if not _installed:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        register_optimizer_step_post_hook(_after_step)
-        _installed = True
-
-
-def _after_step(optimizer, args, kwargs) -> None:
-    if optimizer in _SEEN:
+    if _installed:
         return
-    _SEEN.add(optimizer)
-    if any(_shard_info(p) is not None for group in optimizer.param_groups for p in group["params"]):
-        optimizer.register_state_dict_post_hook(_as_global)
-        optimizer.register_load_state_dict_pre_hook(_as_local)
+    cls = torch.optim.Optimizer
+    torch_state_dict, torch_load_state_dict = cls.state_dict, cls.load_state_dict
+
+    @functools.wraps(torch_state_dict)
+    def _state_dict(self):
+        out = torch_state_dict(self)
+        return _as_global(self, out) if _holds_shards(self) else out
+
+    @functools.wraps(torch_load_state_dict)
+    def _load_state_dict(self, state_dict):   # torch.distributed.checkpoint passes it by name
+        return torch_load_state_dict(self, _as_local(self, state_dict) if _holds_shards(self) else state_dict)
+
+    cls.state_dict = torch._disable_dynamo(_state_dict)   # as torch's own are
+    cls.load_state_dict = torch._disable_dynamo(_load_state_dict)
+    _installed = True
+
+
+def _holds_shards(optimizer) -> bool:
+    return any(_shard_info(p) is not None for group in optimizer.param_groups for p in group["params"])
 
 
 def _shard_info(p) -> EPInfo | None:
@@ -68,9 +82,20 @@ def _as_global(optimizer, state_dict):
     for key, p in _params_by_key(optimizer, state_dict).items():
         info = _shard_info(p)
         if info is not None and key in state_dict["state"]:
-            state_dict["state"][key] = {k: _global_view(v, info) if _rows(v, p) else v
-                                        for k, v in state_dict["state"][key].items()}
+            state_dict["state"][key] = {k: _global(v, p, info, optimizer, k) for k, v in state_dict["state"][key].items()}
     return state_dict
+
+
+def _global(v, p, info: EPInfo, optimizer, name: str):
+    if not isinstance(v, torch.Tensor) or isinstance(v, DTensor) or v.dim() == 0:
+        return v
+    if v.dim() == p.dim() and v.shape[0] == p.shape[0]:
+        return _global_view(v, info)
+    raise ValueError(f"moe_compile: {type(optimizer).__name__}'s state '{name}' {tuple(v.shape)} of an expert-parallel "
+                     f"Parameter {tuple(p.shape)} (this rank's {info.experts_per_rank} of {info.num_experts} experts) "
+                     "is not one row per expert (a statistic over this rank's experts together), so no checkpoint "
+                     "can say which experts it covers; use an optimizer whose state has the Parameter's rows (Adam, "
+                     "SGD, Adagrad, RMSprop), or give the expert weights 3-D shapes [E, N, K]")
 
 
 def _as_local(optimizer, state_dict):
@@ -82,10 +107,6 @@ def _as_local(optimizer, state_dict):
     return {**state_dict, "state": state}
 
 
-def _rows(v, p) -> bool:
-    return isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == p.shape
-
-
 def _local(v, p, info: EPInfo):
     """This rank's rows of a global state tensor (a DTensor, or a plain one of the global shape)."""
     rows = info.expert_range
@@ -93,6 +114,6 @@ def _local(v, p, info: EPInfo):
         if v.device_mesh == info.mesh and tuple(v.placements) == (Shard(0),):
             return v.to_local()
         v = v.full_tensor()
-    if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == info.num_experts and v.shape[1:] == p.shape[1:]:
-        return v[rows.start:rows.stop]
+    if isinstance(v, torch.Tensor) and v.dim() == p.dim() and v.shape[0] == info.num_experts:
+        return v[rows.start:rows.stop].clone()   # not a view: it would keep the whole [E, ...] storage
     return v
