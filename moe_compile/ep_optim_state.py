@@ -18,8 +18,11 @@ load into the unsharded model failed on the shape (review helper-98). So ``insta
     load_state_dict()  a DTensor -> this rank's rows (``to_local`` of Shard(0) over that mesh, else rows of the
                        full tensor); a plain tensor of the global shape -> a copy of this rank's rows
 
-A class-level wrapper, not per-optimizer hooks: an optimizer may load state before its first step, create its
-state in its constructor (Adagrad) or get its experts by ``add_param_group`` later (review helper-99).
+The class-level wrapper only registers the conversion as the optimizer's own hooks at its first state_dict /
+load_state_dict call (the user's hooks then see the DTensor form on both sides: review helper-100), not at its
+first step: an optimizer may load state before it, create its state in its constructor (Adagrad) or get its
+experts by ``add_param_group`` later (review helper-99). ZeroRedundancyOptimizer and LBFGS over shards raise. A
+deep copy of an optimizer loses the shards' marking (``Parameter.__deepcopy__`` drops it): checkpoint the original.
 Parameters that are DTensors already (``fsdp_ignored_params``' views, FSDP's) are left alone. A per-rank
 ``torch.save(optimizer.state_dict())`` file holds those DTensors: load it with ``torch.distributed.tensor``
 imported, or save through torch.distributed.checkpoint.
@@ -27,6 +30,7 @@ imported, or save through torch.distributed.checkpoint.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
@@ -37,7 +41,9 @@ _installed = False
 
 
 def install() -> None:
-    """Once per process: wrap ``Optimizer.state_dict`` / ``load_state_dict`` (subclasses inherit them)."""
+    """Once per process: wrap ``Optimizer.state_dict`` / ``load_state_dict`` (subclasses inherit them) so that
+    each optimizer holding expert shards gets the conversion as hooks of its own, at its first call of either:
+    torch then runs them in order with the user's (``_ensure_hooks``)."""
     global _installed
     if _installed:
         return
@@ -46,16 +52,38 @@ def install() -> None:
 
     @functools.wraps(torch_state_dict)
     def _state_dict(self):
-        out = torch_state_dict(self)
-        return _as_global(self, out) if _holds_shards(self) else out
+        _ensure_hooks(self)
+        return torch_state_dict(self)
 
     @functools.wraps(torch_load_state_dict)
     def _load_state_dict(self, state_dict):   # torch.distributed.checkpoint passes it by name
-        return torch_load_state_dict(self, _as_local(self, state_dict) if _holds_shards(self) else state_dict)
+        _ensure_hooks(self)
+        return torch_load_state_dict(self, state_dict)
 
     cls.state_dict = torch._disable_dynamo(_state_dict)   # as torch's own are
     cls.load_state_dict = torch._disable_dynamo(_load_state_dict)
     _installed = True
+
+
+_HOOKED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+
+
+def _ensure_hooks(optimizer) -> None:
+    """The conversion as the optimizer's own hooks, once it holds expert shards: the state_dict post-hook first
+    (the user's post-hooks see the DTensors it returns), the load_state_dict pre-hook last (the user's pre-hooks
+    see what the caller passed). Optimizers whose state is not per Parameter raise."""
+    if optimizer in _HOOKED or not _holds_shards(optimizer):
+        return
+    name = type(optimizer).__name__
+    if name in ("ZeroRedundancyOptimizer", "LBFGS"):
+        raise NotImplementedError(
+            f"moe_compile: {name} over expert-parallel shards cannot be checkpointed: "
+            + ("it keeps its state in an inner optimizer it fills before the conversion could run"
+               if name == "ZeroRedundancyOptimizer" else "it keeps one flat state over every Parameter, this rank's "
+               "expert rows inside") + "; use a per-Parameter optimizer (AdamW, SGD, Adagrad, Adafactor, ...)")
+    optimizer.register_state_dict_post_hook(_as_global, prepend=True)
+    optimizer.register_load_state_dict_pre_hook(_as_local)
+    _HOOKED.add(optimizer)
 
 
 def _holds_shards(optimizer) -> bool:
@@ -82,35 +110,43 @@ def _as_global(optimizer, state_dict):
     for key, p in _params_by_key(optimizer, state_dict).items():
         info = _shard_info(p)
         if info is not None and key in state_dict["state"]:
-            state_dict["state"][key] = {k: _global(v, p, info, optimizer, k) for k, v in state_dict["state"][key].items()}
+            entry = state_dict["state"][key]
+            if isinstance(entry, dict):
+                state_dict["state"][key] = {k: _global(v, p, info, optimizer, k) for k, v in entry.items()}
     return state_dict
 
 
 def _global(v, p, info: EPInfo, optimizer, name: str):
-    if not isinstance(v, torch.Tensor) or isinstance(v, DTensor) or v.dim() == 0:
-        return v
-    if v.dim() == p.dim() and v.shape[0] == p.shape[0]:
+    if isinstance(v, (list, tuple)) and any(isinstance(t, torch.Tensor) and t.dim() for t in v) or \
+            isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() and not (
+                v.dim() == p.dim() and v.shape[0] == p.shape[0]):
+        shape = tuple(v.shape) if isinstance(v, torch.Tensor) else f"(a list of {len(v)})"
+        raise ValueError(f"moe_compile: {type(optimizer).__name__}'s state '{name}' {shape} of an expert-parallel "
+                         f"Parameter {tuple(p.shape)} (this rank's {info.experts_per_rank} of {info.num_experts} "
+                         "experts) is not one row per expert (a statistic over this rank's experts together), so no "
+                         "checkpoint can say which experts it covers; use an optimizer whose state has the "
+                         "Parameter's rows (AdamW, SGD, Adagrad, RMSprop), or 3-D expert weights for Adafactor")
+    if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim():
         return _global_view(v, info)
-    raise ValueError(f"moe_compile: {type(optimizer).__name__}'s state '{name}' {tuple(v.shape)} of an expert-parallel "
-                     f"Parameter {tuple(p.shape)} (this rank's {info.experts_per_rank} of {info.num_experts} experts) "
-                     "is not one row per expert (a statistic over this rank's experts together), so no checkpoint "
-                     "can say which experts it covers; use an optimizer whose state has the Parameter's rows (Adam, "
-                     "SGD, Adagrad, RMSprop), or give the expert weights 3-D shapes [E, N, K]")
+    return v
 
 
 def _as_local(optimizer, state_dict):
     state = dict(state_dict["state"])
     for key, p in _params_by_key(optimizer, state_dict).items():
         info = _shard_info(p)
-        if info is not None and key in state:
-            state[key] = {k: _local(v, p, info) for k, v in state[key].items()}
+        if info is not None and isinstance(state.get(key), dict):
+            state[key] = {k: _local(v, p, info, k) for k, v in state[key].items()}
     return {**state_dict, "state": state}
 
 
-def _local(v, p, info: EPInfo):
+def _local(v, p, info: EPInfo, name: str):
     """This rank's rows of a global state tensor (a DTensor, or a plain one of the global shape)."""
     rows = info.expert_range
     if isinstance(v, DTensor):
+        if v.shape[0] != info.num_experts:
+            raise ValueError(f"moe_compile: optimizer state '{name}' {tuple(v.shape)} loaded for an expert-parallel "
+                             f"Parameter of {info.num_experts} experts: a checkpoint of another model")
         if v.device_mesh == info.mesh and tuple(v.placements) == (Shard(0),):
             return v.to_local()
         v = v.full_tensor()

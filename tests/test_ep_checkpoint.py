@@ -57,11 +57,15 @@ def body_expert_optimizer_state_round_trips(rank, ws, path, layout, optim):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
 
     mesh = init_device_mesh("cpu", (1, ws), mesh_dim_names=("dp", "ep"))
     model, opt = _setup(layout, mesh, 0, optim)
     _step(model, opt, rank)
     saved = _state(model, opt)
+    seen = []   # a user's post-hook sees the state as returned (review helper-100: it saw the plain rows)
+    opt.register_state_dict_post_hook(lambda o, sd: seen.extend(type(v) for e in sd["state"].values()
+                                                                for v in e.values() if getattr(v, "dim", int)()))
     whole = {}
     for (n, k), v in saved.items():
         if n.startswith("experts."):
@@ -69,6 +73,7 @@ def body_expert_optimizer_state_round_trips(rank, ws, path, layout, optim):
             dist.all_gather(rows, v)
             whole[n, k] = torch.cat(rows)
     model_sd, optim_sd = get_state_dict(model, opt)
+    assert DTensor in seen, seen
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
 
     # resume at the same EP size, into a fresh model and optimizer
@@ -145,3 +150,19 @@ def test_optimizer_state_not_one_row_per_expert_raises():
     info = EPInfo("experts", ("w",), 4, 2, 0, "group")
     with pytest.raises(ValueError, match=r"Adafactor's state 'col_var' \(1, 5\) .* not one row per expert"):
         _global(torch.zeros(1, 5), torch.zeros(2, 5), info, torch.optim.Adafactor([torch.zeros(2, 5)]), "col_var")
+
+
+def test_optimizers_without_per_parameter_state_raise():
+    """LBFGS keeps one flat state over every Parameter (this rank's expert rows inside, whichever Parameter comes
+    first): its state_dict() raises instead of saving one rank's rows as everyone's (review helper-100)."""
+    from moe_compile.ep_info import EPInfo
+    from moe_compile.ep_optim_state import install
+
+    install()
+    shard = torch.nn.Parameter(torch.zeros(2, 5))
+    shard._moe_ep_info = EPInfo("experts", ("w",), 4, 2, 0, "group")
+    opt = torch.optim.LBFGS([torch.nn.Parameter(torch.zeros(3)), shard])
+    with pytest.raises(NotImplementedError, match="LBFGS over expert-parallel shards cannot be checkpointed"):
+        opt.state_dict()
+    plain = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])
+    assert plain.state_dict() == {"state": {}, "param_groups": plain.state_dict()["param_groups"]}
