@@ -11,11 +11,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from moe_compile.passes.normalize import SIZE_QUERIES, SYM_NUMBERS, canon, is_inplace_method, val
+from moe_compile.passes.normalize import ASSERT_OPS, SIZE_QUERIES, SYM_NUMBERS, canon, is_inplace_method, val
 from moe_compile.passes.writes import storage_base, writes_in_place, written
-
-_ASSERT_TARGETS = {"_assert_scalar", "sym_constrain_range_for_size", "sym_constrain_range", "_assert_async",
-                   "_check_is_size", "_check"}
 
 
 class LoweringError(RuntimeError):
@@ -82,7 +79,7 @@ def is_impure(node: fx.Node) -> bool:
         return is_inplace_method(node) or writes_in_place(node)
     if node.op != "call_function":
         return False
-    if node.target in (operator.setitem,) or canon(node) in _ASSERT_TARGETS or node.is_impure() \
+    if node.target in (operator.setitem,) or canon(node) in ASSERT_OPS or node.is_impure() \
             or _kept_write(node):
         return True
     return node.target.__module__ != "_operator" and not _computes_values(node) \
@@ -156,7 +153,7 @@ def in_graph_order(g: fx.Graph, nodes) -> list[fx.Node]:
 
 def erase_orphaned_asserts(g: fx.Graph) -> None:
     """Remove runtime asserts whose inputs are only kept alive by them (a rewritten region's sizes)."""
-    asserts = [n for n in g.nodes if n.op == "call_function" and canon(n) in _ASSERT_TARGETS]
+    asserts = [n for n in g.nodes if n.op == "call_function" and canon(n) in ASSERT_OPS]
     live: set[fx.Node] = set()
     skip = set(asserts)   # a set: Dynamo adds an assert per expert (a list made this quadratic: helper-83)
     roots = [n for n in g.nodes if n not in skip and is_impure(n)]

@@ -35,7 +35,7 @@ import weakref
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from .ep_info import EPInfo, _global_view
+from .ep_info import EPInfo, _global_view, ep_info
 
 _installed = False
 
@@ -92,7 +92,7 @@ def _holds_shards(optimizer) -> bool:
 
 def _shard_info(p) -> EPInfo | None:
     """The EPInfo of a Parameter holding this rank's expert rows as a plain tensor, else None."""
-    info = getattr(p, "_moe_ep_info", None)
+    info = ep_info(p)
     if not isinstance(info, EPInfo) or isinstance(p, DTensor) or not p.dim() or p.shape[0] != info.experts_per_rank:
         return None
     return info

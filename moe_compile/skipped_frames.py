@@ -24,13 +24,7 @@ def lift_input_error_skips(since_us: int) -> set[tuple]:
     """After a call that raised: lift Dynamo's run-eagerly mark from each frame whose compile failed on
     the call's inputs since ``since_us`` (the next call compiles it, as stock torch.compile would), and
     return them as (file, first line, name): not a frame Dynamo gave up on, an error the user sees."""
-    try:
-        from torch._dynamo.utils import get_compilation_metrics
-    except ImportError:  # pragma: no cover - torch without these
-        return set()
-    failed = {(m.co_filename, m.co_firstlineno, m.co_name) for m in get_compilation_metrics()
-              if getattr(m, "fail_type", None) in INPUT_ERROR_FAIL_TYPES and getattr(m, "co_filename", None)
-              and (getattr(m, "start_time_us", None) or since_us) >= since_us}
+    failed = _failed_since(since_us, lambda m: getattr(m, "fail_type", None) in INPUT_ERROR_FAIL_TYPES)
     for code in _codes_at(failed):
         compile_again(code)
     return failed
@@ -40,15 +34,20 @@ def raised_frames(since_us: int, exc: BaseException) -> set[tuple]:
     """Frames whose compile since ``since_us`` failed with ``exc``'s type, as (file, first line, name), when
     ``exc`` left the call: Dynamo raised that failure (``moe.strict``, an Inductor error on the unrewritten
     graph too), so the frame did not run eagerly, and the next call compiles it again (review helper-95)."""
+    raised = str(exc)
+    return _failed_since(since_us, lambda m: getattr(m, "fail_type", None) == type(exc).__name__
+                         and _first_line(getattr(m, "fail_reason", None)) in raised)   # that failure, not another of its type
+
+
+def _failed_since(since_us: int, failed) -> set[tuple]:
+    """(file, first line, name) of each frame whose compile since ``since_us`` Dynamo's metrics record as
+    ``failed(metric)``."""
     try:
         from torch._dynamo.utils import get_compilation_metrics
     except ImportError:  # pragma: no cover - torch without these
         return set()
-    raised = str(exc)
     return {(m.co_filename, m.co_firstlineno, m.co_name) for m in get_compilation_metrics()
-            if getattr(m, "fail_type", None) == type(exc).__name__ and getattr(m, "co_filename", None)
-            and (getattr(m, "start_time_us", None) or since_us) >= since_us
-            and _first_line(getattr(m, "fail_reason", None)) in raised}   # that failure, not another of its type
+            if failed(m) and getattr(m, "co_filename", None) and (getattr(m, "start_time_us", None) or since_us) >= since_us}
 
 
 def _first_line(text) -> str:

@@ -57,6 +57,9 @@ def annotate(graph: fx.Graph) -> None:
 
 # canonical ops that read only a tensor's metadata (its sizes, strides, rank), never its values
 SIZE_QUERIES = {"sym_size", "size", "dim", "sym_numel", "numel", "sym_stride"}
+# runtime asserts Dynamo leaves on data-dependent sizes: no users, kept for their effect
+ASSERT_OPS = {"_assert_scalar", "sym_constrain_range_for_size", "sym_constrain_range", "_assert_async",
+              "_check_is_size", "_check"}
 
 
 def canon(node: fx.Node) -> str | None:

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from .id_range import id_bound, ids_nonnegative
-from .normalize import SIZE_QUERIES, arg, canon, val
+from .normalize import ASSERT_OPS, SIZE_QUERIES, arg, canon, val
 
 
 @dataclass(frozen=True)
@@ -46,13 +46,9 @@ def find_static_bincounts(graph: fx.Graph) -> tuple[StaticBincount, ...]:
         if weights is not None or isinstance(length, bool) or not isinstance(length, int) or length <= 0 \
                 or not isinstance(v, torch.Tensor) or v.dim() != 1 or v.dtype.is_floating_point:
             continue
-        if not any(canon(u) not in SIZE_QUERIES and not _asserts(u) for u in n.users):
+        if not any(canon(u) not in SIZE_QUERIES | ASSERT_OPS for u in n.users):
             continue
         bound = id_bound(ids)
         if bound is not None and bound <= length and ids_nonnegative(ids):
             found.append(StaticBincount(n, ids, length))
     return tuple(found)
-
-
-def _asserts(u: fx.Node) -> bool:
-    return (canon(u) or "").startswith(("_assert", "_check", "sym_constrain"))
