@@ -191,10 +191,23 @@ def attribute_path(n: fx.Node) -> str:
     return _clean_module_path(name.replace("._parameters['", "._modules['").replace("._buffers['", "._modules['"))
 
 
+def _self_names() -> tuple[str, ...]:
+    """Names of the traced frame's own module: ``self``, and the first argument of the method Dynamo is
+    tracing when it is spelled otherwise (``def forward(s, x)``: Dynamo's paths start ``L['s']``, which
+    a report names from the module itself, as explain() does)."""
+    tracing = torch._guards.TracingContext.try_get()
+    codes = getattr(tracing, "traced_code", None) or ()
+    code = codes[0] if codes else None
+    qualname = getattr(code, "co_qualname", "").split(".")
+    if code is None or code.co_argcount < 1 or len(qualname) < 2 or qualname[-2] == "<locals>":
+        return ("self",)   # not a method: its first argument is a module the user named
+    return ("self", code.co_varnames[0])
+
+
 def _clean_module_path(path: str) -> str:
     # Dynamo spells it L['self'].layers[0].mlp or L['self'].experts._modules['0'] depending on version;
     # a module reached through a local or global other than self starts with L['block'] / G['model']
-    path = re.sub(r"^[LG]\['([^']*)'\]", lambda m: "" if m.group(1) == "self" else m.group(1), path)
+    path = re.sub(r"^[LG]\['([^']*)'\]", lambda m: "" if m.group(1) in _self_names() else m.group(1), path)
     # a module whose class defines __getattr__ (peft's wrappers) is read through its instance dict:
     # L['self'].__dict__['_modules']['base_model']
     path = re.sub(r"\.__dict__\['_(?:modules|parameters|buffers)'\]\['([^']*)'\]", r".\1", path)

@@ -88,6 +88,29 @@ def test_unclaimed_moe_is_listed_and_warned_once(unknown_forms, caplog, spelling
     assert len(_warnings(caplog, "moe_unmatched")) == 2 and len(_nothing(caplog)) == 1
 
 
+
+class SelfNamedS(nn.Module):
+    """``def forward(s, x)``: Dynamo's paths start ``L['s']``, not ``L['self']``."""
+    def __init__(s):
+        super().__init__()
+        s.moe = make_model(spelling="where_setitem", expert="swiglu", e=4, k=2)
+
+    def forward(s, x):
+        return x + s.moe(x)
+
+
+def test_warning_names_the_region_as_explain_does_whatever_self_is_called(unknown_forms, caplog):
+    """The compile warning named the region ``s.moe`` where explain() says ``moe``."""
+    model = SelfNamedS()
+    rep = moe_compile.explain(model, make_input((6, 16)))
+    assert [r.module for r in rep.refused] == ["moe"], str(rep)
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        torch.compile(model, backend="moe", options=OPTS)(make_input((6, 16)))
+    warned = _warnings(caplog, "moe_unmatched")
+    assert len(warned) == 1 and "MoE region moe (" in warned[0], warned
+
+
 class DerivedWeightsMoE(nn.Module):
     """The routed tokens meet expert weights computed from the Parameters (``W * 1.0``, ``flip``,
     ``cat``), with buffers beside them (a mask, int8 weights times learned scales), in forms no finder
