@@ -22,6 +22,16 @@ from .normalize import arg, canon, distinct_per_row, shape, val, where_in_user_c
 from .writes import basic_index
 
 
+def _pair_weights_unsqueezed(f, g, n) -> bool:
+    """``wf[perm, None]``: one weight per pair (``wf``: [N], as ``side_tensor``'s sw) in the rows' order, as a column."""
+    idx = n.args[1] if canon(n) == "getitem" else None
+    if not (isinstance(idx, tuple) and len(idx) == 2 and idx[1] is None and isinstance(idx[0], fx.Node)):
+        return False
+    ri, vw, vn = f.r(idx[0]), val(n.args[0]), val(n)
+    return bool(ri and ri.kind == "perm" and ri.g is g and isinstance(vw, torch.Tensor) and vw.dim() == 1
+                and vw.is_floating_point() and isinstance(vn, torch.Tensor) and vn.shape[0] == vw.shape[0])
+
+
 def row_weights(f, g, other, ro):
     """The routing-weight node (reshaped to [T, K] by the lowering) if ``other`` weights the rows."""
     if not isinstance(other, fx.Node) or canon(other) not in ("unsqueeze", "view", "reshape", "getitem"):
@@ -33,6 +43,8 @@ def row_weights(f, g, other, ro):
         return None
     if g.family == "sorted" and rs and rs.kind == "sw" and rs.g is g:
         return rs.info
+    if g.family == "sorted" and _pair_weights_unsqueezed(f, g, other):   # w.reshape(-1)[perm, None]
+        return src
     if g.family == "batched" and rs is None and isinstance(val(src), torch.Tensor) \
             and val(src).is_floating_point() and tuple(val(src).shape) == (val(g.x).shape[0] * g.k,):
         return src
@@ -70,7 +82,8 @@ def unsort_into(f, g, n, op, rows_in):
     buf must be in the region (``escaping_intermediate``), where the rewrite computes the pairs itself."""
     buf, idx, src = (n.args + (None, None, None))[:3]
     ri, rs = f.r(idx), f.r(src)
-    if op != "setitem" or not isinstance(buf, fx.Node) or f.r(buf) is not None or canon(buf) not in FRESH \
+    if op != "setitem" or not isinstance(buf, fx.Node) or getattr(f.r(buf), "kind", "fresh") != "fresh" \
+            or canon(buf) not in FRESH \
             or not (ri and ri.kind == "perm" and ri.g is g) or not (rs and rs.kind == "rows" and rs.g is g):
         return None
     vb, vs = val(buf), val(src)

@@ -90,6 +90,7 @@ ROW_RULES: dict[str, tuple] = {
     "mul": (rows.weights_mul,),
     "type_as": (rows.type_as_cast,),
     "setitem": (unsort_into,),
+    **{op: (rows.fresh_like,) for op in ("zeros_like", "empty_like", "new_zeros", "new_empty")},
 }
 for _op, _rules in dense_input.ROW_RULES.items():   # dense experts weighted on their input (Llama 4)
     ROW_RULES[_op] = _rules + ROW_RULES.get(_op, ())

@@ -304,6 +304,15 @@ def dense_sum(f, g, n, op, rows_in):
         return DONE
 
 
+def fresh_like(f, g, n, op, rows_in):
+    """zeros_like(rows) / new_zeros / empty_like: a new tensor that reads the rows' shape, not their values (the
+    buffer of ``buf[perm] = rows``, helper-102): a role of no region."""
+    if n.args and n.args[0] in rows_in:
+        f.set(n, "fresh")
+        return DONE
+    return None
+
+
 def elementwise(f, g, n, op, rows_in):
     """Element-wise steps, chunks and last-dim slices of the expert function (the table's default)."""
     a0, r0 = n.args[0], f.r(n.args[0])

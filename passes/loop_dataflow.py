@@ -261,8 +261,8 @@ def index_of_where(a, n, op, r0):
     if _const_int(n.args[1]) is None:
         return None
     sel, i = r0.sel, n.args[1]
-    if sel.layout == "n":
-        return Index(sel.ids, sel.e, ("tok", sel.e), "pair") if i == 0 else STOP
+    if sel.layout == "n":   # flat ids: pair indices t*K+j, which at top-1 are the tokens
+        return Index(sel.ids, sel.e, ("tok", sel.e), "tok" if sel.ids.k == 1 else "pair") if i == 0 else STOP
     axis = sel.layout[i]
     enum = ("tok", sel.e) if sel.layout == "tk" else ("where", r0.node)
     return Index(sel.ids, sel.e, enum, "tok" if axis == "t" else "slot")
@@ -280,6 +280,12 @@ def index_keep(a, n, op, r0):
 
 def index_unsqueeze(a, n, op, r0):
     return PendingScatter(r0) if r0.kind == "tok" else None
+
+
+def index_unsqueeze_getitem(a, n, op, r0):
+    """tok[:, None]: the unsqueeze spelled as an index."""
+    if n.args[1] == (slice(None), None):
+        return index_unsqueeze(a, n, op, r0)
 
 
 def scatter_index(a, n, op, r0):
@@ -401,13 +407,15 @@ Rule = tuple[type | None, Callable]
 # op -> rules tried in order (the role class the first argument must have, or None for any)
 RULES: dict[str, tuple[Rule, ...]] = {
     "getitem": ((None, ids_of_topk), (None, ids_of_sort), (Ids, ids_slice), (OneHot, sel_of_onehot), (Weighted, roww_of_weighted),
-                (WhereOf, index_of_where), (None, acc_read), (None, gather), (RowW, roww_keep)),
+                (WhereOf, index_of_where), (Index, index_unsqueeze_getitem), (None, acc_read), (None, gather),
+                (RowW, roww_keep)),
     "getattr": ((None, ids_of_topk_attr),),
     "argmax": ((None, ids_of_argmax),),
     "narrow": ((None, ids_of_sort), (Ids, ids_slice)),
     "view": ((Ids, ids_reshape), (Index, index_keep), (RowW, roww_keep), (Rows, rows_reshape)),
     "reshape": ((Ids, ids_reshape), (Index, index_keep), (RowW, roww_keep), (Rows, rows_reshape)),
     "flatten": ((Ids, ids_reshape), (Index, index_keep)),
+    "squeeze": ((Ids, ids_reshape),),
     "to": ((Ids, ids_cast), (Sel, sel_keep), (Weighted, weighted_cast), (Index, index_keep),
            (TokMask, tokmask_keep), (RowW, roww_keep)),
     "long": ((Ids, ids_cast), (Sel, sel_keep), (Index, index_keep)),

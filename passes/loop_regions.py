@@ -141,7 +141,7 @@ def _findings(a: Analysis, s: Storage, functions: dict, order: dict) -> list[Fin
         return s.findings[:1]
     experts = sorted(s.contribs)
     if experts != list(range(len(experts))):
-        return [Finding.of("expert_set", None, experts=experts, last=len(experts) - 1)]
+        return [Finding.of("expert_set", None, experts=experts, last=experts[-1])]
     cs = list(s.contribs.values())
     if len({c.rows.ids.root for c in cs}) != 1:
         return [Finding.of("two_routers")]

@@ -59,6 +59,7 @@ import re
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .expert_ids import ID_VIEWS, OTHER_ROUTERS, router_kind, router_root, routers as _routers
 from .id_range import holds_ids
@@ -157,7 +158,7 @@ def _evidence(router: fx.Node, reach: set, params: set, weights: set, e: int, sk
     tokens_n = _token_rows(router)
     selections = [n for n in reach if (canon(n) or "") in _SELECTIONS or (canon(n) == "where" and len(n.args) == 1)]
     selected = _reach(selections, {n for n in reach if canon(n) in _COMBINES
-                                   and len(d := _dims(written(n) or n)) == 2 and d[0] == tokens_n})
+                                   and len(d := _dims(written(n) or n)) == 2 and statically_known_true(d[0] == tokens_n)})
     own = router_params(router, params)     # a classifier's weight reused after its argmax is not an expert
     # rows of a table the scores read, gathered by the ids (topk(q @ K.t()), then K(ids)): nearest memory keys;
     # what is computed from them (attention over the keys) is not a token an expert meets

@@ -104,7 +104,14 @@ class SortedMoE(nn.Module):
             h = h.masked_fill(mask, 0.0)
         if self.weigh == "sorted":
             h = h * fw[perm].unsqueeze(-1)
-        if self.combine in ("inv", "argsort"):
+        elif self.weigh == "sorted_none":   # the column spelled fw[perm, None] (helper-102: refused)
+            h = h * fw[perm, None]
+        if self.combine == "buffer_like":   # the unsort buffer made by zeros_like (helper-102: refused)
+            buf = torch.zeros_like(h)
+            buf[perm] = h
+            y = buf.view(t, k, self.h)
+            out = (y * w.reshape(t, k).unsqueeze(-1) if self.weigh == "view" else y).sum(dim=1)
+        elif self.combine in ("inv", "argsort"):
             if self.combine == "inv":
                 inv = torch.empty_like(perm)
                 inv[perm] = torch.arange(perm.size(0))
@@ -227,6 +234,9 @@ SORTED_SPELLINGS = [
     dict(sentinel=True, bias=True),
     dict(key="stacked"),                                       # ids rebuilt from their columns (PhiMoE)
     dict(key="cast"),                                          # the key a cast copy of the ids
+    dict(combine="buffer_like", weigh="view"),                 # buf = zeros_like(rows); buf[perm] = rows
+    dict(combine="buffer_like", weigh="sorted_none"),
+    dict(combine="index_add", weigh="sorted_none"),
 ]
 
 

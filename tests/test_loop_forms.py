@@ -46,6 +46,71 @@ def test_top1_flat_ids(dtype):
     check_compiled(m, [make_input((2, 5, 16), dtype)], expect_rewritten=1)
 
 
+class _Top1Flat(torch.nn.Module):
+    """Switch-style top-1 with ids [T] and weights [T] from ``max`` / ``argmax`` / ``topk(1)`` squeezed,
+    written back by index_add_ / index_select / scatter_add_ / index_put_ (helper-102: ``max`` and every
+    write but ``out[tok] +=`` were refused as unsupported_write, a squeezed topk(1) as moe_unmatched)."""
+
+    def __init__(self, router: str, write: str, e: int = 4, h: int = 16, f: int = 24, first: int = 0):
+        super().__init__()
+        self.router, self.write, self.first = router, write, first
+        self.gate = torch.nn.Linear(h, e)
+        self.experts = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(h, f), torch.nn.GELU(),
+                                                               torch.nn.Linear(f, h)) for _ in range(e))
+
+    def forward(self, x):
+        p = self.gate(x).softmax(-1)
+        if self.router == "max":
+            w, ids = p.max(-1)
+        elif self.router == "argmax":
+            ids = p.argmax(-1)
+            w = p.gather(-1, ids[:, None]).squeeze(-1)
+        else:
+            w, ids = p.topk(1, dim=-1)
+            w, ids = w.squeeze(-1), ids.squeeze(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            if e < self.first:
+                continue
+            tok = torch.where(ids == e)[0]
+            if self.write == "index_add":
+                out.index_add_(0, tok, expert(x[tok]) * w[tok, None])
+            elif self.write == "index_select":
+                out.index_add_(0, tok, w[tok, None] * expert(x.index_select(0, tok)))
+            elif self.write == "scatter_add":
+                out.scatter_add_(0, tok[:, None].expand(-1, x.shape[-1]), expert(x[tok]) * w[tok, None])
+            else:
+                out.index_put_((tok,), expert(x[tok]) * w[tok, None], accumulate=True)
+        return out
+
+
+@pytest.mark.parametrize("router, write", [("max", "index_add"), ("argmax", "index_add"), ("topk", "index_add"),
+                                           ("max", "index_select"), ("topk", "scatter_add"), ("max", "index_put")])
+def test_top1_flat_ids_any_write(router, write):
+    check_compiled(_Top1Flat(router, write), [make_input((13, 16))], expect_rewritten=1)
+
+
+@pytest.mark.parametrize("routing", ["hot", "zero_tokens"])
+def test_top1_flat_ids_hot_expert_and_zero_tokens(routing):
+    m = _Top1Flat("max", "index_add")
+    if routing == "hot":   # every token picks expert 2: the others get none
+        with torch.no_grad():
+            m.gate.bias.copy_(torch.tensor([0.0, 0.0, 100.0, 0.0]))
+    check_compiled(m, [make_input((0 if routing == "zero_tokens" else 11, 16))], expect_rewritten=1,
+                   fresh_inputs=0 if routing == "zero_tokens" else 1)
+
+
+def test_a_loop_that_skips_expert_0_is_refused_naming_every_expert():
+    """The refusal said "covers experts [1, 2, 3], not 0..2" (helper-102): 0..3 is the set it needs."""
+    report = moe_compile.explain(_Top1Flat("max", "index_add", first=1), make_input((9, 16)))
+    assert [(r.status, r.code) for r in report.regions] == [("refused", "expert_set")], str(report)
+    assert "[1, 2, 3], not 0..3 " in report.regions[0].reason, report.regions[0].reason
+
+def test_top1_flat_ids_bf16_inductor():
+    m = _Top1Flat("topk", "index_add").to(BF16)
+    check_compiled(m, [make_input((2, 7, 16), BF16).view(14, 16)], expect_rewritten=1, inductor=True)
+
+
 @pytest.mark.parametrize("spelling", ["assign", "assign_mask"])
 def test_assign_top1_accepted(spelling):
     """`out[tok] = expert(x[tok]) * w` / `out[mask] = ...`: each token is written by one expert

@@ -111,6 +111,32 @@ def test_warning_names_the_region_as_explain_does_whatever_self_is_called(unknow
     assert len(warned) == 1 and "MoE region moe (" in warned[0], warned
 
 
+
+class _AnyNonzeroLoop(nn.Module):
+    """Tokens of expert e by ``(ids == e).any(-1).nonzero()``, their slot by an argmax: a form no finder knows."""
+    def __init__(self, h=16, f=32, e=4):
+        super().__init__()
+        self.gate = nn.Linear(h, e, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(h, f), nn.GELU(), nn.Linear(f, h)) for _ in range(e))
+
+    def forward(self, x):
+        w, ids = F.softmax(self.gate(x), -1).topk(2, -1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            mask = ids == e
+            tok = mask.any(-1).nonzero().squeeze(-1)
+            out.index_add_(0, tok, expert(x[tok]) * w[tok, mask[tok].float().argmax(-1), None])
+        return out
+
+
+def test_unclaimed_detector_compares_data_dependent_sizes_without_guarding():
+    """The detector compared a nonzero-sized write with the token count (a data-dependent guard): it
+    raised, and the layer was listed as a matcher_error without module, experts or top-k (helper-102)."""
+    rep = moe_compile.explain(_AnyNonzeroLoop(), make_input((24, 16)))
+    assert [(r.code, r.module, r.num_experts, r.top_k) for r in rep.refused] == [("moe_unmatched", "experts", 4, 2)], \
+        str(rep)
+
+
 class DerivedWeightsMoE(nn.Module):
     """The routed tokens meet expert weights computed from the Parameters (``W * 1.0``, ``flip``,
     ``cat``), with buffers beside them (a mask, int8 weights times learned scales), in forms no finder
