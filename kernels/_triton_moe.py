@@ -92,7 +92,8 @@ def _combine_bwd_kernel(dout_ptr, y_ptr, inv_ptr, w_ptr, offs_ptr, dy_ptr, dw_pt
         tl.store(dy_ptr + p64[:, None] * H + cols[None, :], g.to(dy_ptr.dtype.element_ty),
                  mask=qmask[:, None] & cmask[None, :])
         dacc += tl.sum(d * yv, axis=1)
-    tl.store(dw_ptr + q, dacc.to(dw_ptr.dtype.element_ty), mask=qmask)
+    # a dropped pair's weight is never read in eager: 0, even where dout is inf (inf * 0 = NaN otherwise)
+    tl.store(dw_ptr + q, tl.where(keep, dacc, 0.0).to(dw_ptr.dtype.element_ty), mask=qmask)
 
 
 @lean

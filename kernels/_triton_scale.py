@@ -40,7 +40,8 @@ def _scale_bwd_kernel(dxp_ptr, x_ptr, inv_ptr, w_ptr, offs_ptr, dx_ptr, dw_ptr, 
                         other=0.0).to(tl.float32)
             wj = tl.load(w_ptr + t * TOP_K + j, mask=keep, other=0.0).to(tl.float32)
             acc += wj[:, None] * g
-            dw += tl.where(slots[None, :] == j, tl.sum(g * xv, axis=1)[:, None], 0.0)
+            # a dropped pair's dw is 0 even where x is inf / NaN (its g is 0: inf * 0 = NaN otherwise)
+            dw += tl.where((slots[None, :] == j) & keep[:, None], tl.sum(g * xv, axis=1)[:, None], 0.0)
         tl.store(dx_ptr + t64[:, None] * H + cols[None, :], acc.to(dx_ptr.dtype.element_ty),
                  mask=tmask[:, None] & cmask[None, :])
     tl.store(dw_ptr + t64[:, None] * TOP_K + slots[None, :], dw.to(dw_ptr.dtype.element_ty),

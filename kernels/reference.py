@@ -50,10 +50,17 @@ def valid_rows(offsets: torch.Tensor, n: int) -> torch.Tensor:
     return torch.arange(n, device=offsets.device) < total
 
 
+def _kept_pairs(inv: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Boolean [N]: pair q's row inv[q] lies inside some group. A dropped pair (an id no expert of the layer
+    has) is never read in eager: its terms are selected away (``where``), not multiplied by 0, which would
+    turn an inf or NaN weight, row or gradient into NaN in its token's row (review helper-104)."""
+    return inv < (offsets[-1].long() if offsets.numel() else 0)
+
+
 def permute_rows(x: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, top_k: int) -> torch.Tensor:
     """xp[p] = x[perm[p] // top_k] for rows inside a group, 0 for dropped rows."""
     xp = x.index_select(0, perm // top_k)
-    return xp * valid_rows(offsets, perm.numel()).unsqueeze(-1).to(xp.dtype)
+    return torch.where(valid_rows(offsets, perm.numel()).unsqueeze(-1), xp, 0)   # not `* valid`: NaN * 0 is NaN
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None = None):
@@ -129,22 +136,21 @@ def unpermute_combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor,
     default y.dtype)."""
     t, k = weights.shape
     ct = torch.promote_types(out_dtype or y.dtype, torch.float32)  # fp64 for fp64
-    keep = (inv < (offsets[-1].long() if offsets.numel() else 0)).to(ct)
+    keep = _kept_pairs(inv, offsets)
     rows = y.to(ct).index_select(0, inv)  # [N, H]
-    w = weights.to(ct).reshape(-1) * keep
-    return (rows * w.unsqueeze(-1)).view(t, k, y.shape[1]).sum(1).to(out_dtype or y.dtype)  # T may be 0
+    rows = torch.where(keep.unsqueeze(-1), rows * weights.to(ct).reshape(-1, 1), 0)
+    return rows.view(t, k, y.shape[1]).sum(1).to(out_dtype or y.dtype)  # T may be 0
 
 
 def unpermute_combine_backward(dout, y, inv, weights, offsets):
     """Gradients of unpermute_combine: (dy [N, H], dweights [T, K])."""
     t, k = weights.shape
     ct = torch.promote_types(dout.dtype, torch.float32)  # fp64 for fp64
-    keep = (inv < (offsets[-1].long() if offsets.numel() else 0)).to(ct)
+    keep = _kept_pairs(inv, offsets)
     dout_rows = dout.to(ct).repeat_interleave(k, dim=0)  # [N, H], row q = token q // K
-    w = weights.to(ct).reshape(-1) * keep
     dy = torch.zeros(y.shape, dtype=ct, device=y.device)
-    dy.index_copy_(0, inv, dout_rows * w.unsqueeze(-1))
-    dw = (dout_rows * y.to(ct).index_select(0, inv)).sum(-1) * keep
+    dy.index_copy_(0, inv, torch.where(keep.unsqueeze(-1), dout_rows * weights.to(ct).reshape(-1, 1), 0))
+    dw = torch.where(keep, (dout_rows * y.to(ct).index_select(0, inv)).sum(-1), 0)
     return dy.to(y.dtype), dw.view(t, k).to(weights.dtype)
 
 
@@ -167,11 +173,10 @@ def permute_scale_backward(dxp, x, inv, weights, offsets):
     """Gradients of permute_scale: (dx [T, H], dweights [T, K]), fp32 sums (fp64 for fp64)."""
     t, k = weights.shape
     ct = _scale_dtype(dxp, x, weights)
-    keep = (inv < (offsets[-1].long() if offsets.numel() else 0)).to(ct)
+    keep = _kept_pairs(inv, offsets)
     g = dxp.to(ct).index_select(0, inv)   # [N, H], row q = pair q (token q // K)
-    w = weights.to(ct).reshape(-1) * keep
-    dx = (g * w.unsqueeze(-1)).view(t, k, x.shape[1]).sum(1)
-    dw = (g * x.to(ct).repeat_interleave(k, dim=0)).sum(-1) * keep
+    dx = torch.where(keep.unsqueeze(-1), g * weights.to(ct).reshape(-1, 1), 0).view(t, k, x.shape[1]).sum(1)
+    dw = torch.where(keep, (g * x.to(ct).repeat_interleave(k, dim=0)).sum(-1), 0)
     return dx.to(x.dtype), dw.view(t, k).to(weights.dtype)
 
 
@@ -202,7 +207,7 @@ def unpermute_sum(y: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor, offset
 def _row_weights(weights: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, ct: torch.dtype):
     """[M, 1]: the routing weight of each permuted row (its pair perm[p]), 0 for dropped rows."""
     w = weights.reshape(-1).to(ct).index_select(0, perm)
-    return (w * valid_rows(offsets, perm.numel()).to(ct)).unsqueeze(-1)
+    return torch.where(valid_rows(offsets, perm.numel()), w, 0).unsqueeze(-1)
 
 
 def weighted_swiglu(h: torch.Tensor, weights: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor):
@@ -211,7 +216,8 @@ def weighted_swiglu(h: torch.Tensor, weights: torch.Tensor, perm: torch.Tensor, 
     n = h.shape[-1] // 2
     ct = torch.promote_types(h.dtype, torch.float32)
     g, u = h[:, :n].to(ct), h[:, n:].to(ct)
-    return (torch.nn.functional.silu(g) * u * _row_weights(weights, perm, offsets, ct)).to(h.dtype)
+    a = torch.nn.functional.silu(g) * u * _row_weights(weights, perm, offsets, ct)
+    return torch.where(valid_rows(offsets, perm.numel()).unsqueeze(-1), a, 0).to(h.dtype)   # h of a dropped row unread
 
 
 def weighted_swiglu_backward(h, weights, perm, offsets, da):
@@ -220,9 +226,10 @@ def weighted_swiglu_backward(h, weights, perm, offsets, da):
     n = h.shape[-1] // 2
     ct = torch.promote_types(h.dtype, torch.float32)
     g, u, d = h[:, :n].to(ct), h[:, n:].to(ct), da.to(ct)
-    dw_rows = (d * torch.nn.functional.silu(g) * u).sum(-1) * valid_rows(offsets, perm.numel()).to(ct)
+    dw_rows = torch.where(valid_rows(offsets, perm.numel()), (d * torch.nn.functional.silu(g) * u).sum(-1), 0)
     dw = torch.zeros(weights.numel(), dtype=ct, device=h.device).index_copy_(0, perm, dw_rows)
     dh = swiglu_backward(h, _row_weights(weights, perm, offsets, ct) * d)
+    dh = torch.where(valid_rows(offsets, perm.numel()).unsqueeze(-1), dh, 0)
     return dh, dw.view(weights.shape).to(weights.dtype)
 
 

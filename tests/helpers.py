@@ -413,3 +413,43 @@ def tiny_qwen3_moe(layers: int):
             if n.endswith("gate.weight"):
                 p.normal_(0.0, 0.5)
     return model.train()
+
+
+def check_dropped_pairs_unread(device: str) -> None:
+    """The ops never read a dropped pair (an id no expert of the layer has, as eager's loop over its experts
+    never does): an inf / NaN routing weight there, inf rows past the groups (what a kernel may leave in
+    rows it does not compute), a NaN token whose every pair is dropped, an inf gradient in those rows, give
+    no NaN elsewhere and a zero weight gradient for the dropped pairs (the references multiplied by a 0/1
+    mask: NaN * 0 is NaN, the token's whole row; review helper-104). Runs the ops of ``device``."""
+    ops = torch.ops.moe_compile
+    t, k, e, h = 9, 2, 3, 8
+    ids = torch.tensor([[0, 1], [1, e], [2, e + 1], [e, e + 1], [0, 2], [e, 1], [2, 0], [1, 2], [e + 1, 0]],
+                       device=device)
+    dropped = ids >= e
+    weights = torch.rand(t, k, device=device).masked_fill(dropped, float("nan"))
+    weights[1, 1] = float("inf")
+    perm, inv, offs = ops.route_permute(ids, e)
+    total = int(offs[-1])
+    x = torch.randn(t, h, device=device)
+    x[3] = float("nan")                                   # token 3: both pairs dropped
+    xp = ops.permute_rows(x, perm, inv, offs, k)
+    assert torch.isfinite(xp).all() and (xp[total:] == 0).all(), xp
+    y = torch.randn(t * k, h, device=device)
+    y[total:] = float("inf")
+    out = ops.unpermute_combine(y, inv, weights, offs)
+    assert torch.isfinite(out).all() and (out[3] == 0).all(), out
+    dout = torch.randn(t, h, device=device)
+    dy, dw = ops.unpermute_combine_backward(dout, y, inv, weights, offs)
+    assert torch.isfinite(dy).all() and (dy[total:] == 0).all() and (dw[dropped] == 0).all(), (dy, dw)
+    dxp = torch.randn(t * k, h, device=device)
+    dxp[total:] = float("inf")
+    dx, dw = ops.permute_scale_backward(dxp, x, inv, weights, offs)
+    assert torch.isfinite(dx).all() and (dw[dropped] == 0).all(), (dx, dw)
+    hh = torch.randn(t * k, 2 * h, device=device)
+    hh[total:] = float("inf")
+    a = ops.weighted_swiglu(hh, weights, perm, offs)
+    assert torch.isfinite(a).all() and (a[total:] == 0).all(), a
+    da = torch.randn(t * k, h, device=device)
+    da[total:] = float("inf")
+    dh, dw = ops.weighted_swiglu_backward(hh, weights, perm, offs, da)
+    assert torch.isfinite(dh).all() and (dh[total:] == 0).all() and (dw[dropped] == 0).all(), (dh, dw)

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import OP_BF16_REL, OP_FP32_REL
+from helpers import OP_BF16_REL, OP_FP32_REL, check_dropped_pairs_unread
 from moe_compile.kernels import ops  # noqa: F401  (registers torch.ops.moe_compile.*)
 from helpers import rel_err
 
@@ -491,3 +491,7 @@ def test_quack_static_schedule_only_where_balanced():
     assert not _quack.static_is_balanced(2048, 768, 132)         # Qwen3 down: 64 tiles per expert
     assert not _quack.static_is_balanced(1536, 2048, 114)        # another SM count
     assert _quack.static_is_balanced(256, 384, 4) and not _quack.static_is_balanced(129, 192, 4)  # 4 vs 2 tiles
+
+
+def test_dropped_pairs_are_never_read():
+    check_dropped_pairs_unread("cpu")

@@ -778,3 +778,10 @@ def test_weighted_swiglu_kernels(t, k, e, n, routing, dtype, wdtype, gen):
     assert rel(dw, rdw) <= (BF16_ACT_REL if wdtype == torch.bfloat16 else WEIGHT_GRAD_REL)
     dropped = total_rows(offsets)
     assert torch.all(a[dropped:] == 0) and torch.all(dh[dropped:] == 0)
+
+
+def test_dropped_pairs_are_never_read_cuda():
+    """The CUDA ops with inf / NaN in dropped pairs' weights and rows (tests/helpers.py)."""
+    from helpers import check_dropped_pairs_unread
+
+    check_dropped_pairs_unread("cuda")
