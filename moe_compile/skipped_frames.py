@@ -166,13 +166,18 @@ def _per_layer_guard(code: tuple) -> str:
         from torch._dynamo.utils import guard_failures
     except ImportError:  # pragma: no cover - torch without these
         return ""
+    found, layers = "", set()
     for c in _codes_at({code}):
         for failure in reversed(guard_failures.get(c, ())):
             for line in str(failure).splitlines():
                 guard = line.strip().lstrip("- ").split("  #")[0].strip()
-                if _PER_LAYER_GUARD.search(guard):
-                    return guard.split(": ", 1)[-1] if re.match(r"\d+/\d+: ", guard) else guard
-    return ""
+                # a guard ("0/3: L['x'].size()[0] == 2"), not a source line the failure quotes
+                if _PER_LAYER_GUARD.search(guard) and (re.match(r"\d+/\d+: ", guard) or re.search(r"[LG]\['", guard)):
+                    found = found or (guard.split(": ", 1)[-1] if re.match(r"\d+/\d+: ", guard) else guard)
+                    layers.update(re.findall(r"\.layers\[(\d+)\]", guard) or ["idx"] * ("layer_idx" in guard))
+    # one frame serving several layers fails on several layers' state (or their index); a whole-model
+    # frame's failures read the cache's first layer only (a new batch size, a sliding window): another cause
+    return found if len(layers) > 1 or "idx" in layers else ""
 
 
 def _holds_moe(frame_id: str, code: tuple, codes: dict, session) -> bool:

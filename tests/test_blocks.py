@@ -482,6 +482,28 @@ def test_generate_with_a_kv_cache_names_the_per_layer_guard(caplog):
     assert [r.code for r in rep.refused] == ["recompile_limit_per_layer"], str(rep)
 
 
+
+def test_generate_of_a_whole_model_compile_is_not_called_per_layer(caplog):
+    """A whole-model compile (model.compile) whose generate() calls hit the recompile limit on the cache's
+    first layer (new batch sizes): the warning said "a per-block compile" and advised the whole-model compile
+    it was (review helper-103: any guard naming the cache counted as per-layer)."""
+    import transformers
+
+    torch._dynamo.reset()
+    cfg = transformers.GptOssConfig(vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                    num_experts_per_tok=2, max_position_embeddings=64, sliding_window=8,
+                                    layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    model.compile(backend="moe", options={"moe.inductor": False})
+    with caplog.at_level(logging.WARNING, logger="moe_compile"), torch.no_grad():
+        for b, s in ((2, 5), (2, 7), (1, 3)):   # sequences that cross the sliding window
+            model.generate(torch.randint(1, 100, (b, s), generator=torch.Generator().manual_seed(s)),
+                           max_new_tokens=5, do_sample=False, pad_token_id=0)
+    warned = [r.getMessage() for r in caplog.records if "[recompile_limit" in r.getMessage()]
+    assert warned and all("[recompile_limit]" in w for w in warned), caplog.text
+
 def _with_router_logits(layers: int = 2, asked: str = "output_router_logits"):
     """``tiny_qwen3_moe`` after one eager call that asked for ``asked``: transformers installed all its
     output recorders (forward hooks on each router too, ``moe_compile/hf_recorders.py``); its eager twin."""
