@@ -17,7 +17,9 @@ and the reads of an accumulator as an expert's rows (``expert_rows``): half-accu
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .loop_roles import (STOP, AccRead, AccSum, Contrib, Index, Rows, ScatterIndex, Storage, TokMask, as_contrib,
                          expert_key)
@@ -85,7 +87,8 @@ def combine(a, n: fx.Node, op: str, r0):
     if op == "scatter_add_":
         dim, index, src = arg(n, 1, "dim"), arg(n, 2, "index"), arg(n, 3, "src")
         ri, c = a.r(index), as_contrib(src, a.r(src))
-        if dim != 0 or not isinstance(ri, ScatterIndex) or c is None or c.rows.e != ri.e or c.rows.enum != ri.enum:
+        if dim != 0 or not isinstance(ri, ScatterIndex) or c is None or c.rows.e != ri.e or c.rows.enum != ri.enum \
+                or not _full_rows(acc, index, src):
             return _unsupported(a, s, n, c, ri, "scatter_add_")
         return _add(a, s, n, c, inplace=True)
     if op == "index_put_":
@@ -120,6 +123,16 @@ def combine(a, n: fx.Node, op: str, r0):
     if c is not None and not _edits_expert_input(a, s, c):
         return a.refuse_write(s, n, "overwrite_topk", c)
     return STOP
+
+
+def _full_rows(acc, index, src) -> bool:
+    """scatter_add_(0, index, src) adds whole rows: index and src [n, H] with H the accumulator's width.
+    A narrower index (``tok[:, None].expand(-1, H // 2)``) adds only its columns in eager (review helper-105:
+    the rewrite added whole rows, or returned rows of the experts' narrower width)."""
+    va, vi, vs = val(acc), val(index), val(src)
+    if not all(isinstance(v, torch.Tensor) and v.dim() == 2 for v in (va, vi, vs)):
+        return False
+    return all(statically_known_true(a == b) for a, b in zip((*vi.shape, vi.shape[1]), (*vs.shape, va.shape[1])))
 
 
 def _dtypes(acc, src) -> dict:

@@ -106,6 +106,41 @@ def test_a_loop_that_skips_expert_0_is_refused_naming_every_expert():
     assert [(r.status, r.code) for r in report.regions] == [("refused", "expert_set")], str(report)
     assert "[1, 2, 3], not 0..3 " in report.regions[0].reason, report.regions[0].reason
 
+class _NarrowScatter(torch.nn.Module):
+    """scatter_add_ whose index covers ``cols`` columns of the [T, H] accumulator: eager adds only those (the
+    rewrite added whole rows, or returned the experts' narrower rows as the output; review helper-105)."""
+
+    def __init__(self, out_width: int, cols: int, h: int = 16, e: int = 4):
+        super().__init__()
+        self.cols = cols
+        self.gate = torch.nn.Linear(h, e)
+        self.experts = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(h, 24), torch.nn.GELU(),
+                                                               torch.nn.Linear(24, out_width)) for _ in range(e))
+
+    def forward(self, x):
+        w, ids = self.gate(x).softmax(-1).max(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            tok = torch.where(ids == e)[0]
+            out.scatter_add_(0, tok[:, None].expand(-1, self.cols), expert(x[tok]) * w[tok, None])
+        return out
+
+
+def test_scatter_add_of_narrower_expert_rows_is_refused():
+    check_compiled(_NarrowScatter(8, 8), [make_input((9, 16))], expect_rewritten=0, expect_refused=1)
+
+
+def test_scatter_add_of_some_columns_is_refused():
+    """Full-width rows, an index of 4 columns (eager's backward raises on it: inference only)."""
+    torch._dynamo.reset()
+    model = _NarrowScatter(16, 4)
+    before = dict(moe_compile.counters)
+    compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
+    with torch.no_grad():
+        x = make_input((9, 16))
+        torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)   # refused: run as written, no Inductor
+    assert moe_compile.counters["rewritten"] == before.get("rewritten", 0), moe_compile.counters
+
 def test_top1_flat_ids_bf16_inductor():
     m = _Top1Flat("topk", "index_add").to(BF16)
     check_compiled(m, [make_input((2, 7, 16), BF16).view(14, 16)], expect_rewritten=1, inductor=True)
