@@ -135,6 +135,16 @@ def _full_rows(acc, index, src) -> bool:
     return all(statically_known_true(a == b) for a, b in zip((*vi.shape, vi.shape[1]), (*vs.shape, va.shape[1])))
 
 
+def _row_width(acc, out) -> bool:
+    """The expert's rows have the accumulator's row shape: rows of another width broadcast in eager
+    (``out[tok] += y`` with y [n, 1] adds y to every column; review of helper-105's finding), while the
+    rewrite's combine returns rows of the experts' width."""
+    va, vo = val(acc), val(out)
+    if not (isinstance(va, torch.Tensor) and isinstance(vo, torch.Tensor)) or va.dim() != vo.dim() or va.dim() < 1:
+        return False
+    return all(statically_known_true(x == y) for x, y in zip(va.shape[1:], vo.shape[1:]))
+
+
 def _dtypes(acc, src) -> dict:
     """{"src": .., "dtype": ..} when the added values' dtype is not the accumulator's, else {}."""
     va, vs = val(acc), val(src)
@@ -161,6 +171,8 @@ def _unsupported(a, s: Storage, n: fx.Node, c, ri, op: str):
 
 
 def _add(a, s: Storage, n: fx.Node, c: Contrib, inplace: bool):
+    if not _row_width(n.args[0], c.out):
+        return a.refuse_write(s, n, "unsupported_write", c, op=canon(n) or "?")
     e = c.rows.e
     if e in s.contribs:
         return a.refuse_write(s, n, "expert_added_twice", None, expert=e, acc=s.alloc.name)

@@ -130,6 +130,35 @@ def test_scatter_add_of_narrower_expert_rows_is_refused():
     check_compiled(_NarrowScatter(8, 8), [make_input((9, 16))], expect_rewritten=0, expect_refused=1)
 
 
+class _BroadcastRows(torch.nn.Module):
+    """Experts of output width 1 added into a [T, H] accumulator: eager broadcasts each row over H columns
+    (the rewrite returned [T, 1])."""
+
+    def __init__(self, write: str, h: int = 16, e: int = 4):
+        super().__init__()
+        self.write = write
+        self.gate = torch.nn.Linear(h, e)
+        self.experts = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(h, 24), torch.nn.GELU(),
+                                                               torch.nn.Linear(24, 1)) for _ in range(e))
+
+    def forward(self, x):
+        w, ids = self.gate(x).softmax(-1).topk(2, -1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.where(ids == e)
+            y = expert(x[tok]) * w[tok, slot, None]
+            if self.write == "iadd":
+                out[tok] += y
+            else:
+                out.index_put_((tok,), y, accumulate=True)
+        return out
+
+
+@pytest.mark.parametrize("write", ["iadd", "index_put"])
+def test_expert_rows_that_broadcast_into_the_output_are_refused(write):
+    check_compiled(_BroadcastRows(write), [make_input((10, 16))], expect_rewritten=0, expect_refused=1)
+
+
 def test_scatter_add_of_some_columns_is_refused():
     """Full-width rows, an index of 4 columns (eager's backward raises on it: inference only)."""
     torch._dynamo.reset()
