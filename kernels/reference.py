@@ -165,8 +165,8 @@ def _scale_dtype(*tensors) -> torch.dtype:
 def permute_scale(x, perm, offsets, weights, out_dtype):
     """xp[p] = (x[perm[p] // K] * weights.flat[perm[p]]).to(out_dtype), 0 for dropped rows."""
     ct = _scale_dtype(x, weights)
-    rows = x.to(ct).index_select(0, perm // weights.shape[1])
-    return (rows * _row_weights(weights, perm, offsets, ct)).to(out_dtype)
+    rows = x.to(ct).index_select(0, perm // weights.shape[1]) * _row_weights(weights, perm, offsets, ct)
+    return torch.where(valid_rows(offsets, perm.numel()).unsqueeze(-1), rows, 0).to(out_dtype)
 
 
 def permute_scale_backward(dxp, x, inv, weights, offsets):

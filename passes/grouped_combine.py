@@ -32,6 +32,17 @@ def _pair_weights_unsqueezed(f, g, n) -> bool:
                 and vw.is_floating_point() and isinstance(vn, torch.Tensor) and vn.shape[0] == vw.shape[0])
 
 
+def _as_column(n: fx.Node) -> bool:
+    """``n`` is its input's values as one column, in their order: unsqueeze(-1), view / reshape to [N, 1],
+    ``[:, None]``."""
+    op, src = canon(n), n.args[0]
+    if op == "unsqueeze":
+        return arg(n, 1, "dim") in (-1, len(shape(src) or ()))
+    if op in ("view", "reshape"):
+        return len(shape(src) or ()) == 1 and len(shape(n) or ()) == 2
+    return op == "getitem" and n.args[1] in ((slice(None), None), (Ellipsis, None))
+
+
 def row_weights(f, g, other, ro):
     """The routing-weight node (reshaped to [T, K] by the lowering) if ``other`` weights the rows."""
     if not isinstance(other, fx.Node) or canon(other) not in ("unsqueeze", "view", "reshape", "getitem"):
@@ -41,10 +52,12 @@ def row_weights(f, g, other, ro):
     s = shape(other)
     if not s or s[-1] != 1:
         return None
-    if g.family == "sorted" and rs and rs.kind == "sw" and rs.g is g:
-        return rs.info
     if g.family == "sorted" and _pair_weights_unsqueezed(f, g, other):   # w.reshape(-1)[perm, None]
         return src
+    if g.family in ("sorted", "batched") and not _as_column(other):   # sw[perm, None] permutes the sorted
+        return None                                                       # weights again (review helper-106)
+    if g.family == "sorted" and rs and rs.kind == "sw" and rs.g is g:
+        return rs.info
     if g.family == "batched" and rs is None and isinstance(val(src), torch.Tensor) \
             and val(src).is_floating_point() and tuple(val(src).shape) == (val(g.x).shape[0] * g.k,):
         return src

@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .loop_combine import acc_read, acc_sum, combine, expert_rows
 from .loop_ids import ids_cast, ids_of_argmax, ids_of_sort, ids_of_topk, ids_of_topk_attr, ids_reshape, ids_slice
@@ -51,6 +52,14 @@ BASE_OPS = {"clone", "linear", "add", "mul", "matmul", "sub", "empty_like_zero"}
 
 def _const_int(x):
     return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+
+def _column(w_node: fx.Node, rows: fx.Node) -> bool:
+    """The weights multiply whole rows: [n, 1] against the rows [n, H]. Weights [n] against [n, H] rows
+    broadcast over the columns in eager (it runs where n == H: column j times w[tok[j]]; review helper-106)."""
+    ws, rs = shape(w_node), shape(rows)
+    return ws is not None and rs is not None and len(ws) == len(rs) >= 1 and all(
+        statically_known_true(d == 1) for d in ws[1:])
 
 
 def _is_last_dim(dim, n) -> bool:
@@ -366,7 +375,8 @@ def rowwise(a: Analysis, n: fx.Node, op: str, r0):
         if op == "mul" and len(roww) == 1 and len(rows) == 1 and w.e == base.e and w.enum == base.enum \
                 and w.ids.root is base.ids.root:   # the weight of the router that picked these rows
             fn_node = next(x for x, r in in_roles if isinstance(r, (Rows, RowFn)))
-            return Contrib(base, fn_node, w.w)
+            w_node = next(x for x, r in in_roles if isinstance(r, RowW))
+            return Contrib(base, fn_node, w.w) if _column(w_node, fn_node) else None
         return None
     if op in LINEAR_OPS:
         if not isinstance(a.r(n.args[0]), (Rows, RowFn)):

@@ -434,6 +434,8 @@ def check_dropped_pairs_unread(device: str) -> None:
     x[3] = float("nan")                                   # token 3: both pairs dropped
     xp = ops.permute_rows(x, perm, inv, offs, k)
     assert torch.isfinite(xp).all() and (xp[total:] == 0).all(), xp
+    xs = ops.permute_scale(x, perm, inv, offs, weights, x.dtype)
+    assert torch.isfinite(xs).all() and (xs[total:] == 0).all(), xs
     y = torch.randn(t * k, h, device=device)
     y[total:] = float("inf")
     out = ops.unpermute_combine(y, inv, weights, offs)

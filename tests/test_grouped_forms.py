@@ -106,6 +106,8 @@ class SortedMoE(nn.Module):
             h = h * fw[perm].unsqueeze(-1)
         elif self.weigh == "sorted_none":   # the column spelled fw[perm, None] (helper-102: refused)
             h = h * fw[perm, None]
+        elif self.weigh == "sorted_twice":  # sw = fw[perm]; sw[perm, None]: permuted twice (helper-106: taken as sw)
+            h = h * fw[perm][perm, None]
         if self.combine == "buffer_like":   # the unsort buffer made by zeros_like (helper-102: refused)
             buf = torch.zeros_like(h)
             buf[perm] = h
@@ -237,6 +239,7 @@ SORTED_SPELLINGS = [
     dict(combine="buffer_like", weigh="view"),                 # buf = zeros_like(rows); buf[perm] = rows
     dict(combine="buffer_like", weigh="sorted_none"),
     dict(combine="index_add", weigh="sorted_none"),
+    dict(combine="index_add", weigh="sorted_twice"),
 ]
 
 

@@ -159,6 +159,35 @@ def test_expert_rows_that_broadcast_into_the_output_are_refused(write):
     check_compiled(_BroadcastRows(write), [make_input((10, 16))], expect_rewritten=0, expect_refused=1)
 
 
+class _FlatWeightsOnRows(torch.nn.Module):
+    """``expert(x[tok]) * w[tok]``: [n, H] times [n] broadcasts over the columns in eager (it runs where n == H:
+    column j times w[tok[j]]); the rewrite weighted rows (review helper-106)."""
+
+    def __init__(self, h: int = 8):
+        super().__init__()
+        self.gate = torch.nn.Linear(h, 2)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(h, h) for _ in range(2))
+        with torch.no_grad():   # the sign of x[:, 0] routes: 8 tokens each, n == H
+            self.gate.weight.zero_()
+            self.gate.bias.zero_()
+            self.gate.weight[:, 0] = torch.tensor([10.0, -10.0])
+
+    def forward(self, x):
+        w, ids = self.gate(x).softmax(-1).max(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            tok = torch.where(ids == e)[0]
+            out.index_add_(0, tok, expert(x[tok]) * w[tok])
+        return out
+
+
+def test_weights_without_a_column_dim_are_refused():
+    x = make_input((16, 8))
+    with torch.no_grad():
+        x[:, 0] = torch.cat([torch.rand(8) * 0.2 + 0.01, -(torch.rand(8) * 0.2 + 0.01)])
+    check_compiled(_FlatWeightsOnRows(), [x], expect_rewritten=0, expect_refused=1, fresh_inputs=0)
+
+
 def test_scatter_add_of_some_columns_is_refused():
     """Full-width rows, an index of 4 columns (eager's backward raises on it: inference only)."""
     torch._dynamo.reset()
