@@ -425,7 +425,6 @@ RULES: dict[str, tuple[Rule, ...]] = {
     "view": ((Ids, ids_reshape), (Index, index_keep), (RowW, roww_keep), (Rows, rows_reshape)),
     "reshape": ((Ids, ids_reshape), (Index, index_keep), (RowW, roww_keep), (Rows, rows_reshape)),
     "flatten": ((Ids, ids_reshape), (Index, index_keep)),
-    "squeeze": ((Ids, ids_reshape),),
     "to": ((Ids, ids_cast), (Sel, sel_keep), (Weighted, weighted_cast), (Index, index_keep),
            (TokMask, tokmask_keep), (RowW, roww_keep)),
     "long": ((Ids, ids_cast), (Sel, sel_keep), (Index, index_keep)),

@@ -5,7 +5,7 @@
                                                                       scores, k distinct experts per token)
     Ids[..., :k'] / Ids.narrow(-1, 0, k'), k' < K                  -> Ids (Shazeer's topk(k + 1) then
                                                                       ``[:, :k]``: the first k' of each token's)
-    views that keep (token, slot) (squeeze too), casts that keep every id -> Ids
+    views that keep (token, slot), casts that keep every id        -> Ids
 
 The rewrite routes the ids and weights the graph computed (``route_permute`` of these ids): a slice keeps
 each token's ids distinct, and the weights are whatever tensor the loop indexes with ``[tok, slot]``.

@@ -47,9 +47,10 @@ def test_top1_flat_ids(dtype):
 
 
 class _Top1Flat(torch.nn.Module):
-    """Switch-style top-1 with ids [T] and weights [T] from ``max`` / ``argmax`` / ``topk(1)`` squeezed,
-    written back by index_add_ / index_select / scatter_add_ / index_put_ (helper-102: ``max`` and every
-    write but ``out[tok] +=`` were refused as unsupported_write, a squeezed topk(1) as moe_unmatched)."""
+    """Switch-style top-1 with ids [T] and weights [T] from ``max`` / ``argmax``, written back by index_add_ /
+    index_select / scatter_add_ / index_put_ (helper-102: ``max`` and every write but ``out[tok] +=`` were
+    refused as unsupported_write). A squeezed ``topk(1)`` stays unmatched: its ids are also a clustering's
+    (Routing-Transformer attention, test_never_silent), which the finders would then report as refused MoE."""
 
     def __init__(self, router: str, write: str, e: int = 4, h: int = 16, f: int = 24, first: int = 0):
         super().__init__()
@@ -84,8 +85,8 @@ class _Top1Flat(torch.nn.Module):
         return out
 
 
-@pytest.mark.parametrize("router, write", [("max", "index_add"), ("argmax", "index_add"), ("topk", "index_add"),
-                                           ("max", "index_select"), ("topk", "scatter_add"), ("max", "index_put")])
+@pytest.mark.parametrize("router, write", [("max", "index_add"), ("argmax", "index_add"), ("max", "index_select"),
+                                           ("argmax", "scatter_add"), ("max", "index_put")])
 def test_top1_flat_ids_any_write(router, write):
     check_compiled(_Top1Flat(router, write), [make_input((13, 16))], expect_rewritten=1)
 
@@ -200,7 +201,7 @@ def test_scatter_add_of_some_columns_is_refused():
     assert moe_compile.counters["rewritten"] == before.get("rewritten", 0), moe_compile.counters
 
 def test_top1_flat_ids_bf16_inductor():
-    m = _Top1Flat("topk", "index_add").to(BF16)
+    m = _Top1Flat("max", "index_add").to(BF16)
     check_compiled(m, [make_input((2, 7, 16), BF16).view(14, 16)], expect_rewritten=1, inductor=True)
 
 
