@@ -226,10 +226,10 @@ def weighted_swiglu_backward(h, weights, perm, offsets, da):
     n = h.shape[-1] // 2
     ct = torch.promote_types(h.dtype, torch.float32)
     g, u, d = h[:, :n].to(ct), h[:, n:].to(ct), da.to(ct)
-    dw_rows = torch.where(valid_rows(offsets, perm.numel()), (d * torch.nn.functional.silu(g) * u).sum(-1), 0)
+    valid = valid_rows(offsets, perm.numel())
+    dw_rows = torch.where(valid, (d * torch.nn.functional.silu(g) * u).sum(-1), 0)
     dw = torch.zeros(weights.numel(), dtype=ct, device=h.device).index_copy_(0, perm, dw_rows)
-    dh = swiglu_backward(h, _row_weights(weights, perm, offsets, ct) * d)
-    dh = torch.where(valid_rows(offsets, perm.numel()).unsqueeze(-1), dh, 0)
+    dh = torch.where(valid.unsqueeze(-1), swiglu_backward(h, _row_weights(weights, perm, offsets, ct) * d), 0)
     return dh, dw.view(weights.shape).to(weights.dtype)
 
 

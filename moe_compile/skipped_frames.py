@@ -172,8 +172,9 @@ def _per_layer_guard(code: tuple) -> str:
             for line in str(failure).splitlines():
                 guard = line.strip().lstrip("- ").split("  #")[0].strip()
                 # a guard ("0/3: L['x'].size()[0] == 2"), not a source line the failure quotes
-                if _PER_LAYER_GUARD.search(guard) and (re.match(r"\d+/\d+: ", guard) or re.search(r"[LG]\['", guard)):
-                    found = found or (guard.split(": ", 1)[-1] if re.match(r"\d+/\d+: ", guard) else guard)
+                prefixed = re.match(r"\d+/\d+: ", guard)
+                if _PER_LAYER_GUARD.search(guard) and (prefixed or re.search(r"[LG]\['", guard)):
+                    found = found or (guard.split(": ", 1)[-1] if prefixed else guard)
                     layers.update(re.findall(r"\.layers\[(\d+)\]", guard) or ["idx"] * ("layer_idx" in guard))
     # one frame serving several layers fails on several layers' state (or their index); a whole-model
     # frame's failures read the cache's first layer only (a new batch size, a sliding window): another cause

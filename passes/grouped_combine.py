@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from .grouped_state import CASTS, DONE, FRESH
-from .normalize import arg, canon, distinct_per_row, shape, val, where_in_user_code
+from .normalize import COLUMN_INDEXES, arg, canon, distinct_per_row, shape, val, where_in_user_code
 from .writes import basic_index
 
 
@@ -40,7 +40,7 @@ def _as_column(n: fx.Node) -> bool:
         return arg(n, 1, "dim") in (-1, len(shape(src) or ()))
     if op in ("view", "reshape"):
         return len(shape(src) or ()) == 1 and len(shape(n) or ()) == 2
-    return op == "getitem" and n.args[1] in ((slice(None), None), (Ellipsis, None))
+    return op == "getitem" and n.args[1] in COLUMN_INDEXES
 
 
 def row_weights(f, g, other, ro):

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .loop_roles import (STOP, AccRead, AccSum, Contrib, Index, Rows, ScatterIndex, Storage, TokMask, as_contrib,
                          expert_key)
-from .normalize import arg, canon, val, where_in_user_code
+from .normalize import arg, canon, same_shape, val, where_in_user_code
 from .region import Finding
 from .writes import storage_base
 
@@ -132,7 +131,7 @@ def _full_rows(acc, index, src) -> bool:
     va, vi, vs = val(acc), val(index), val(src)
     if not all(isinstance(v, torch.Tensor) and v.dim() == 2 for v in (va, vi, vs)):
         return False
-    return all(statically_known_true(a == b) for a, b in zip((*vi.shape, vi.shape[1]), (*vs.shape, va.shape[1])))
+    return same_shape(vi.shape, vs.shape) and same_shape(vi.shape[1:], va.shape[1:])
 
 
 def _row_width(acc, out) -> bool:
@@ -140,9 +139,8 @@ def _row_width(acc, out) -> bool:
     (``out[tok] += y`` with y [n, 1] adds y to every column; review of helper-105's finding), while the
     rewrite's combine returns rows of the experts' width."""
     va, vo = val(acc), val(out)
-    if not (isinstance(va, torch.Tensor) and isinstance(vo, torch.Tensor)) or va.dim() != vo.dim() or va.dim() < 1:
-        return False
-    return all(statically_known_true(x == y) for x, y in zip(va.shape[1:], vo.shape[1:]))
+    return isinstance(va, torch.Tensor) and isinstance(vo, torch.Tensor) and va.dim() >= 1 and vo.dim() >= 1 \
+        and same_shape(va.shape[1:], vo.shape[1:])
 
 
 def _dtypes(acc, src) -> dict:

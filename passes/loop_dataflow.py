@@ -26,14 +26,13 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .loop_combine import acc_read, acc_sum, combine, expert_rows
 from .loop_ids import ids_cast, ids_of_argmax, ids_of_sort, ids_of_topk, ids_of_topk_attr, ids_reshape, ids_slice
 from .loop_roles import (STOP, Contrib, Ids, Index, OneHot, PendingScatter, RowFn, Rows, RowW, ScatterIndex, Sel,
                          Storage, TokMask, Weighted, WhereOf, expert_key)
 from .checkpoint_bodies import HOPS as CHECKPOINT_HOPS
-from .normalize import SIZE_QUERIES, arg, canon, shape, val, where_in_user_code
+from .normalize import COLUMN_INDEXES, SIZE_QUERIES, arg, canon, same_shape, shape, val, where_in_user_code
 from .region import Finding
 
 # element-wise ops the expert function may contain (with linears, splits and last-dim slices)
@@ -58,8 +57,7 @@ def _column(w_node: fx.Node, rows: fx.Node) -> bool:
     """The weights multiply whole rows: [n, 1] against the rows [n, H]. Weights [n] against [n, H] rows
     broadcast over the columns in eager (it runs where n == H: column j times w[tok[j]]; review helper-106)."""
     ws, rs = shape(w_node), shape(rows)
-    return ws is not None and rs is not None and len(ws) == len(rs) >= 1 and all(
-        statically_known_true(d == 1) for d in ws[1:])
+    return ws is not None and rs is not None and len(ws) == len(rs) >= 1 and same_shape(ws[1:], (1,) * (len(ws) - 1))
 
 
 def _is_last_dim(dim, n) -> bool:
@@ -346,7 +344,7 @@ def rows_of_index_select(a, n, op, r0):
 
 
 def roww_keep(a, n, op, r0):
-    if op != "getitem" or n.args[1] in ((slice(None), None), (Ellipsis, None)):
+    if op != "getitem" or n.args[1] in COLUMN_INDEXES:
         return r0
 
 

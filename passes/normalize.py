@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 _OPERATORS = {
     operator.eq: "eq", operator.ne: "ne", operator.mul: "mul", operator.imul: "mul",
@@ -57,6 +58,9 @@ def annotate(graph: fx.Graph) -> None:
 
 # canonical ops that read only a tensor's metadata (its sizes, strides, rank), never its values
 SIZE_QUERIES = {"sym_size", "size", "dim", "sym_numel", "numel", "sym_stride"}
+# ``x[:, None]`` / ``x[..., None]`` of a 1-D x: its values as one column, in their order
+COLUMN_INDEXES = ((slice(None), None), (Ellipsis, None))
+
 # runtime asserts Dynamo leaves on data-dependent sizes: no users, kept for their effect
 ASSERT_OPS = {"_assert_scalar", "sym_constrain_range_for_size", "sym_constrain_range", "_assert_async",
               "_check_is_size", "_check"}
@@ -160,6 +164,12 @@ def where_in_user_code(node: fx.Node) -> str:
     """'file.py:LINE' of the user's source line that produced the node (last frame), or ''."""
     frames = stack_frames(node)
     return f"{frames[-1][0].rsplit('/', 1)[-1]}:{frames[-1][1]}" if frames else ""
+
+
+def same_shape(a: tuple | None, b: tuple | None) -> bool:
+    """Two shapes (of ints or SymInts) provably equal: as many dims, each provably the same size."""
+    return a is not None and b is not None and len(a) == len(b) and all(
+        statically_known_true(x == y) for x, y in zip(a, b))
 
 
 def source_name(n: fx.Node) -> str:

@@ -62,7 +62,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .normalize import arg, canon, is_inplace_method, route_permute_output, shape, val
+from .normalize import arg, canon, is_inplace_method, route_permute_output, same_shape, shape, val
 
 # ops that end the walk back from the expert ids: the router's own GEMM, and anything before it
 _STOP = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "einsum", "baddbmm"})
@@ -151,11 +151,6 @@ def _is_last(dim, ndim: int) -> bool:
     return isinstance(dim, int) and not isinstance(dim, bool) and ndim > 0 and dim in (-1, ndim - 1)
 
 
-def _same_shape(a: tuple | None, b: tuple | None) -> bool:
-    return a is not None and b is not None and len(a) == len(b) and all(
-        statically_known_true(x == y) for x, y in zip(a, b))
-
-
 def _slot_args(u: fx.Node, slots: dict) -> list[fx.Node]:
     """The arguments of u that are slot tensors, once per appearance."""
     found = []
@@ -218,7 +213,7 @@ def _elementwise_layout(u: fx.Node, slots: dict) -> str | None:
     out, ins = shape(u), _slot_args(u, slots)
     if out is None or not ins or _writes_first_arg(u) and u.args[0] not in slots:
         return None
-    if not all(_same_shape(shape(a), out) for a in ins) or len({slots[a] for a in ins}) != 1:
+    if not all(same_shape(shape(a), out) for a in ins) or len({slots[a] for a in ins}) != 1:
         return None
     for a in u.all_input_nodes:
         s = shape(a)
