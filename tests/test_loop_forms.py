@@ -63,12 +63,9 @@ class _Top1Flat(torch.nn.Module):
         p = self.gate(x).softmax(-1)
         if self.router == "max":
             w, ids = p.max(-1)
-        elif self.router == "argmax":
+        else:   # argmax
             ids = p.argmax(-1)
             w = p.gather(-1, ids[:, None]).squeeze(-1)
-        else:
-            w, ids = p.topk(1, dim=-1)
-            w, ids = w.squeeze(-1), ids.squeeze(-1)
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             if e < self.first:
