@@ -434,6 +434,9 @@ def _moe_backend(gm, example_inputs, mode, options):
                         "them", type(exc).__name__, exc)
     if new_gm is not gm:
         _drop_graph_args(new_gm)
+        from .forward_ad import RefuseForwardAD
+
+        compiled = RefuseForwardAD(compiled)
     if not records:
         return compiled
     return records_mod.PublishOnFirstCall(compiled, records, session, gm)

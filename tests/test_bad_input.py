@@ -123,3 +123,38 @@ def test_expert_parallel_helpers_name_a_wrong_argument():
         moe_compile.parallelize_experts(None, None)
     with pytest.raises(TypeError, match="fsdp_ignored_params: expected a module"):
         moe_compile.fsdp_ignored_params(None)
+
+
+# fp32 on CPU: the compiled graph and eager run the same reference ops in another order
+FORWARD_AD_REL = 1e-5
+
+
+@pytest.mark.parametrize("inductor", [False, True])
+@pytest.mark.parametrize("grad", ["frozen", "no_grad", "trainable"])
+def test_forward_mode_ad_through_a_rewritten_region_says_so(inductor, grad):
+    """Dual tensors (torch.autograd.forward_ad) reaching a rewritten graph: its fused ops have no
+    forward-mode formula, so a frozen model's or a no_grad call's output came back with no tangent, a
+    silent zero (review helper-107); now a clear error. With a dual level open and no dual input the
+    call runs and matches eager."""
+    import contextlib
+    import copy
+
+    import torch.autograd.forward_ad as fwad
+
+    torch._dynamo.reset()
+    m = make_model(spelling="index_add", e=4, k=2)
+    if grad == "frozen":
+        m.requires_grad_(False)
+    compiled = torch.compile(copy.deepcopy(m), backend="moe", options={"moe.inductor": inductor})
+    x, tangent = make_input((6, 16), requires_grad=False), make_input((6, 16), requires_grad=False, seed=1)
+    ctx = torch.no_grad if grad == "no_grad" else contextlib.nullcontext
+    with ctx(), fwad.dual_level():
+        ref = m(x)                        # a level open, no dual tensor: runs as without one
+        out = compiled(x)
+        assert records.counters[records.REWRITTEN] >= 1
+        torch.testing.assert_close(out, ref, rtol=FORWARD_AD_REL, atol=FORWARD_AD_REL)
+        eager_tangent = fwad.unpack_dual(m(fwad.make_dual(x, tangent))).tangent
+        assert eager_tangent is not None and eager_tangent.abs().sum() > 0
+        with pytest.raises(RuntimeError, match="forward-mode AD .* no tangent.* uncompiled model"):
+            compiled(fwad.make_dual(x, tangent))
+    torch.testing.assert_close(compiled(x), m(x), rtol=FORWARD_AD_REL, atol=FORWARD_AD_REL)
