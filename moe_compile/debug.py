@@ -33,12 +33,16 @@ def format_records(records) -> str:
     return "\n".join(lines)
 
 
-def format_warning(r) -> str:
-    """The WARNING logged once per compiled model for a refused record: what, where, why, the fix."""
+def format_warning(r, also: list | tuple = ()) -> str:
+    """The WARNING logged once per compiled model for a refused record: what, where, why, the fix.
+    ``also``: the modules of the same graph refused with the same code at the same source line."""
     if r.is_break:  # the reason starts with "graph break at file:line" / "skipped frame at file:line"
         head = f"moe_compile: refused [{r.code}] in MoE code"
     else:
-        head = f"moe_compile: refused [{r.code}] MoE region {r.module or '<top>'} ({r.form}, {r.where})"
+        names = list(dict.fromkeys(m or "<top>" for m in (r.module, *also)))
+        if len(names) > 6:
+            names = [*names[:3], "...", names[-1], f"({len(names)} regions)"]
+        head = f"moe_compile: refused [{r.code}] MoE region{'s' * (len(names) > 1)} {', '.join(names)} ({r.form}, {r.where})"
     return f"{head}: {r.reason}\n    fix: {r.fix}"
 
 

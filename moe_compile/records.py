@@ -84,6 +84,7 @@ class Session:
         self.blocks = False
         self.defer_nothing = False
         self.pending_nothing: tuple[str, ...] | None = None
+        self.pending_problems: dict = {}   # and the refusals' warnings (one per problem: flush_problems)
         # Inductor's fallback_random when this session's compile first ran the passes (it decides which rewrites
         # keep eager's random draws): explain() of the compiled model follows it, not the value at explain time
         self.fallback_random: bool | None = None
@@ -101,6 +102,9 @@ class Session:
     def count(self, records) -> None:
         from .debug import format_warning
 
+        # once per problem: a break per source line (every layer shares it), a refused region per code and
+        # source line, naming the graph's modules that share it (48 identical layers: one warning, not 48)
+        problems: dict = {}
         for r in records:
             if r.status == REWRITTEN:
                 self.rewritten += 1
@@ -109,9 +113,22 @@ class Session:
             self.refused += 1
             if r.code == "compile_error":
                 self.compile_errors[r.module, r.where] = r
-            if r.code not in _WARNED_ELSEWHERE:  # a break: once per source line (every layer shares it)
-                key = ("break", r.code, r.where) if r.is_break else ("region", r.module, r.code, r.where)
-                self.warn_once(key, format_warning(r))
+            if r.code not in _WARNED_ELSEWHERE:
+                problems.setdefault(("break" if r.is_break else "region", r.code, r.where), []).append(r)
+        for key, same in problems.items():
+            if self.defer_nothing:   # compile_blocks, inside a call of the model: the other blocks' come too
+                self.pending_problems.setdefault(key, []).extend(same)
+            else:
+                self.warn_once(key, format_warning(same[0], [r.module for r in same[1:]]))
+
+    def flush_problems(self) -> None:
+        """The end of a model's call: the refusals its block calls kept while ``defer_nothing`` was set, one
+        warning per problem naming every block that has it."""
+        from .debug import format_warning
+
+        pending, self.pending_problems = self.pending_problems, {}
+        for key, same in pending.items():
+            self.warn_once(key, format_warning(same[0], [r.module for r in same[1:]]))
 
     def after_call(self, compiled_frames: bool, skipped: tuple[str, ...] = ()) -> None:
         """After a call of the compiled model that compiled frames: warn once if nothing was rewritten.
@@ -138,6 +155,7 @@ class Session:
 
     def flush_nothing(self) -> None:
         """The end of a model's call: the verdict its block calls kept while ``defer_nothing`` was set."""
+        self.flush_problems()   # the refusals first: the verdict says they were "logged above"
         pending, self.pending_nothing = self.pending_nothing, None
         if pending is not None:
             self.after_call(True, pending)

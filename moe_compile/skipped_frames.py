@@ -130,9 +130,12 @@ def report_skipped_frames(session, since_us: int, exclude: set = frozenset()) ->
             at = f", at {frames[-1].at}" if len(frames) > 1 else ""
             others.setdefault(skipped.at, f"`{_qualname(skipped)}` ({skipped.at}{at}: {reason})")
             continue
-        if (frames[-1].filename, frames[-1].lineno) in found:
-            continue
         code, detail = classify_break(frames, f"{m.fail_type}: {m.fail_reason or ''}")
+        earlier = found.get((frames[-1].filename, frames[-1].lineno))
+        # one line, several frames: an outer frame skipped for a break in an inlined call inside its loop gets
+        # Dynamo's generic "graph break in loop" (break_other); the frame that holds the line says what it is
+        if earlier is not None and not (earlier[1].code == "break_other" and code != "break_other"):
+            continue
         if code == "recompile_limit":
             guard = _per_layer_guard(co)
             if guard:

@@ -134,12 +134,20 @@ def expert_operands(region: Region) -> Finding | None:
                 if slot is not None:
                     # str: a symbolic size (parameters with dynamic shapes) is not hashable; two
                     # different symbols count as different sizes (refused, never wrong)
-                    shapes = {tuple(str(d) for d in val(n).shape) for n in mlp.slots[slot]}
-                    if len(shapes) != 1:
-                        return Finding.of("weight_shapes_differ", None, shapes=sorted(shapes))
+                    shapes = [tuple(str(d) for d in val(n).shape) for n in mlp.slots[slot]]
+                    if len(set(shapes)) != 1:
+                        return Finding.of("weight_shapes_differ", None, shapes=_by_expert(shapes))
     if not mlp.steps or not any(st.linear for st in mlp.steps):
         return Finding.of("no_linear")
     return None
+
+
+def _by_expert(shapes: list) -> str:
+    """``expert 0: (8, 16); experts 1, 3: (12, 16); expert 2: (16, 16)`` (slot order is expert order)."""
+    experts: dict = {}
+    for e, sh in enumerate(shapes):
+        experts.setdefault(sh, []).append(str(e))
+    return "; ".join(f"expert{'s' * (len(es) > 1)} {', '.join(es)}: ({', '.join(sh)})" for sh, es in experts.items())
 
 
 def input_2d(region: Region) -> Finding | None:

@@ -66,6 +66,11 @@ def _is_last_dim(dim, n) -> bool:
     return dim == -1 or (nd is not None and dim == nd - 1)
 
 
+# an op on an expert's output after its routing weight was applied, other than the write-back
+_AFTER_WEIGHT = (", on the expert output after the routing weight multiply: only the write-back into the output may "
+                 "follow it (apply the op to the expert output before multiplying by the weight)")
+
+
 class Analysis:
     """Roles of nodes and the accumulators found in one graph."""
 
@@ -153,7 +158,7 @@ class Analysis:
                 s.readers.append((node, s.version))
             ra = self.r(a)
             if isinstance(ra, (RowFn, Rows, Contrib, RowW)) and node.op != "output":
-                self._row_finding(expert_key(ra), node)
+                self._row_finding(expert_key(ra), node, _AFTER_WEIGHT if isinstance(ra, Contrib) else "")
 
     def refuse_write(self, s: Storage, n: fx.Node, code: str, contrib, **detail):
         s.findings.append(Finding.of(code, n, at=where_in_user_code(n), **detail))

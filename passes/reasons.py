@@ -111,7 +111,7 @@ REASONS: dict[str, Reason] = {
         "one grouped op applies one function to every expert's rows",
         "use one number for every expert; a per-expert scale of the output can be folded into the last linear's "
         "weight (w2.weight * scale); other per-expert numbers (clamp bounds, ...) keep the layer compiled as written"),
-    "weight_shapes_differ": Reason("expert weights have different shapes {shapes}",
+    "weight_shapes_differ": Reason("the experts' weights of one linear have different shapes ({shapes})",
                                    "give every expert the same layer sizes"),
     "no_linear": Reason("the expert function has no linear layer", "nothing to group: not an MoE expert MLP"),
     "mixed_dtypes": Reason(
@@ -357,7 +357,9 @@ REASONS: dict[str, Reason] = {
         "(an expert with no tokens is fine), or sort by expert and call torch._grouped_mm with offsets = "
         "cumsum(counts) (any .tolist() of counts breaks the graph, fixed-length counts included)"),
     "break_item": Reason("{what} at {at}: `{source}` syncs with the host (`.item()`){effect}",
-                         "keep the value a tensor"),
+                         "if the value only decides whether to skip an expert without tokens, remove it and that "
+                         "check (the rewritten experts handle empty groups); else keep the value a tensor and use it "
+                         "in tensor ops (a Python `if` on it is a graph break too)"),
     "break_data_dependent": Reason(
         "{what} at {at}: `{source}` branches on tensor data (e.g. skipping experts without tokens){effect}",
         "remove the branch: the rewritten experts handle empty groups"),

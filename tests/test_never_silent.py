@@ -56,7 +56,9 @@ class TwoLayers(nn.Module):
 @pytest.mark.parametrize("spelling, expert", [("where_setitem", "swiglu"), ("index_add", "stacked_chunk")])
 def test_unclaimed_moe_is_listed_and_warned_once(unknown_forms, caplog, spelling, expert):
     """A form no finder knows: one moe_unmatched record per layer, in explain() and in the counters;
-    one warning per layer and one nothing-rewritten warning over three calls and a recompile."""
+    one warning naming both layers (the same code at the same line: one problem; it was one warning per
+    layer, 48 for 48 identical layers, review helper-110) and one nothing-rewritten warning over three calls
+    and a recompile."""
     model = TwoLayers(spelling=spelling, expert=expert, e=4, k=2)
     rep = moe_compile.explain(model, make_input((6, 16)))
     assert [r.code for r in rep.refused] == ["moe_unmatched"] * 2, str(rep)
@@ -73,7 +75,8 @@ def test_unclaimed_moe_is_listed_and_warned_once(unknown_forms, caplog, spelling
             cm(make_input((n, 16), seed=n))
     assert records.counters["refused"] - before >= 2
     warned = _warnings(caplog, "moe_unmatched")
-    assert len(warned) == 2 and all("fix:" in w for w in warned), warned
+    assert len(warned) == 1 and "fix:" in warned[0], warned
+    assert "MoE regions layers.0, layers.1 (" in warned[0], warned
     assert len(_nothing(caplog)) == 1
     # another compile of the model reuses Dynamo's cached code: nothing is compiled, nothing warned twice;
     # once Dynamo's cache is reset it compiles again, and warns again, once
@@ -85,7 +88,7 @@ def test_unclaimed_moe_is_listed_and_warned_once(unknown_forms, caplog, spelling
         torch._dynamo.reset()
         cm2(make_input((6, 16)))
         cm2(make_input((6, 16)))
-    assert len(_warnings(caplog, "moe_unmatched")) == 2 and len(_nothing(caplog)) == 1
+    assert len(_warnings(caplog, "moe_unmatched")) == 1 and len(_nothing(caplog)) == 1
 
 
 
@@ -2275,6 +2278,88 @@ def test_loop_that_binds_the_expert_first_is_listed_and_warned_once(skip, beside
     assert len(_warnings(caplog, code)) == 1 and "fix:" in _warnings(caplog, code)[0], caplog.text
     assert len(_moe_warnings(caplog)) == (1 if beside else 2), caplog.text   # alone: and nothing rewritten
     assert not any("no MoE layer was found" in m for m in _nothing(caplog)), caplog.text
+
+
+class _LayersInALoop(nn.Module):
+    """Layers called in a Python loop: a data-dependent branch inside one layer's expert loop makes Dynamo
+    skip the outer frame with its generic "graph break in loop" at the same line."""
+
+    def __init__(self, skip, n=2):
+        super().__init__()
+        self.layers = nn.ModuleList(SparseMLP(skip) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+@pytest.mark.parametrize("skip", ["numel", "item"])
+def test_a_branch_in_layers_called_in_a_loop_keeps_its_own_reason(skip, caplog):
+    """Was break_other with Dynamo's "graph break in loop" text and a generic fix (review helper-110): the outer
+    frame's failure came first at the line and the layer frame's specific one was dropped as a duplicate."""
+    model, x = _LayersInALoop(skip), make_input((24, 16))
+    torch._dynamo.reset()
+    rep = moe_compile.explain(model, x)
+    assert [b.reason_code for b in rep.graph_breaks] == ["break_data_dependent"], str(rep)
+    assert "remove the branch" in rep.graph_breaks[0].fix, str(rep)
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="moe_compile"):
+        compiled = torch.compile(model, backend="moe", options=OPTS)
+        for _ in range(2):
+            torch.testing.assert_close(compiled(x), model(x))
+    assert len(_warnings(caplog, "break_data_dependent")) == 1 and not _warnings(caplog, "break_other"), caplog.text
+
+
+class _WeightedThenScaled(nn.Module):
+    """An element-wise op on the expert output after its routing weight (a per-expert 0/1 factor), before it
+    (``before_weight``), or none (``factor=False``)."""
+
+    def __init__(self, before_weight: bool, factor: bool = True, h=16, e=4):
+        super().__init__()
+        self.e, self.before_weight, self.factor = e, before_weight, factor
+        self.gate = nn.Linear(h, e, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(h, 32), nn.GELU(), nn.Linear(32, h)) for _ in range(e))
+
+    def forward(self, x):
+        w, ids = self.gate(x).softmax(-1).topk(2, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.e):
+            tok, slot = torch.where(ids == e)
+            n = (ids == e).sum()
+            if not self.factor:
+                out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, slot, None])
+            elif self.before_weight:
+                out.index_add_(0, tok, self.experts[e](x[tok]) * (n > 0) * w[tok, slot, None])
+            else:
+                out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, slot, None] * (n > 0))
+        return out
+
+
+def test_an_op_after_the_routing_weight_says_so():
+    """``expert(x[tok]) * w * f``: refused as an unsupported `mul` whose fix (keep the code to linears and
+    element-wise ops) read as a contradiction; the reason now says the op follows the weight multiply. Moved
+    before the weight, the per-expert factor gets its own reason (review helper-110)."""
+    x = make_input((24, 16))
+    torch._dynamo.reset()
+    rep = moe_compile.explain(_WeightedThenScaled(before_weight=False), x)
+    assert [r.code for r in rep.refused] == ["unsupported_row_op"], str(rep)
+    assert "after the routing weight multiply" in rep.refused[0].reason, str(rep)
+    torch._dynamo.reset()
+    rep = moe_compile.explain(_WeightedThenScaled(before_weight=True), x)
+    assert [r.code for r in rep.refused] == ["expert_operand_not_linear"], str(rep)
+
+
+def test_expert_widths_that_differ_are_listed_by_expert():
+    """The reason listed the distinct shapes as quoted strings sorted as text (8 after 16), not which expert
+    had which (review helper-110); now by expert, in expert order."""
+    model = _WeightedThenScaled(before_weight=False, factor=False)
+    for e, f in enumerate([32, 24, 32, 8]):
+        model.experts[e] = nn.Sequential(nn.Linear(16, f), nn.GELU(), nn.Linear(f, 16))
+    torch._dynamo.reset()
+    rep = moe_compile.explain(model, make_input((24, 16)))
+    assert [r.code for r in rep.refused] == ["weight_shapes_differ"], str(rep)
+    assert "experts 0, 2: (32, 16); expert 1: (24, 16); expert 3: (8, 16)" in rep.refused[0].reason, str(rep)
 
 
 @pytest.mark.parametrize("skip", ["numel", "graph_break"])
