@@ -40,9 +40,9 @@ def format_warning(r, also: list | tuple = ()) -> str:
         head = f"moe_compile: refused [{r.code}] in MoE code"
     else:
         names = list(dict.fromkeys(m or "<top>" for m in (r.module, *also)))
-        if len(names) > 6:
-            names = [*names[:3], "...", names[-1], f"({len(names)} regions)"]
-        head = f"moe_compile: refused [{r.code}] MoE region{'s' * (len(names) > 1)} {', '.join(names)} ({r.form}, {r.where})"
+        listed = ", ".join(names if len(names) <= 6 else [*names[:3], "...", names[-1]])
+        many = f" ({len(names)} regions)" if len(names) > 6 else ""
+        head = f"moe_compile: refused [{r.code}] MoE region{'s' * (len(names) > 1)} {listed}{many} ({r.form}, {r.where})"
     return f"{head}: {r.reason}\n    fix: {r.fix}"
 
 
