@@ -100,8 +100,6 @@ class Session:
         log.warning("%s", message)
 
     def count(self, records) -> None:
-        from .debug import format_warning
-
         # once per problem: a break per source line (every layer shares it), a refused region per code and
         # source line, naming the graph's modules that share it (48 identical layers: one warning, not 48)
         problems: dict = {}
@@ -116,14 +114,13 @@ class Session:
             if r.code not in _WARNED_ELSEWHERE:
                 problems.setdefault(("break" if r.is_break else "region", r.code, r.where), []).append(r)
         for key, same in problems.items():
-            if self.defer_nothing:   # compile_blocks, inside a call of the model: the other blocks' come too
-                self.pending_problems.setdefault(key, []).extend(same)
-            else:
-                self.warn_once(key, format_warning(same[0], [r.module for r in same[1:]]))
+            self.pending_problems.setdefault(key, []).extend(same)
+        if not self.defer_nothing:   # compile_blocks, inside a call of the model: wait, the other blocks' come too
+            self.flush_problems()
 
     def flush_problems(self) -> None:
-        """The end of a model's call: the refusals its block calls kept while ``defer_nothing`` was set, one
-        warning per problem naming every block that has it."""
+        """One warning per problem naming every region that has it: after each compile, or under
+        ``defer_nothing`` (compile_blocks) at the end of the model's call, for all its blocks' refusals."""
         from .debug import format_warning
 
         pending, self.pending_problems = self.pending_problems, {}
