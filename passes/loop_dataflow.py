@@ -83,7 +83,7 @@ class Analysis:
         self.pattern: set[fx.Node] = set()        # nodes consumed by a recognised combine pattern
         self.row_findings: dict[tuple, list[Finding]] = {}  # expert_key -> unsupported ops on its rows
         self.bias_adds: dict[fx.Node, tuple] = {}  # linear(rows) + b_e -> (the linear, b_e)
-        self.refused_writes: dict[Storage, fx.Node] = {}  # an expert's output written in a refused way
+        self.refused_writes: dict[Storage, tuple] = {}  # (write, Contrib): an expert's output written in a refused way
 
     def r(self, x):
         return self.role.get(x) if isinstance(x, fx.Node) else None
@@ -163,7 +163,7 @@ class Analysis:
     def refuse_write(self, s: Storage, n: fx.Node, code: str, contrib, **detail):
         s.findings.append(Finding.of(code, n, at=where_in_user_code(n), **detail))
         if contrib is not None:
-            self.refused_writes.setdefault(s, n)
+            self.refused_writes.setdefault(s, (n, contrib))
         return STOP
 
 

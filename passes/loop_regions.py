@@ -29,6 +29,7 @@ from .loop_dataflow import Analysis, analyze
 from .loop_roles import Contrib, RowFn, Rows, Storage, TokMask, expert_key
 from .normalize import canon, common_module, dtype_of, module_path, val, where_in_user_code
 from .region import AccumulateInPlace, Candidate, ExpertMLP, Finding, Region, Router, Step
+from .id_range import id_bound
 from .writes import storage_base
 
 
@@ -125,14 +126,21 @@ def _differs(ours: list, theirs: list, expert: int) -> Finding:
     return Finding.of("expert_numbers_differ", None, expert=expert, **first)
 
 
-def _form(a: Analysis, s: Storage, nodes) -> str:
+def _form(a: Analysis, rows: list[Rows], nodes, write: fx.Node | None) -> str:
+    """``loop/<grouping>+<combine>`` of expert rows ``rows`` written back by ``write``."""
     ops = {canon(n) for n in nodes}
-    one_hot = "one_hot" in ops or any(c.rows.enum[0] == "where" for c in s.contribs.values())
+    one_hot = "one_hot" in ops or any(r.enum[0] == "where" for r in rows)
     grouping = "one_hot" if one_hot else ("mask" if any(isinstance(a.r(n), TokMask) for n in nodes) or
-                                          any(isinstance(a.r(i), TokMask) for m in s.mutations[:1]
-                                              for i in m.all_input_nodes) else "where")
-    combine = canon(s.mutations[0]) if s.mutations else "?"
-    return f"loop/{grouping}+{combine}"
+                                          write is not None and any(isinstance(a.r(i), TokMask)
+                                                                    for i in write.all_input_nodes) else "where")
+    return f"loop/{grouping}+{canon(write) if write is not None else '?'}"
+
+
+def _router_numbers(ids: fx.Node) -> tuple[int, int]:
+    """(E, top-k) of a refused loop's router ids [T, K] (or [T]), for its row in explain(); 0 where unknown."""
+    dims = tuple(getattr(val(ids), "shape", ()))
+    k = dims[-1] if len(dims) == 2 and isinstance(dims[-1], int) else 1 if len(dims) == 1 else 0
+    return id_bound(ids) or 0, k
 
 
 def _findings(a: Analysis, s: Storage, functions: dict, order: dict) -> list[Finding]:
@@ -195,14 +203,17 @@ def find_loop_regions(gm: fx.GraphModule, analysis: Analysis | None = None) -> l
     found: list[Candidate] = []
     for s in a.storages:
         if not s.contribs and s in a.refused_writes:  # every expert write was refused: say why
-            n = a.refused_writes[s]
-            found.append(Candidate(module_path(n) or module_path(s.alloc), f"loop/?+{canon(n)}",
-                                   where_in_user_code(n), None, tuple(s.findings[:1])))
+            n, c = a.refused_writes[s]
+            found.append(Candidate(module_path(n) or module_path(s.alloc), _form(a, [c.rows], (), n),
+                                   where_in_user_code(n), None, tuple(s.findings[:1]), *_router_numbers(c.rows.ids.root)))
             continue
         if not s.contribs and s.findings and s.findings[0].code in EXPERT_ROW_CODES:
             f = s.findings[0]  # expert outputs made by an op the rewrite does not take: say which
-            found.append(Candidate(module_path(f.node) or module_path(s.alloc), "loop/?",
-                                   where_in_user_code(f.node), None, (f,)))
+            rows = [r.rows if isinstance(r, RowFn) else r for i in f.node.all_input_nodes
+                    if isinstance(r := a.r(i), (Rows, RowFn))][:1]
+            found.append(Candidate(module_path(f.node) or module_path(s.alloc), _form(a, rows, (), None) if rows
+                                   else "loop/?", where_in_user_code(f.node), None, (f,),
+                                   *(_router_numbers(rows[0].ids.root) if rows else ())))
             continue
         if not s.contribs or s.forked:
             continue  # nothing added, or an intermediate of a functional index_add chain
@@ -214,7 +225,7 @@ def find_loop_regions(gm: fx.GraphModule, analysis: Analysis | None = None) -> l
             nodes.update(fn_nodes)
         module = module_path(s.mutations[0]) or common_module(nodes)
         where = where_in_user_code(s.mutations[0])
-        form = _form(a, s, nodes)
+        form = _form(a, [c.rows for c in s.contribs.values()], nodes, s.mutations[0] if s.mutations else None)
         c0 = s.contribs[min(s.contribs)]
         k = c0.rows.ids.k
         findings = _findings(a, s, functions, order)

@@ -166,6 +166,25 @@ def where_in_user_code(node: fx.Node) -> str:
     return f"{frames[-1][0].rsplit('/', 1)[-1]}:{frames[-1][1]}" if frames else ""
 
 
+def where_in_block(node: fx.Node, router: fx.Node) -> str:
+    """'file.py:LINE' of the line in the MoE block's own code that reaches ``node``: in the deepest frame that
+    ``node``'s stack shares with the router's (``out += self.experts[e](x[tok])``, not the expert MLP's own
+    ``return self.down(...)``), else ``where_in_user_code(node)``."""
+    frames, theirs = stack_frames(node), stack_frames(router)
+    shared = 0
+    while shared < min(len(frames), len(theirs)) and frames[shared][::2] == theirs[shared][::2]:
+        shared += 1   # same file and function
+    if not shared:
+        return where_in_user_code(node)
+    file, line = frames[shared - 1][:2]
+    return f"{file.rsplit('/', 1)[-1]}:{line}"
+
+
+def user_name(node: fx.Node) -> str:
+    """A name a user knows for the node: its module's path (``moe.experts.0.gate``), else its source line."""
+    return module_path(node) or where_in_user_code(node) or node.name
+
+
 def same_shape(a: tuple | None, b: tuple | None) -> bool:
     """Two shapes (of ints or SymInts) provably equal: as many dims, each provably the same size."""
     return a is not None and b is not None and len(a) == len(b) and all(

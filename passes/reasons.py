@@ -278,7 +278,7 @@ REASONS: dict[str, Reason] = {
         "experts with torch.topk gets the grouped rewrite"),
     "ids_cast_narrow": Reason(
         "looks like an MoE layer ({router} over {e} experts at {router_at} feeds {evidence}) but its expert ids are "
-        "cast to {dtype} (`{node}`), which does not hold every id up to {last} (they wrap or round), and the layer "
+        "cast to {dtype} (at {node}), which does not hold every id up to {last} (they wrap or round), and the layer "
         "reads the cast ids; the rewrite would route by the router's own ids, so it is compiled as written",
         "cast the ids with .long() or .int() (or to a dtype that holds every id below the number of experts)"),
     "ids_outside": Reason(

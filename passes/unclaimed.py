@@ -66,7 +66,7 @@ from .id_range import holds_ids
 from .listed_experts import listed, listed_source, past_common, stacked_layers_dropped
 from .moe_source import (Frame, _enclosing_function, declares_experts_implementation, enclosing_class,  # noqa: F401
                          in_moe_code, node_frames, untraceable_in_loop)
-from .normalize import canon, common_module, module_path, source_name, val, where_in_user_code
+from .normalize import canon, common_module, module_path, source_name, user_name, val, where_in_block, where_in_user_code
 from .token_paths import MATMULS, downstream, ep_experts_of, graph_params, param_of, router_params, token_values
 from .unclaimed_base import (_GATHERS, Unclaimed, _claimed_by, _dims, _expert_choice, _near, _past_output,
                              _routed_matmul, _same_block, disabled_note, sliced_inputs)
@@ -251,8 +251,8 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
             continue   # claimed, or already listed (two ids tensors of one layer, e.g. two hashes stacked)
         kinds = list(dict.fromkeys(kind for kind, _ in found))
         first = found[0][1]
-        at = where_in_user_code(first) or "?"
-        evidence = " and ".join(f"{_DESCRIBE[kind]} (`{next(n for kd, n in found if kd == kind).name}`)"
+        at = where_in_block(first, router) or "?"
+        evidence = " and ".join(f"{_DESCRIBE[kind]} (`{user_name(next(n for kd, n in found if kd == kind))}`)"
                                 for kind in kinds)
         e, how = chosen or (e, router_kind(router, k))
         detail = {"k": k, "e": e, "router": how, "router_at": where_in_user_code(router) or "?",
@@ -260,7 +260,8 @@ def find_unclaimed(gm: fx.GraphModule, example_inputs, candidates, disabled: tup
                   "disabled": disabled_note(disabled)}
         narrow = _narrowing_cast(router, reach, e)
         if narrow is not None:
-            detail.update(dtype=str(val(narrow).dtype).removeprefix("torch."), node=narrow.name, last=e - 1)
+            detail.update(dtype=str(val(narrow).dtype).removeprefix("torch."), node=where_in_user_code(narrow) or "?",
+                          last=e - 1)
         code = "router_draws" if canon(router) in OTHER_ROUTERS else "ids_cast_narrow" if narrow else "moe_unmatched"
         out.append(Unclaimed(module, at, e, k, detail, code))
     return out + unrouted(gm, params, weights, claimed_nodes, claimed_modules, out, disabled, routed)
@@ -283,7 +284,7 @@ def _second_expert_set(router, ids, e, k, params, weights, claimed, after, order
         return []
     first = found[0][1]
     detail = {"k": k, "e": e, "router": router_kind(router, k), "router_at": where_in_user_code(router) or "?",
-              "node": first.name, "at": where_in_user_code(first) or "?",
+              "node": user_name(first), "at": where_in_block(first, router) or "?",
               "module": common_module([router] + [n for _, n in found])}   # router and set: for _claimed_by
     return [Unclaimed(common_module([n for _, n in found]), detail["at"], e, k, detail, "second_expert_set")]
 

@@ -2765,3 +2765,51 @@ def test_a_frame_whose_failure_is_raised_is_not_said_to_run_eagerly(caplog):
             with pytest.raises(Exception, match="data-dependent"):
                 compiled(make_input((6, 16)))
     assert "runs eagerly" not in caplog.text, caplog.text
+
+
+class _RefusedLoop(nn.Module):
+    """A top-2 loop over ModuleList experts refused three ways: tokens over a capacity dropped (``cap``, no
+    form: moe_unmatched), an overwrite (``setitem``: overwrite_topk), rows centred before the expert (``mean``:
+    unsupported_row_op)."""
+
+    def __init__(self, how, e=4, h=16):
+        super().__init__()
+        self.how, self.e = how, e
+        self.gate = nn.Linear(h, e, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(h, 8) for _ in range(e))
+
+    def forward(self, x):
+        w, ids = self.gate(x).softmax(-1).topk(2, -1)
+        out = torch.zeros_like(x)
+        for e in range(self.e):
+            tok, slot = torch.where(ids == e)
+            if self.how == "cap":
+                tok, slot = tok[: x.shape[0] // 2], slot[: x.shape[0] // 2]
+            rows = x[tok] - x[tok].mean(0, keepdim=True) if self.how == "mean" else x[tok]
+            if self.how == "setitem":
+                out[tok] = self.experts[e](rows) * w[tok, slot, None]
+            else:
+                out.index_add_(0, tok, self.experts[e](rows) * w[tok, slot, None])   # _RefusedLoop: expert line
+        return out
+
+
+@pytest.mark.parametrize("how, code, form", [("cap", "moe_unmatched", "unmatched"),
+                                             ("setitem", "overwrite_topk", "loop/where+setitem"),
+                                             ("mean", "unsupported_row_op", "loop/where+?")])
+def test_refused_loops_say_their_router_and_the_blocks_line(how, code, form):
+    """Review helper-110: a refused loop's row showed `loop/?` and `-` for experts and top-k where the router was
+    known; an unmatched layer's `where` was the expert MLP's own line (its `return self.down(...)`) and its
+    evidence an FX node name (`linear_1`). Now the router's numbers, the block's line that calls the expert, and
+    the expert's module path."""
+    import inspect
+
+    torch._dynamo.reset()
+    rep = moe_compile.explain(_RefusedLoop(how), make_input((16, 16)))
+    assert [r.code for r in rep.refused] == [code], str(rep)
+    r = rep.refused[0]
+    assert (r.form, r.num_experts, r.top_k) == (form, 4, 2), str(rep)
+    if how == "cap":
+        lines, first = inspect.getsourcelines(_RefusedLoop.forward)
+        line = first + next(i for i, s in enumerate(lines) if "_RefusedLoop: expert line" in s)
+        assert r.where == f"test_never_silent.py:{line}", str(rep)
+        assert "(`experts.0." in r.reason and "`linear" not in r.reason, r.reason
