@@ -34,6 +34,7 @@ import torch.fx as fx
 
 from moe_compile.kernels import ops as _ops  # noqa: F401  (registers torch.ops.moe_compile.*)
 from moe_compile.passes.normalize import val
+from moe_compile.passes.writes import inplace_call
 from moe_compile.passes.region import AccumulateInPlace, Region, ReplaceOutput, stacked_source
 
 from . import expert_parallel, region_forms
@@ -189,18 +190,11 @@ def _same_value(region: Region, a, b) -> bool:
             and all(_same_value(region, x, y) for x, y in zip(sa.args, sb.args)))
 
 
-_INPLACE_OPERATORS = {operator.setitem} | {getattr(operator, f"i{name}") for name in (
-    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift", "matmul")}
-
-
 def _writes(step) -> bool:
     """The step may write a tensor in place: an in-place method or function (``add_``, ``+=``, ``t[i] = v``),
     ``inplace=True`` or an ``out=`` argument. Names only: anything not named so returns a new tensor."""
-    name = step.target if isinstance(step.target, str) else getattr(step.target, "__name__", "")
-    name = name.split(".")[0]   # an OpOverload's name: add_.Tensor
     kwargs = dict(step.kwargs)
-    return (step.target in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
-            or kwargs.get("inplace") is True or "out" in kwargs)
+    return inplace_call(step) or kwargs.get("inplace") is True or "out" in kwargs
 
 
 def _sibling_linears(region: Region, ep=None) -> dict[int, int]:
@@ -370,10 +364,7 @@ def _travel_dtype(region: Region):
     product autocast runs in one dtype: rows sent to other ranks are cast to it before they travel
     (fp32 activations under bf16 autocast: half the bytes; the cast commutes with moving rows, forward
     and backward). None otherwise (rows travel as they are)."""
-    def reads_rows(x) -> bool:
-        return x == ("in",) or (isinstance(x, (list, tuple)) and any(reads_rows(i) for i in x))
-
-    readers = [st for st in region.experts.steps if reads_rows(st.args) or reads_rows(st.kwargs)]
+    readers = [st for st in region.experts.steps if region_forms.reads_rows((st.args, st.kwargs))]
     dtypes = {st.dtype for st in readers}
     if readers and all(st.linear is not None for st in readers) and len(dtypes) == 1:
         return dtypes.pop()

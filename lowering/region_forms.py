@@ -39,8 +39,9 @@ def pair_weights(b: GraphBuilder, router: Router) -> fx.Node:
 _CAST_METHODS = {"bfloat16": torch.bfloat16, "half": torch.float16, "float": torch.float32, "double": torch.float64}
 
 
-def _reads_rows(x) -> bool:
-    return x == ("in",) or (isinstance(x, (list, tuple)) and any(_reads_rows(i) for i in x))
+def reads_rows(x) -> bool:
+    """A step's arguments read the expert's input rows (``("in",)``, nested anywhere)."""
+    return x == ("in",) or (isinstance(x, (list, tuple)) and any(reads_rows(i) for i in x))
 
 
 def cast_step_dtype(step: Step) -> torch.dtype | None:
@@ -82,7 +83,7 @@ def input_rows(b: GraphBuilder, region: Region, x: fx.Node, perm: fx.Node, inv: 
     steps, out, done = region.experts.steps, product, 0
     # a cast of an fp32 / fp64 product: the kernel's product is that one, rounded once to the cast's dtype
     folded = _cast_of_rows(steps[0]) if steps and product in (torch.float32, torch.float64) else None
-    if folded is not None and not any(_reads_rows((st.args, st.kwargs)) for st in steps[1:]):
+    if folded is not None and not any(reads_rows((st.args, st.kwargs)) for st in steps[1:]):
         out, done = folded, 1
     return b.fn(torch.ops.moe_compile.permute_scale.default, _kept_input(b, x), perm, inv, offs, w, out), done
 

@@ -165,16 +165,6 @@ def current_session() -> Session:
     return getattr(_local, "session", None) or _default_session
 
 
-@contextlib.contextmanager
-def session_scope(session: Session):
-    prev = getattr(_local, "session", None)
-    _local.session = session
-    try:
-        yield session
-    finally:
-        _local.session = prev
-
-
 def publish(records, session: Session | None = None) -> None:
     """Count, log (once per session and region) and hand out the records of one compiled graph."""
     records = list(records)

@@ -13,7 +13,8 @@ rewrite cannot reproduce records a ``region.Finding`` there instead::
                                                  or as a base (out = x.clone(): routed rows replaced)
 
 and the reads of an accumulator as an expert's rows (``expert_rows``): half-accumulated at top-k > 1
-(``partial_read``), or the next layer's rows gathered from it directly (``rows_of_next_layer``).
+(``partial_read``), or the next layer's rows gathered from it directly (noted in ``Storage.row_reads``:
+``loop_regions`` refuses them as ``rows_of_next_layer``).
 """
 from __future__ import annotations
 

@@ -33,6 +33,7 @@ from .loop_roles import (STOP, Contrib, Ids, Index, OneHot, PendingScatter, RowF
                          Storage, TokMask, Weighted, WhereOf, expert_key)
 from .checkpoint_bodies import HOPS as CHECKPOINT_HOPS
 from .normalize import COLUMN_INDEXES, SIZE_QUERIES, arg, canon, same_shape, shape, val, where_in_user_code
+from .grouped_state import as_int
 from .region import Finding
 
 # element-wise ops the expert function may contain (with linears, splits and last-dim slices)
@@ -47,10 +48,6 @@ SPLITS = {"chunk", "split", "tensor_split"}
 LINEAR_OPS = {"linear", "matmul", "mm"}
 FRESH_ZEROS = {"zeros_like", "zeros", "new_zeros"}
 BASE_OPS = {"clone", "linear", "add", "mul", "matmul", "sub", "empty_like_zero"}
-
-
-def _const_int(x):
-    return x if isinstance(x, int) and not isinstance(x, bool) else None
 
 
 def _column(w_node: fx.Node, rows: fx.Node) -> bool:
@@ -173,14 +170,14 @@ class Analysis:
 
 def sel_of_eq(a, n, op, r0):
     """ids == e."""
-    if _const_int(n.args[1]) is not None and len(shape(n) or ()) <= 2:   # [B, S, K] ids: flattened first
+    if as_int(n.args[1]) is not None and len(shape(n) or ()) <= 2:   # [B, S, K] ids: flattened first
         return Sel(r0, n.args[1], "n" if r0.flat or r0.k == 1 and len(shape(n)) == 1 else "tk")
 
 
 def sel_of_eq_reversed(a, n, op, r0):
     """e == ids."""
     ids = a.r(n.args[1])
-    if isinstance(ids, Ids) and _const_int(n.args[0]) is not None and len(shape(n) or ()) <= 2:
+    if isinstance(ids, Ids) and as_int(n.args[0]) is not None and len(shape(n) or ()) <= 2:
         return Sel(ids, n.args[0], "n" if ids.flat else "tk")
 
 
@@ -197,9 +194,9 @@ def onehot_permute(a, n, op, r0):
 def sel_of_onehot(a, n, op, r0):
     """one_hot(...)[e] (experts first) or one_hot(...)[..., e] (experts last)."""
     idx = n.args[1]
-    if r0.axes[0] == "e" and _const_int(idx) is not None:
+    if r0.axes[0] == "e" and as_int(idx) is not None:
         return Sel(r0.ids, idx, r0.axes[1:])
-    if isinstance(idx, tuple) and r0.axes[-1] == "e" and _const_int(idx[-1]) is not None \
+    if isinstance(idx, tuple) and r0.axes[-1] == "e" and as_int(idx[-1]) is not None \
             and all(i is Ellipsis or i == slice(None) for i in idx[:-1]):
         return Sel(r0.ids, idx[-1], r0.axes[:-1])
 
@@ -270,7 +267,7 @@ def roww_of_weighted(a, n, op, r0):
 
 def index_of_where(a, n, op, r0):
     """where(Sel)[i]: token (or slot) indices of expert e's rows."""
-    if _const_int(n.args[1]) is None:
+    if as_int(n.args[1]) is None:
         return None
     sel, i = r0.sel, n.args[1]
     if sel.layout == "n":   # flat ids: pair indices t*K+j, which at top-1 are the tokens
@@ -406,7 +403,7 @@ def rowwise(a: Analysis, n: fx.Node, op: str, r0):
         return RowFn(base)
     if op == "getitem":
         idx = n.args[1]
-        if canon(n.args[0]) in SPLITS and _const_int(idx) is not None:
+        if canon(n.args[0]) in SPLITS and as_int(idx) is not None:
             return RowFn(base)
         if isinstance(idx, tuple) and len(idx) == 2 and (idx[0] is Ellipsis or idx[0] == slice(None)) \
                 and isinstance(idx[1], slice):

@@ -205,7 +205,8 @@ def find_loop_regions(gm: fx.GraphModule, analysis: Analysis | None = None) -> l
         if not s.contribs and s in a.refused_writes:  # every expert write was refused: say why
             n, c = a.refused_writes[s]
             found.append(Candidate(module_path(n) or module_path(s.alloc), _form(a, [c.rows], (), n),
-                                   where_in_user_code(n), None, tuple(s.findings[:1]), *_router_numbers(c.rows.ids.root)))
+                                   where_in_user_code(n), None, tuple(s.findings[:1]),
+                                   *_router_numbers(c.rows.ids.root)))
             continue
         if not s.contribs and s.findings and s.findings[0].code in EXPERT_ROW_CODES:
             f = s.findings[0]  # expert outputs made by an op the rewrite does not take: say which

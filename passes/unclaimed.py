@@ -38,7 +38,8 @@ module finds the rest, from the graph and from Dynamo's own records:
     A router is *claimed* when a candidate region uses it (its ids come from the same top-k, or it
     feeds one that does), when its evidence lies inside a candidate region, or when a candidate
     (refused before it could be assembled) names the same module. Every unclaimed router is one
-    ``Unclaimed`` finding with code ``moe_unmatched`` (``router_draws`` for ids drawn without a top-k).
+    ``Unclaimed`` finding: ``moe_unmatched``, ``router_draws`` (ids drawn without a top-k), ``ids_cast_narrow``
+    (ids cast to a dtype that does not hold them) or ``second_expert_set`` (a claimed router's other experts).
 
 ``nested_regions(gm)``
     ``torch.compiler.nested_compile_region`` subgraphs (``invoke_subgraph``) whose body holds a
@@ -66,7 +67,8 @@ from .id_range import holds_ids
 from .listed_experts import listed, listed_source, past_common, stacked_layers_dropped
 from .moe_source import (Frame, _enclosing_function, declares_experts_implementation, enclosing_class,  # noqa: F401
                          in_moe_code, node_frames, untraceable_in_loop)
-from .normalize import canon, common_module, module_path, source_name, user_name, val, where_in_block, where_in_user_code
+from .normalize import (canon, common_module, module_path, source_name, user_name, val, where_in_block,
+                        where_in_user_code)
 from .token_paths import MATMULS, downstream, ep_experts_of, graph_params, param_of, router_params, token_values
 from .unclaimed_base import (_GATHERS, Unclaimed, _claimed_by, _dims, _expert_choice, _near, _past_output,
                              _routed_matmul, _same_block, disabled_note, sliced_inputs)

@@ -22,7 +22,7 @@ class Unclaimed:
     num_experts: int
     top_k: int
     detail: dict            # fills reasons.REASONS[code]
-    code: str = "moe_unmatched"   # or "router_draws" (ids drawn without a top-k: OTHER_ROUTERS)
+    code: str = "moe_unmatched"   # or another code of reasons.py's never-silent section (router_draws, ...)
 
 
 def _dims(n: fx.Node) -> tuple:

@@ -136,10 +136,11 @@ _INPLACE_TARGETS: dict = {}   # (op, target) -> whether the call writes its firs
 def _inplace_target(node: fx.Node) -> bool:
     """``operator.iadd``, ``t.add_``, ``t.__setitem__``: in place by what is called, whatever the arguments
     (once per target: ``written`` runs ~6 times per node of a graph)."""
-    return _cached(_INPLACE_TARGETS, (node.op, node.target), _inplace_by_name, node)
+    return _cached(_INPLACE_TARGETS, (node.op, node.target), inplace_call, node)
 
 
-def _inplace_by_name(node: fx.Node) -> bool:
+def inplace_call(node) -> bool:
+    """In place by what is called (a node, or anything with its ``op`` and ``target``: the lowering's steps)."""
     return node.op == "call_function" and node.target in _INPLACE_OPERATORS or _inplace_name(node) \
         or _name(node) in _INPLACE_DUNDERS
 
