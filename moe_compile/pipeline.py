@@ -164,10 +164,10 @@ def _weights_in_swiglu(s: DynamoState) -> None:
 
 def _static_counts(s: DynamoState) -> None:   # runs only where a region was accepted (_REWRITES)
     from moe_compile.lowering.static_counts import use_static_counts
-    from moe_compile.passes.static_counts import find_static_bincounts
+    from moe_compile.passes.static_counts import find_static_counts
 
     try:
-        found = find_static_bincounts(s.gm.graph)
+        found = find_static_counts(s.gm.graph)
     except Exception as exc:  # an optional pass: a finder bug must not cost the graph its rewrite
         if s.config.strict:
             raise
@@ -268,8 +268,8 @@ PASSES: tuple[Pass, ...] = (
          "record MoE-like code that no candidate covers (passes/unclaimed.py): never silent"),
     Pass("lower", "dynamo", _lower, False, "rewrite accepted regions into moe_compile ops (lowering/region.py)"),
     Pass("static_counts", "dynamo", _static_counts, True,
-         "bincount(router ids, minlength=E) still read outside the regions (a load-balancing loss) -> a "
-         "static-length count on the device: no host read of its length (lowering/static_counts.py)"),
+         "bincount(router ids, minlength=E) or torch.tensor(len(tok) per expert) still read outside the regions "
+         "(a load-balancing loss) -> static counts on the device, no host read (lowering/static_counts.py)"),
     Pass("swiglu", "dynamo", _swiglu, True,
          "silu(h[:, :N]) * h[:, N:] on rewritten GEMM outputs -> moe_compile.swiglu (lowering/swiglu.py)"),
     Pass("weights_in_swiglu", "dynamo", _weights_in_swiglu, True,

@@ -105,8 +105,9 @@ def find_host_syncs(graph: fx.Graph) -> dict[str, int]:
 _SYNC_FIXES = {
     "bincount": "counts by `torch.histc(ids.float(), bins=E, min=0, max=E - 1)` or `one_hot(ids, E).sum(0)` have a "
                 "static length (bincount's is its largest id + 1: the device tells the host)",
-    "nonzero": "a per-expert selection's size read outside the rewritten region (`tok.shape[0]`, `len(tok)`) or "
-               "boolean-mask indexing outside it: compute such statistics from counts (`histc`) instead",
+    "nonzero": "a per-expert selection's size read outside the rewritten region (`tok.shape[0]`, `len(tok)`) other "
+               "than as `torch.tensor(sizes, device=...)` (made static), or boolean-mask indexing outside it: "
+               "compute such statistics from counts (`histc`, `(ids == e).sum()`) instead",
     "item": "keep the value a tensor (`.item()` waits for the device)",
 }
 _SYNC_FIXES["where"] = _SYNC_FIXES["nonzero"]

@@ -192,3 +192,47 @@ def test_bincount_beside_an_expert_loop_is_counted_with_a_static_length():
     model, x = LoopWithAux(), make_input((12, H))
     check_compiled(model, [x], expect_rewritten=1, fresh_inputs=2)
     assert "bincount" not in _syncs_note(model, x)
+
+
+class LoopWithLenCounts(nn.Module):
+    """A per-expert index_add loop that also keeps each expert's row count, ``len(tok)`` (or ``tok.shape[0]``,
+    one tensor per expert), for a load-balancing loss."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.moe = make_model(spelling="index_add", e=E, k=K)
+
+    def forward(self, x):
+        m = self.moe
+        w, ids = m.router(x)
+        out, counts = torch.zeros_like(x), []
+        for e in range(m.e):
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, w[tok, slot, None] * m.experts.fwd(e, x[tok]))
+            if self.how == "list":
+                counts.append(len(tok))
+            else:
+                counts.append(torch.tensor(tok.shape[0], device=x.device))
+        f = (torch.tensor(counts, dtype=torch.float32, device=x.device) if self.how == "list"
+             else torch.stack(counts).float()) / ids.numel()
+        return out + (f * f).sum()
+
+
+@pytest.mark.parametrize("how", ["list", "scalar"])
+@pytest.mark.parametrize("routing", ["random", "two_hot_experts"])
+def test_row_counts_read_by_a_loss_leave_no_selection_behind(how, routing):
+    """Review helper-111: each expert's len(tok) kept its torch.where (a nonzero: a host sync) in the graph of
+    the rewritten loop; torch.tensor of those sizes is now count_nonzero of the masks."""
+    torch.manual_seed(0)
+    model = LoopWithLenCounts(how)
+    x = make_input((12, H))
+    if routing == "two_hot_experts":   # every token to experts 0 and 1: the others empty
+        with torch.no_grad():
+            model.moe.router.proj.bias.zero_()
+            model.moe.router.proj.weight.zero_()
+            model.moe.router.proj.weight[:2] = 1.0
+            x = x.abs()
+    check_compiled(model, [x], expect_rewritten=1, fresh_inputs=2)
+    note = _syncs_note(model, x)
+    assert "where x" not in note and "nonzero x" not in note, note

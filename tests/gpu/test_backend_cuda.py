@@ -364,3 +364,29 @@ def test_bincount_read_by_a_loss_does_not_sync_cuda(offsets, disable):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert (synced is not None) == bool(disable), f"host sync: {synced}"
+
+
+@pytest.mark.parametrize("how, disable", [("list", ()), ("scalar", ()), ("list", ("static_counts",))])
+def test_row_counts_read_by_a_loss_do_not_sync_cuda(how, disable):
+    """Each expert's len(tok) kept for a load-balancing loss beside a rewritten loop: torch.tensor of those sizes
+    becomes count_nonzero of the masks, so the compiled step makes the host wait nowhere (the loop's torch.where,
+    a nonzero, stayed for the sizes: the case with the pass disabled) and the values and gradients are eager's."""
+    from test_static_counts import LoopWithLenCounts
+
+    torch.manual_seed(0)
+    model = LoopWithLenCounts(how).cuda()
+    x = make_input((37, 16)).cuda().detach().requires_grad_()
+    check_compiled(model, [x], expect_rewritten=1, inductor=True, fresh_inputs=1, options={"moe.disable": disable})
+    compiled = torch.compile(model, backend="moe", options={"moe.disable": disable})
+    for _ in range(2):   # compile, warm up
+        compiled(x).float().sum().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        compiled(x).float().sum().backward()
+        synced = None
+    except RuntimeError as exc:
+        synced = exc
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert (synced is not None) == bool(disable), f"host sync: {synced}"
