@@ -43,6 +43,13 @@ def compiled_backward(backend: Any = "moe", dynamic: bool | None = None, options
         raise RuntimeError(
             f"compiled_backward: torch {torch.__version__} has no torch._dynamo.compiled_autograd._enable; "
             "set torch._dynamo.config.compiled_autograd = True and call .backward() inside the compiled function")
+    if dynamic is not None and not isinstance(dynamic, bool):
+        raise TypeError(f"compiled_backward: dynamic must be True, False or None, got {dynamic!r}")
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"compiled_backward: options must be a dict, e.g. {{\"moe.inductor\": False}}, got "
+                        f"{type(options).__name__}")
+    if "mode" in more_options:
+        raise TypeError("compiled_backward: no mode= argument; give the Inductor mode as options={\"moe.mode\": ...}")
     if dynamic is None:
         dynamic = not torch._dynamo.config.assume_static_by_default
     options = {**(options or {}), **more_options}

@@ -183,8 +183,18 @@ def compile_blocks(model: nn.Module, backend="moe", *, blocks: Iterable[nn.Modul
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile_blocks: expected an nn.Module (e.g. a Hugging Face model), got "
                         f"{type(model).__name__}; for a function use torch.compile(fn, backend=\"moe\")")
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):   # its whole-model compile would run instead
+        raise TypeError("compile_blocks: the model is already a torch.compile wrapper, whose whole-model compile "
+                        "runs instead of the blocks; pass the uncompiled model (model._orig_mod)")
+    if not isinstance(loss, bool):
+        raise TypeError(f"compile_blocks: loss must be True or False, got {loss!r}")
     if isinstance(blocks, str):
-        container = model.get_submodule(blocks)
+        try:
+            container = model.get_submodule(blocks)
+        except AttributeError:
+            found = [n for n, m in model.named_modules() if isinstance(m, _CONTAINERS) and n]
+            raise ValueError(f"compile_blocks: the model has no submodule '{blocks}'; its containers: "
+                             f"{found[:8]}{' ...' if len(found) > 8 else ''}") from None
         if not isinstance(container, _CONTAINERS):
             raise TypeError(f"compile_blocks: blocks='{blocks}' is {type(container).__name__}, not a ModuleList, "
                             f"ModuleDict or Sequential; pass the path of the container of the blocks, or "
@@ -192,6 +202,9 @@ def compile_blocks(model: nn.Module, backend="moe", *, blocks: Iterable[nn.Modul
         blocks = _items(container)
     if isinstance(blocks, nn.Module) and not isinstance(blocks, _CONTAINERS):
         blocks = [blocks]
+    if blocks is not None and not isinstance(blocks, Iterable):
+        raise TypeError(f"compile_blocks: blocks must be a dotted path, a module or an iterable of modules, got "
+                        f"{type(blocks).__name__}")
     blocks = find_blocks(model) if blocks is None else list(blocks)
     if not blocks:
         raise ValueError("compile_blocks: no blocks to compile")

@@ -20,7 +20,13 @@ _INDUCTOR_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-n
 
 
 def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"MoEConfig: {name}={os.environ[name]!r} is neither on (1, true, yes, on) nor off (0, false, no, "
+                     "off, or unset); set one of those")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -141,6 +147,9 @@ def _check_contradictions(ours: dict[str, Any], rest: dict[str, Any]) -> None:
     for name in ("rehome_weights", "stack_expert_params"):
         if ours.get(name) is True and name in disable:
             raise ValueError(f"MoEConfig: moe.{name}=True and moe.disable lists {name!r}; keep one of them")
+    if ours.get("stack_expert_params") is True and (ours.get("rehome_weights") is False or "rehome_weights" in disable):
+        raise ValueError("MoEConfig: moe.stack_expert_params=True stacks the buffers moe.rehome_weights makes, which "
+                         "is off, so it would have no effect; drop one of them")
     chunks = ours.get("ep_overlap_chunks", 1)
     if isinstance(chunks, int) and chunks > 1 and "ep_overlap" in disable:
         raise ValueError(f"MoEConfig: moe.ep_overlap_chunks={chunks} splits each expert-parallel layer for the "

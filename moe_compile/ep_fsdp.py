@@ -21,6 +21,21 @@ def _check_args(op: str, model, mesh) -> None:
                         f"{type(mesh).__name__}")
 
 
+def _check_same_experts(where: str, group, info) -> None:
+    """The ranks of ``group`` must hold the same experts: none two of them in the container's ep group."""
+    import torch.distributed as dist
+
+    from moe_compile.kernels.ep_transport import resolve_group
+
+    ep_ranks = dist.get_process_group_ranks(resolve_group(info.group_name))
+    shared = set(dist.get_process_group_ranks(group)) & set(ep_ranks)
+    if len(shared) > 1:
+        raise ValueError(f"{where}: the ranks of the given mesh {sorted(dist.get_process_group_ranks(group))} "
+                         f"hold different experts (ranks {sorted(shared)} are in its expert-parallel group); "
+                         f"give {where.split(':')[0]} the ranks holding the SAME experts, the dp dimension "
+                         "orthogonal to 'ep' (mesh['dp'])")
+
+
 def fully_shard_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> list[nn.Module]:
     """Compose expert parallelism with FSDP2, for every expert container of ``model`` (after
     ``parallelize_experts``). ``mesh`` holds the ranks that hold the SAME experts: the data-parallel
@@ -53,7 +68,17 @@ def fully_shard_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> li
     root ``fully_shard`` without this call) would shard each rank's different experts across the
     ep ranks: the backend refuses to compile that and names the fix (``check_fsdp_composition``)."""
     _check_args("fully_shard_experts", model, mesh)
+    import inspect
+
+    from torch.distributed.fsdp import fully_shard
+    known = set(inspect.signature(fully_shard).parameters) - {"module", "mesh"}
+    if set(fsdp_kwargs) - known:   # accepted and dropped before (review helper-114): a misspelt keyword did nothing
+        raise TypeError(f"fully_shard_experts: unknown keyword argument(s) {sorted(set(fsdp_kwargs) - known)}; "
+                        f"fully_shard takes {sorted(known)} (with dp = 1 no FSDP unit is built, so they have no effect)")
     policies = [k for k in ("mp_policy", "offload_policy") if fsdp_kwargs.get(k) is not None]
+    if mesh.size() > 1:   # the ep mesh given (review helper-114): say so first, as replicate_experts does
+        for path, _, info, _ in _ep_containers(model):
+            _check_same_experts(f"fully_shard_experts: '{path or type(model).__name__}'", mesh.get_group(), info)
     if mesh.size() > 1 or policies:
         why = f"a mesh of {mesh.size()} ranks" if mesh.size() > 1 else f"{' and '.join(policies)}"
         raise ValueError(
@@ -95,7 +120,6 @@ def replicate_experts(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
     from torch.distributed.fsdp import FSDPModule
 
     from moe_compile.ep_ddp import ignore_in_ddp
-    from moe_compile.kernels.ep_transport import resolve_group
 
     _check_args("replicate_experts", model, mesh)
     done = []
@@ -107,13 +131,7 @@ def replicate_experts(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
                              "replicate_experts is the alternative to it, not an addition; build the model again and "
                              "call one of the two")
         if group is not None:
-            shared = set(dist.get_process_group_ranks(group)) & set(
-                dist.get_process_group_ranks(resolve_group(info.group_name)))
-            if len(shared) > 1:
-                raise ValueError(f"{where}: the ranks of the given mesh {sorted(dist.get_process_group_ranks(group))} "
-                                 f"hold different experts (ranks {sorted(shared)} are in its expert-parallel group); "
-                                 "give replicate_experts the ranks holding the SAME experts, the dp dimension "
-                                 "orthogonal to 'ep' (mesh['dp'])")
+            _check_same_experts(where, group, info)
         module._moe_dp_group = group.group_name if group is not None else None
         _keep_local(module, float(info.ep * mesh.size()), view=_viewed(module, info.names[0]))
         ignore_in_ddp(model, [f"{path}.{n}" if path else n for n in info.names])   # DDP(model) leaves them

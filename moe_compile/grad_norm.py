@@ -22,6 +22,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         raise TypeError(f"moe_compile.parallel.clip_grad_norm_ takes the model (it finds the expert shards from the "
                         f"modules), got {type(model).__name__}: call clip_grad_norm_(model, max_norm), not "
                         "clip_grad_norm_(model.parameters(), max_norm)")
+    norm_type = float(norm_type)   # "inf" too, as torch's clip_grad_norm_ takes it
 
     groups: dict = {}
     for name, p in model.named_parameters():

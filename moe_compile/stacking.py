@@ -30,6 +30,32 @@ def _view_class(cls: type, leaves: tuple[tuple[str, str], ...]) -> type:
     return _VIEW_CLASSES[key]
 
 
+def _check_distinct(experts: nn.ModuleList, names: tuple[str, ...]) -> None:
+    """Stacking copies each expert's Parameters into one [E, ...] Parameter with one ``requires_grad``: experts
+    that are one module, share a Parameter (tied) or differ in ``requires_grad`` (some frozen) would silently
+    become independent, trainable or frozen rows (review helper-114)."""
+    seen: dict[int, int] = {}
+    for e, m in enumerate(experts):
+        if id(m) in seen:
+            raise ValueError(f"stack_experts: experts {seen[id(m)]} and {e} are the same module; stacked experts "
+                             "must be distinct modules (a shared expert is one module called once)")
+        seen[id(m)] = e
+    for n in names:
+        ps = [m.get_parameter(n) for m in experts]
+        owner: dict[int, int] = {}
+        for e, p in enumerate(ps):
+            if id(p) in owner:
+                raise ValueError(f"stack_experts: experts {owner[id(p)]} and {e} share the Parameter '{n}' (tied); "
+                                 "stacking would copy it into independent rows: untie them first, or keep the "
+                                 "ModuleList")
+            owner[id(p)] = e
+        frozen = [e for e, p in enumerate(ps) if not p.requires_grad]
+        if frozen and len(frozen) < len(ps):
+            raise ValueError(f"stack_experts: '{n}' is frozen (requires_grad=False) in experts {frozen} but not in "
+                             "the others; a stacked [E, ...] Parameter has one requires_grad: freeze or unfreeze "
+                             "every expert alike before stacking, or keep the ModuleList")
+
+
 class StackedExperts(nn.Module):
     """E identical expert modules whose parameters live in stacked [E, ...] Parameters.
 
@@ -48,7 +74,11 @@ class StackedExperts(nn.Module):
                 raise ValueError(f"stack_experts: expert {e} ({type(m).__name__}) differs from expert 0 "
                                  f"({type(first).__name__}) in type or parameters; experts must be identical")
         if not shapes:
-            raise ValueError("stack_experts: the experts have no parameters")
+            stacked = any(isinstance(getattr(m, "_stack_owner", None), StackedExperts) for m in experts.modules())
+            raise ValueError("stack_experts: the experts are stacked already (their parameters live in a "
+                             "StackedExperts): use that one" if stacked else "stack_experts: the experts have no "
+                             "parameters")
+        _check_distinct(experts, tuple(shapes))
         self.per_expert_names = tuple(shapes)                     # e.g. "w1.weight"
         for n in self.per_expert_names:
             ps = [m.get_parameter(n) for m in experts]

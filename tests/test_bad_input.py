@@ -158,3 +158,86 @@ def test_forward_mode_ad_through_a_rewritten_region_says_so(inductor, grad):
         with pytest.raises(RuntimeError, match="forward-mode AD .* no tangent.* uncompiled model"):
             compiled(fwad.make_dual(x, tangent))
     torch.testing.assert_close(compiled(x), m(x), rtol=FORWARD_AD_REL, atol=FORWARD_AD_REL)
+
+
+# ----------------------------------------------------------------- public API misuse (review helper-114)
+def _experts(n=3):
+    return nn.ModuleList(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)) for _ in range(n))
+
+
+@pytest.mark.parametrize("how", ["frozen_second", "frozen_first", "tied", "same_module", "stacked_already"])
+def test_stack_experts_refuses_what_stacking_would_change(how):
+    """stack_experts took expert 0's requires_grad for every expert (a frozen expert trained, or every expert
+    froze), copied a tied weight into independent rows, and half-converted a module listed twice (KeyError)."""
+    experts = _experts()
+    if how == "frozen_second":
+        experts[1].requires_grad_(False)
+    elif how == "frozen_first":
+        experts[0][0].weight.requires_grad_(False)
+    elif how == "tied":
+        experts[2][2].weight = experts[0][2].weight
+    elif how == "same_module":
+        experts = nn.ModuleList([experts[0], experts[1], experts[0]])
+    else:
+        moe_compile.stack_experts(experts)
+    match = {"frozen_second": r"frozen .* in experts \[1\]", "frozen_first": r"'0.weight' is frozen .* experts \[0\]",
+             "tied": "experts 0 and 2 share the Parameter '2.weight'", "same_module": "experts 0 and 2 are the same",
+             "stacked_already": "stacked already"}[how]
+    before = [type(m) for m in experts.modules()]
+    with pytest.raises(ValueError, match=match):
+        moe_compile.stack_experts(experts)
+    if how != "stacked_already":
+        assert [type(m) for m in experts.modules()] == before   # nothing converted
+    frozen = moe_compile.stack_experts(_experts().requires_grad_(False))   # all alike: fine
+    assert not any(p.requires_grad for p in frozen.parameters())
+
+
+def test_options_that_would_do_nothing_raise(monkeypatch):
+    x = make_input((8, 16))
+    with pytest.raises(ValueError, match="stack_expert_params=True stacks the buffers moe.rehome_weights makes"):
+        torch.compile(make_model(), backend="moe",
+                      options={"moe.rehome_weights": False, "moe.stack_expert_params": True})(x)
+    torch._dynamo.reset()
+    monkeypatch.setenv("MOE_COMPILE_DEBUG", "none")   # was taken for on
+    with pytest.raises(ValueError, match="MOE_COMPILE_DEBUG='none' is neither on"):
+        torch.compile(make_model(), backend="moe", options={"moe.inductor": False})(x)
+
+
+def test_compile_blocks_arguments_are_checked():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(make_model() for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    with pytest.raises(TypeError, match="already a torch.compile wrapper.*_orig_mod"):
+        moe_compile.compile_blocks(torch.compile(Net(), backend="moe"))
+    with pytest.raises(ValueError, match=r"no submodule 'layerz'; its containers: \['layers', "):
+        moe_compile.compile_blocks(Net(), blocks="layerz")
+    with pytest.raises(TypeError, match="blocks must be a dotted path, a module or an iterable of modules, got int"):
+        moe_compile.compile_blocks(Net(), blocks=5)
+    with pytest.raises(TypeError, match="loss must be True or False"):
+        moe_compile.compile_blocks(Net(), loss="no")
+
+
+def test_compiled_backward_arguments_are_checked():
+    for kwargs, match in [({"options": ["moe.inductor"]}, "options must be a dict"),
+                          ({"dynamic": "yes"}, "dynamic must be True, False or None"),
+                          ({"mode": "max-autotune"}, "moe.mode")]:
+        with pytest.raises(TypeError, match=match):
+            with moe_compile.compiled_backward(**kwargs):
+                pass
+
+
+def test_clip_grad_norm_takes_inf_as_a_string():
+    from moe_compile.parallel import clip_grad_norm_
+
+    model = make_model()
+    model(make_input((8, 16))).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    norm = clip_grad_norm_(model, 1e-3, norm_type="inf")
+    assert torch.allclose(norm, torch.stack([g.abs().max() for g in grads]).max())

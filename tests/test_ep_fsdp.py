@@ -203,6 +203,14 @@ def body_fsdp_unit_on_experts_raises(rank, ws, how):
         with pytest.raises(Exception, match="are FSDP units .*replicate_experts"):
             torch.compile(model, backend="moe", options={"moe.inductor": False})(torch.randn(6, 8))
         return
+    if how == "ep_mesh":   # the ep mesh given for dp (review helper-114): was blamed on dp > 1
+        with pytest.raises(ValueError, match=r"hold different experts.*fully_shard_experts the ranks.*mesh\['dp'\]"):
+            moe_compile.fully_shard_experts(model, mesh["ep"])
+        return
+    if how == "typo":      # a misspelt keyword was accepted and dropped
+        with pytest.raises(TypeError, match="unknown keyword.*reshard_after_forwrd"):
+            moe_compile.fully_shard_experts(model, mesh["dp"], reshard_after_forwrd=True)
+        return
     kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)} if how == "mp_policy" else {}
     with pytest.raises(ValueError, match="FSDP unit.*replicate_experts.*torch.autocast"):
         moe_compile.fully_shard_experts(model, mesh["dp"], **kwargs)
@@ -241,7 +249,7 @@ def test_fsdp2_and_expert_parallel_train_like_unsharded(meta, loop):
     run_distributed(body_train, 2, 1, "cpu", FSDP_REL, meta, False, loop)
 
 
-@pytest.mark.parametrize("how", ["dp2", "mp_policy", "by_hand"])
+@pytest.mark.parametrize("how", ["dp2", "mp_policy", "by_hand", "ep_mesh", "typo"])
 def test_fsdp_unit_on_the_experts_raises_naming_the_fix(how):
     pytest.importorskip("transformers")
     run_distributed(body_fsdp_unit_on_experts_raises, 2, how)
