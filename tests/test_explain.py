@@ -249,27 +249,11 @@ def test_a_compile_error_is_withdrawn_when_a_later_compile_rewrites_the_region()
     assert not session.compile_errors
 
 
-class _CountsAsSizes(nn.Module):
-    """A rewritten loop that also keeps each expert's token count as a Python number (``tok.shape[0]``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.moe = make_model(spelling="where_setitem", e=4, k=2)
-
-    def forward(self, x):
-        m = self.moe
-        w, ids = m.router(x)
-        out, counts = torch.zeros_like(x), []
-        for e in range(m.e):
-            tok, slot = torch.where(ids == e)
-            counts.append(tok.shape[0])
-            out[tok] += w[tok, slot, None] * m.experts.fwd(e, x[tok])
-        return out * (1.0 + 0.0 * torch.tensor(counts, dtype=x.dtype).sum())
-
-
 def test_host_sync_note_says_what_to_do():
     """The note named the ops left ("where x4") and nothing else (review helper-76)."""
-    rep = moe_compile.explain(_CountsAsSizes(), make_input((12, 16)))
+    from test_static_counts import LoopWithLenCounts   # each expert's tok.shape[0] as a Python number
+
+    rep = moe_compile.explain(LoopWithLenCounts("python"), make_input((12, 16)))
     assert len(rep.rewritten) == 1, str(rep)
     (note,) = [n for n in rep.rewritten[0].notes if "host syncs left" in n]
     assert "size read outside the rewritten region" in note and "histc" in note, note

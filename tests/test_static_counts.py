@@ -196,7 +196,7 @@ def test_bincount_beside_an_expert_loop_is_counted_with_a_static_length():
 
 class LoopWithLenCounts(nn.Module):
     """A per-expert index_add loop that also keeps each expert's row count, ``len(tok)`` (or ``tok.shape[0]``,
-    one tensor per expert), for a load-balancing loss."""
+    one tensor per expert), for a load-balancing loss; ``how="python"``: divided as Python numbers (a host read stays)."""
 
     def __init__(self, how):
         super().__init__()
@@ -210,10 +210,13 @@ class LoopWithLenCounts(nn.Module):
         for e in range(m.e):
             tok, slot = torch.where(ids == e)
             out.index_add_(0, tok, w[tok, slot, None] * m.experts.fwd(e, x[tok]))
-            if self.how == "list":
+            if self.how in ("list", "python"):
                 counts.append(len(tok))
             else:
                 counts.append(torch.tensor(tok.shape[0], device=x.device))
+        if self.how == "python":   # divided as Python numbers first: no tensor of sizes
+            f = torch.tensor([c / ids.numel() for c in counts], device=x.device)
+            return out + (f * f).sum()
         f = (torch.tensor(counts, dtype=torch.float32, device=x.device) if self.how == "list"
              else torch.stack(counts).float()) / ids.numel()
         return out + (f * f).sum()

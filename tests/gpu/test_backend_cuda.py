@@ -339,6 +339,21 @@ def test_training_step_is_bitwise_reproducible_cuda(form, deterministic):
             assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max().item())
 
 
+def _step_syncs(compiled, x) -> RuntimeError | None:
+    """The error torch's sync debug mode raises in a training step after two warm-up steps, or None."""
+    for _ in range(2):   # compile, warm up
+        compiled(x).float().sum().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        compiled(x).float().sum().backward()
+        return None
+    except RuntimeError as exc:
+        return exc
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 @pytest.mark.parametrize("offsets, disable", [("bincount", ()), ("histc", ()), ("histc", ("static_counts",))])
 def test_bincount_read_by_a_loss_does_not_sync_cuda(offsets, disable):
     """A load-balancing loss on bincount counts beside a rewritten sorted layer: the static_counts pass gives them
@@ -351,18 +366,7 @@ def test_bincount_read_by_a_loss_does_not_sync_cuda(offsets, disable):
     model = SortedWithAux(offsets).to(torch.bfloat16).cuda()
     x = make_input((3, 37, H), torch.bfloat16).cuda().detach().requires_grad_()   # (a CPU leaf's grad: a copy back)
     check_compiled(model, [x], expect_rewritten=1, inductor=True, fresh_inputs=1, options={"moe.disable": disable})
-    compiled = torch.compile(model, backend="moe", options={"moe.disable": disable})
-    for _ in range(2):   # compile, warm up
-        compiled(x).float().sum().backward()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        compiled(x).float().sum().backward()
-        synced = None
-    except RuntimeError as exc:
-        synced = exc
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    synced = _step_syncs(torch.compile(model, backend="moe", options={"moe.disable": disable}), x)
     assert (synced is not None) == bool(disable), f"host sync: {synced}"
 
 
@@ -377,16 +381,5 @@ def test_row_counts_read_by_a_loss_do_not_sync_cuda(how, disable):
     model = LoopWithLenCounts(how).cuda()
     x = make_input((37, 16)).cuda().detach().requires_grad_()
     check_compiled(model, [x], expect_rewritten=1, inductor=True, fresh_inputs=1, options={"moe.disable": disable})
-    compiled = torch.compile(model, backend="moe", options={"moe.disable": disable})
-    for _ in range(2):   # compile, warm up
-        compiled(x).float().sum().backward()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        compiled(x).float().sum().backward()
-        synced = None
-    except RuntimeError as exc:
-        synced = exc
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    synced = _step_syncs(torch.compile(model, backend="moe", options={"moe.disable": disable}), x)
     assert (synced is not None) == bool(disable), f"host sync: {synced}"
