@@ -231,6 +231,6 @@ def select_transport(group: dist.ProcessGroup, device: torch.device) -> Transpor
     movement and deep_ep imports."""
     key = (group.group_name, torch.device(device).type)
     t = _TRANSPORTS.get(key)
-    if t is None:
+    if t is None or t.group is not group:   # a process group made again under a destroyed one's name (helper-115)
         t = _TRANSPORTS[key] = PaddedAllToAll(group)
     return t

@@ -902,3 +902,26 @@ def test_device_assert_messages_fit_cuda_limit():
         device_assert(torch.tensor(True), msg)
     with pytest.raises(ValueError, match="message of 255 characters, CUDA takes at most 254"):
         device_assert(torch.tensor(True), "x" * 255)
+
+
+def test_transport_of_a_process_group_made_again_is_its_own(tmp_path):
+    """Review helper-115: transports were cached by group name, which a process group made after
+    destroy_process_group takes again: select_transport gave the new group the destroyed one's transport
+    (its collectives on a dead group, its size). In-process restarts and suites running EP jobs in turn."""
+    from moe_compile.kernels.ep_transport import select_transport
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    groups, transports = [], []
+    for run in range(2):
+        store = dist.FileStore(str(tmp_path / f"store{run}"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            groups.append(dist.new_group([0]))
+            transports.append(select_transport(groups[-1], torch.device("cpu")))
+            assert transports[-1].group is groups[-1]
+            assert transports[-1].exchange_counts(torch.tensor([3, 4])).tolist() == [3, 4]
+        finally:
+            dist.destroy_process_group()
+    assert groups[0].group_name == groups[1].group_name   # the case: the same name, a new group
+    assert transports[1] is not transports[0]
