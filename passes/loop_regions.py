@@ -26,7 +26,7 @@ import dataclasses
 import torch.fx as fx
 
 from .loop_dataflow import Analysis, analyze
-from .loop_roles import Contrib, RowFn, Rows, Storage, TokMask, expert_key
+from .loop_roles import Contrib, Ids, RowFn, Rows, Storage, TokMask, expert_key
 from .normalize import canon, common_module, dtype_of, module_path, val, where_in_user_code
 from .region import AccumulateInPlace, Candidate, ExpertMLP, Finding, Region, Router, Step
 from .id_range import id_bound
@@ -136,11 +136,9 @@ def _form(a: Analysis, rows: list[Rows], nodes, write: fx.Node | None) -> str:
     return f"loop/{grouping}+{canon(write) if write is not None else '?'}"
 
 
-def _router_numbers(ids: fx.Node) -> tuple[int, int]:
-    """(E, top-k) of a refused loop's router ids [T, K] (or [T]), for its row in explain(); 0 where unknown."""
-    dims = tuple(getattr(val(ids), "shape", ()))
-    k = dims[-1] if len(dims) == 2 and isinstance(dims[-1], int) else 1 if len(dims) == 1 else 0
-    return id_bound(ids) or 0, k
+def _router_numbers(ids: Ids) -> tuple[int, int]:
+    """(E, top-k) of a refused loop's router ids, for its row in explain(); E 0 where unknown."""
+    return id_bound(ids.root) or 0, ids.k
 
 
 def _findings(a: Analysis, s: Storage, functions: dict, order: dict) -> list[Finding]:
@@ -206,7 +204,7 @@ def find_loop_regions(gm: fx.GraphModule, analysis: Analysis | None = None) -> l
             n, c = a.refused_writes[s]
             found.append(Candidate(module_path(n) or module_path(s.alloc), _form(a, [c.rows], (), n),
                                    where_in_user_code(n), None, tuple(s.findings[:1]),
-                                   *_router_numbers(c.rows.ids.root)))
+                                   *_router_numbers(c.rows.ids)))
             continue
         if not s.contribs and s.findings and s.findings[0].code in EXPERT_ROW_CODES:
             f = s.findings[0]  # expert outputs made by an op the rewrite does not take: say which
@@ -214,7 +212,7 @@ def find_loop_regions(gm: fx.GraphModule, analysis: Analysis | None = None) -> l
                     if isinstance(r := a.r(i), (Rows, RowFn))][:1]
             found.append(Candidate(module_path(f.node) or module_path(s.alloc), _form(a, rows, (), None) if rows
                                    else "loop/?", where_in_user_code(f.node), None, (f,),
-                                   *(_router_numbers(rows[0].ids.root) if rows else ())))
+                                   *(_router_numbers(rows[0].ids) if rows else ())))
             continue
         if not s.contribs or s.forked:
             continue  # nothing added, or an intermediate of a functional index_add chain
