@@ -925,3 +925,17 @@ def test_transport_of_a_process_group_made_again_is_its_own(tmp_path):
             dist.destroy_process_group()
     assert groups[0].group_name == groups[1].group_name   # the case: the same name, a new group
     assert transports[1] is not transports[0]
+
+
+def test_clip_grad_norm_takes_inf_as_a_string(mesh1):
+    """torch's clip_grad_norm_ takes norm_type="inf"; ours raised TypeError where it combines the expert shards'
+    norms over the ep group (review helper-114). The max over every gradient, as torch's."""
+    from moe_compile.parallel import clip_grad_norm_, parallelize_experts
+    from test_ep_compiled import LoopMoE
+
+    model = parallelize_experts(LoopMoE(), mesh1)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="moe", options={"moe.inductor": False})
+    compiled(torch.randn(6, 8), torch.zeros(6, 4)).sum().backward()
+    largest = max(p.grad.abs().max() for p in model.parameters() if p.grad is not None)
+    assert torch.allclose(clip_grad_norm_(model, 1e-3, norm_type="inf"), largest)
