@@ -45,7 +45,7 @@ class NothingAfterModelCall:
             return
         session = self.session
         session.defer_nothing = False
-        session.flush_problems()
+        session.flush_problems()   # the refusals first (also when the call raised): the verdict says "logged above"
         if sys.exc_info()[1] is not None:   # the call raised (always_call): its verdict waits for a call that ends
             return
         session.flush_nothing()

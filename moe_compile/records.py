@@ -152,7 +152,6 @@ class Session:
 
     def flush_nothing(self) -> None:
         """The end of a model's call: the verdict its block calls kept while ``defer_nothing`` was set."""
-        self.flush_problems()   # the refusals first: the verdict says they were "logged above"
         pending, self.pending_nothing = self.pending_nothing, None
         if pending is not None:
             self.after_call(True, pending)

@@ -32,8 +32,8 @@ from .loop_ids import ids_cast, ids_of_argmax, ids_of_sort, ids_of_topk, ids_of_
 from .loop_roles import (STOP, Contrib, Ids, Index, OneHot, PendingScatter, RowFn, Rows, RowW, ScatterIndex, Sel,
                          Storage, TokMask, Weighted, WhereOf, expert_key)
 from .checkpoint_bodies import HOPS as CHECKPOINT_HOPS
-from .normalize import COLUMN_INDEXES, SIZE_QUERIES, arg, canon, same_shape, shape, val, where_in_user_code
 from .grouped_state import as_int
+from .normalize import COLUMN_INDEXES, SIZE_QUERIES, arg, canon, same_shape, shape, val, where_in_user_code
 from .region import Finding
 
 # element-wise ops the expert function may contain (with linears, splits and last-dim slices)

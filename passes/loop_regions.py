@@ -25,11 +25,11 @@ import dataclasses
 
 import torch.fx as fx
 
+from .id_range import id_bound
 from .loop_dataflow import Analysis, analyze
 from .loop_roles import Contrib, Ids, RowFn, Rows, Storage, TokMask, expert_key
 from .normalize import canon, common_module, dtype_of, module_path, val, where_in_user_code
 from .region import AccumulateInPlace, Candidate, ExpertMLP, Finding, Region, Router, Step
-from .id_range import id_bound
 from .writes import storage_base
 
 
