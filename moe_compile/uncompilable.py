@@ -41,10 +41,24 @@ def capture_error(gm: torch.fx.GraphModule, exc: BaseException, records=()) -> C
     if not (captured_data_dependent(gm) and _data_dependent_error(exc)):
         return None
     detail = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-              "scope": "" if records else "; the graph holds no MoE code the backend recognises: stock torch.compile "
-                                         "breaks the graph at those ops and compiles the rest"}
+              "scope": _refused_scope(records) if records else
+              "; the graph holds no MoE code the backend recognises: stock torch.compile breaks the graph at those "
+              "ops and compiles the rest"}
     return CaptureCompileError(f"moe_compile [capture_compile_error]: {reasons.message('capture_compile_error', detail)}"
                                f"\n  fix: {reasons.fix('capture_compile_error')}")
+
+
+def _refused_scope(records) -> str:
+    """The graph's refused MoE regions, named with their codes and reasons (what explain() lists for them):
+    the data-dependent sizes the error is about are theirs when nothing was rewritten."""
+    from . import records as records_mod
+
+    refused = [r for r in records if r.status == records_mod.REFUSED and r.code]
+    if not refused:
+        return ""
+    shown = "; ".join(f"{r.module or '<top>'} [{r.code}]: {r.reason}" for r in refused[:2])
+    more = f" (and {len(refused) - 2} more: moe_compile.explain lists them)" if len(refused) > 2 else ""
+    return f"; its MoE code was not rewritten: {shown}{more}"
 
 
 def _data_dependent_error(exc: BaseException) -> bool:

@@ -844,11 +844,13 @@ class CumsumExpertMoE(nn.Module):
 
 
 def test_uncompilable_captured_graph_raises_with_the_fix():
-    """Was torch's bare GuardOnDataDependentSymNode; now the error names the cause and the option, and
-    the option compiles the layer as stock torch.compile does (matching eager, reported)."""
+    """Was torch's bare GuardOnDataDependentSymNode; now the error names the cause, the layer explain()
+    refuses with its code (the error named neither: review helper-108), and the option, and the option
+    compiles the layer as stock torch.compile does (matching eager, reported)."""
     torch._dynamo.reset()
     model = CumsumExpertMoE()
-    with pytest.raises(Exception, match=r"capture_compile_error(.|\n)*moe\.capture_dynamic\": False"):
+    with pytest.raises(Exception, match=r"capture_compile_error(.|\n)*not rewritten: <top> \[unsupported_row_op\]: "
+                                        r"unsupported op `cumsum`(.|\n)*moe\.capture_dynamic\": False"):
         torch.compile(copy.deepcopy(model), backend="moe", options=OPTS)(make_input((32, 16))).sum().backward()
     check_compiled(model, [make_input((32, 16))], expect_rewritten=0, expect_refused=1,
                    options={"moe.capture_dynamic": False})
