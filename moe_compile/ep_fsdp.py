@@ -151,7 +151,8 @@ def replicate_experts(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
 def fsdp_ignored_params(module: nn.Module) -> set[nn.Parameter]:
     """The expert Parameters under ``module`` that ``fully_shard_experts`` kept out of FSDP (its
     mesh had one rank): pass them as ``ignored_params`` to every ``fully_shard`` over the dense
-    mesh that encloses them (the blocks and the root). Empty when there are none.
+    mesh that encloses them (the blocks and the root). Empty for a module without expert containers;
+    raises for a container that neither call has seen.
 
     They become (once; later calls return the same objects) DTensor Parameters of the global
     [E, ...] shape, Shard(0) over the ep mesh, as FSDP's Parameters are DTensors: optimizers
@@ -161,10 +162,13 @@ def fsdp_ignored_params(module: nn.Module) -> set[nn.Parameter]:
     if not isinstance(module, nn.Module):
         raise TypeError(f"fsdp_ignored_params: expected a module (a block or the model), got {type(module).__name__}")
     found = set()
-    for _, m, _, _ in _ep_containers(module):
-        if m._moe_grad_divisor is not None:
-            _keep_local(m, m._moe_grad_divisor, view=True)
-            found.update(_local_params(m))
+    for path, m, _, _ in _ep_containers(module):
+        if m._moe_grad_divisor is None:   # was an empty set (review helper-114): fully_shard then shards the experts
+            raise ValueError(f"fsdp_ignored_params: the experts of '{path or type(m).__name__}' were not given to "
+                             "fully_shard_experts or replicate_experts yet, so there is nothing to keep out of FSDP; "
+                             "call one of them on the model first, then fsdp_ignored_params for each fully_shard")
+        _keep_local(m, m._moe_grad_divisor, view=True)
+        found.update(_local_params(m))
     return found
 
 

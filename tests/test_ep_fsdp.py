@@ -214,7 +214,10 @@ def body_fsdp_unit_on_experts_raises(rank, ws, how):
     kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)} if how == "mp_policy" else {}
     with pytest.raises(ValueError, match="FSDP unit.*replicate_experts.*torch.autocast"):
         moe_compile.fully_shard_experts(model, mesh["dp"], **kwargs)
-    assert model.experts._moe_grad_divisor is None and not moe_compile.fsdp_ignored_params(model)
+    assert model.experts._moe_grad_divisor is None
+    with pytest.raises(ValueError, match="fsdp_ignored_params: the experts of 'experts' were not given to "
+                                         "fully_shard_experts or replicate_experts"):   # was an empty set
+        moe_compile.fsdp_ignored_params(model)
 
 
 def body_root_only(rank, ws, strict, experts_call):
