@@ -127,6 +127,10 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
         except Exception as exc:
             failure = _setup_error(exc) or (_eager_ep_error(exc) if eager else None)
             if failure is None:
+                if len(args) == 1 and not kwargs and isinstance(args[0], (tuple, list)):   # review helper-114
+                    exc.add_note(f"moe_compile.explain: the model got one {type(args[0]).__name__} argument; explain "
+                                 "takes the inputs of one forward call as separate arguments: "
+                                 "moe_compile.explain(model, *inputs)")
                 raise
         finally:
             if in_place is not None:

@@ -231,3 +231,11 @@ def test_compiled_backward_arguments_are_checked():
         with pytest.raises(TypeError, match=match):
             with moe_compile.compiled_backward(**kwargs):
                 pass
+
+
+def test_explain_given_the_inputs_as_one_tuple_says_how_to_pass_them():
+    """explain(model, (x,)) called the model with a tuple: the model's own error, nothing of explain's
+    signature (review helper-114). The model's error stays (it may be the user's real bug), with a note."""
+    with pytest.raises(AttributeError, match="reshape") as info:
+        moe_compile.explain(make_model(), (make_input((8, 16)),))
+    assert any("explain(model, *inputs)" in n for n in getattr(info.value, "__notes__", ())), info.value
