@@ -263,10 +263,27 @@ def expert_parallel(region: Region) -> Finding | None:
     groups = {(markers[s].args[1], markers[s].args[2]) for s in sharded}
     if len(groups) != 1:
         return Finding.of("ep_inconsistent", None, groups=sorted(groups))
-    (num_experts, _), = groups
+    (num_experts, group_name), = groups
     if num_experts != region.router.num_experts:
         return Finding.of("ep_expert_count", None, weights=num_experts, router=region.router.num_experts)
-    return None
+    return _replicated_tokens(region, group_name)
+
+
+def _replicated_tokens(region: Region, group_name: str) -> Finding | None:
+    """Tensor parallelism hands the ep ranks the same tokens (passes/ep_tokens.py)."""
+    import torch.distributed as dist
+
+    from .ep_tokens import replicated_over_ep
+
+    try:
+        ep_ranks = set(dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(group_name)))
+    except (RuntimeError, ValueError, KeyError):   # no such group here (a destroyed one): other checks say so
+        return None
+    found = replicated_over_ep(region.x, ep_ranks)
+    if found is None:
+        return None
+    return Finding.of("ep_replicated_tokens", None, placement=found.placement, at=found.where or "?",
+                      shared=list(found.shared), times=len(found.shared), ep=sorted(ep_ranks))
 
 
 # ops between the routing weights and the multiplication with the expert rows that keep both the

@@ -222,6 +222,15 @@ REASONS: dict[str, Reason] = {
     "ep_inconsistent": Reason(
         "the region's sharded expert weights disagree on the process group or the expert count ({groups})",
         "shard one MoE layer's experts over one mesh with one parallelize_experts call"),
+    "ep_replicated_tokens": Reason(
+        "tensor parallelism gives the expert-parallel ranks {shared} the same tokens (a DTensor {placement}, at "
+        "{at}): expert parallelism over {ep} would send each token to its experts once per such rank, and the "
+        "expert gradients would count it {times} times (the router's and dense gradients once)",
+        "split the MoE layer's tokens over those ranks (sequence parallel: the layer's input a Shard(1) DTensor made "
+        "local, e.g. PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), "
+        "use_local_output=True) on the MoE module, its output turned back with PrepareModuleOutput, SequenceParallel "
+        "norms), or put ep on a mesh dimension orthogonal to tp (init_device_mesh(device, (ep, tp), "
+        "mesh_dim_names=(\"ep\", \"tp\")))"),
     "ep_expert_count": Reason("the sharded expert weights hold {weights} experts, the router {router}",
                               "shard the expert parameters of the router's own experts"),
     # ---- forms added for issue 12
