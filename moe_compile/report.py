@@ -104,7 +104,11 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
                         "call moe_compile.explain(model, *inputs) with the inputs of one forward call")
     fn = _unwrap(model_or_fn)
     in_place = getattr(fn, "_compiled_call_impl", None) if isinstance(fn, torch.nn.Module) else None
-    compiled_with, user_options, dynamic, by_blocks = _compiled_with(in_place or model_or_fn, fn, moe_backend)
+    # ``model.forward = torch.compile(model.forward)`` (transformers' docs): the instance's compiled forward
+    # ran the user's compile (its backend, its recompile budget) inside explain's trace (review helper-116)
+    own_forward = _compiled_forward(fn)
+    compiled = in_place or own_forward or model_or_fn
+    compiled_with, user_options, dynamic, by_blocks = _compiled_with(compiled, fn, moe_backend)
     options, config = _explain_options(user_options)
     session = Session(quiet=True)
     session.explaining = True
@@ -123,6 +127,8 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
         try:
             if in_place is not None:   # model.compile(...): trace the module, not the user's compiled call
                 fn._compiled_call_impl = None
+            if own_forward is not None:   # the class's forward, not the user's compiled one
+                del fn.__dict__["forward"]
             torch.compile(fn, backend=backend, dynamic=dynamic, **_isolated())(*args, **kwargs)
         except Exception as exc:
             failure = _setup_error(exc) or (_eager_ep_error(exc) if eager else None)
@@ -135,6 +141,8 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
         finally:
             if in_place is not None:
                 fn._compiled_call_impl = in_place
+            if own_forward is not None:
+                fn.__dict__["forward"] = own_forward
     found = [r for g in published for r in g]
     times = Counter(found)   # one module called twice (``a(a(x))``): two equal records, one row
     records = list(dict.fromkeys(found + list(getattr(failure, "records", ()))))
@@ -145,7 +153,7 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
     regions = tuple(_explain_notes(_times_note(r, times[r]), config.disable) for r in regions)
     from .blocks import compiled_blocks
 
-    session = _compile_session(in_place or model_or_fn) or (getattr(compiled_blocks(fn), "session", None) if by_blocks
+    session = _compile_session(compiled) or (getattr(compiled_blocks(fn), "session", None) if by_blocks
                                                             else None)
     failed = getattr(session, "compile_errors", {})
     regions = tuple(_compile_error_of(r, failed) if r.status == REWRITTEN and failed else r for r in regions)
@@ -290,6 +298,13 @@ def _explain_options(user: dict) -> tuple[dict, MoEConfig]:
             or k == "fallback_random"}   # Inductor's options and mode mean nothing without Inductor; explain never re-homes
     return {**kept, **_EXPLAIN_OPTIONS,
             "moe.disable": tuple(dict.fromkeys((*config.disable, *_EXPLAIN_OPTIONS["moe.disable"])))}, config
+
+
+def _compiled_forward(fn):
+    """A compiled function the module instance holds as its ``forward`` (``model.forward =
+    torch.compile(model.forward)``), else None."""
+    own = fn.__dict__.get("forward") if isinstance(fn, torch.nn.Module) else None
+    return own if own is not None and _dynamo_ctx(own) is not None else None
 
 
 def _unwrap(fn):

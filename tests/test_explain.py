@@ -202,6 +202,28 @@ def test_explain_leaves_the_counters():
     assert len(rep.rewritten) == 1 and dict(moe_compile.counters) == before, (before, moe_compile.counters)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "moe"])
+def test_explain_of_a_model_whose_forward_is_compiled_traces_it_itself(backend):
+    """``model.forward = torch.compile(model.forward, ...)`` (transformers' docs; review helper-116): explain
+    ran the user's compile inside its trace, so it reported nothing for another backend ("0 rewritten, 0
+    graphs") and spent the user's recompile budget with backend="moe" (their later calls ran eagerly). Now
+    its own trace of the class's forward: the region, the note, the user's forward left as it was."""
+    torch._dynamo.reset()
+    model = Block(spelling="index_add", e=4, k=2)
+    compiled_forward = torch.compile(model.forward, backend=backend)
+    model.forward = compiled_forward
+    model(make_input((6, 16)))
+    rep = moe_compile.explain(model, make_input((7, 16)))
+    assert rep.graphs == 1 and len(rep.rewritten) == 1, str(rep)
+    assert any(f"backend={backend!r}" in n for n in rep.notes) == (backend != "moe"), str(rep)
+    assert model.forward is compiled_forward
+    with torch._dynamo.config.patch(recompile_limit=2):   # the user's compile: one graph so far, and one more
+        records.counters.clear()
+        moe_compile.explain(model, make_input((9, 16)))
+        model(make_input((5, 16)))
+        assert records.counters.get("rewritten", 0) == (backend == "moe"), dict(records.counters)
+
+
 class _TwoLayers(nn.Module):
     def __init__(self):
         super().__init__()
