@@ -296,8 +296,11 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, max_tokens: int |
                              f"nothing was sharded.{hint}")
         if any(isinstance(module._parameters[n], DTensor) for n in names):   # FSDP's (or a DTensor plan's)
             raise ValueError(f"{where}: its expert weights are DTensors already (fully_shard, or another "
-                             "DTensor sharding, came first); call parallelize_experts on the plain model, then "
-                             "fully_shard_experts and fully_shard (README, expert parallelism); nothing was sharded")
+                             "DTensor sharding such as a tensor-parallel plan over the expert linears, came first); "
+                             "call parallelize_experts on the plain model, then fully_shard_experts and fully_shard "
+                             "(README, expert parallelism); tensor-parallel experts are not supported: leave the "
+                             "experts out of parallelize_module's plan (tensor parallelism elsewhere composes, README); "
+                             "nothing was sharded")
         held = next((n for n in names if _held_by_a_live_graph(module._parameters[n], num_experts // mesh.size())), None)
         if held is not None:
             raise ValueError(f"{where}: an autograd graph of an earlier forward still holds '{held}' at its full "

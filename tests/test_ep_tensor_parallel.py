@@ -113,6 +113,18 @@ def body_tensor_and_expert_parallel(rank, ws):
     report = moe_compile.explain(model, x)
     assert [r.code for r in report.refused] == ["ep_replicated_tokens"], str(report)
 
+    # tensor-parallel experts (their weights DTensors split over the columns): refused, saying so (the error
+    # proposed only the FSDP recipe: review helper-118)
+    from torch.distributed.tensor import distribute_tensor
+
+    model = Model()
+    for name in ("gate_up_proj", "down_proj"):
+        held = getattr(model.moe.experts, name)
+        setattr(model.moe.experts, name, nn.Parameter(distribute_tensor(held.detach(), mesh, [Shard(2)])))
+    with pytest.raises(ValueError, match="DTensors already.*tensor-parallel experts are not supported: leave the "
+                                         "experts out of parallelize_module's plan"):
+        moe_compile.parallelize_experts(model, mesh)
+
     # sequence parallel: each rank's MoE layer gets its own half of the sequence (torchtitan's layout when ep
     # takes the tp ranks); rewritten, and trains like the unsharded model
     ref, model = Model(), Model()
