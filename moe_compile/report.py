@@ -107,7 +107,7 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
     # ``model.forward = torch.compile(model.forward)`` (transformers' docs): the instance's compiled forward
     # ran the user's compile (its backend, its recompile budget) inside explain's trace (review helper-116)
     own_forward = _compiled_forward(fn)
-    compiled = in_place or own_forward or model_or_fn
+    compiled = own_forward or in_place or model_or_fn   # Dynamo runs the inner compile: the instance's forward
     compiled_with, user_options, dynamic, by_blocks = _compiled_with(compiled, fn, moe_backend)
     options, config = _explain_options(user_options)
     session = Session(quiet=True)
@@ -127,8 +127,8 @@ def explain(model_or_fn, *args, **kwargs) -> Report:
         try:
             if in_place is not None:   # model.compile(...): trace the module, not the user's compiled call
                 fn._compiled_call_impl = None
-            if own_forward is not None:   # the class's forward, not the user's compiled one
-                del fn.__dict__["forward"]
+            if own_forward is not None:   # what the user's compiled forward wraps, uncompiled
+                fn.__dict__["forward"] = own_forward._torchdynamo_orig_callable
             torch.compile(fn, backend=backend, dynamic=dynamic, **_isolated())(*args, **kwargs)
         except Exception as exc:
             failure = _setup_error(exc) or (_eager_ep_error(exc) if eager else None)

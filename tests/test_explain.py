@@ -222,6 +222,16 @@ def test_explain_of_a_model_whose_forward_is_compiled_traces_it_itself(backend):
         moe_compile.explain(model, make_input((9, 16)))
         model(make_input((5, 16)))
         assert records.counters.get("rewritten", 0) == (backend == "moe"), dict(records.counters)
+    # what the compiled forward wraps is traced, not the class's forward (review helper-119): here no MoE at all
+    other = Block(spelling="index_add", e=4, k=2)
+    other.forward = torch.compile(other.mlp.router.forward, backend=backend)
+    assert not moe_compile.explain(other, make_input((7, 16))).rewritten
+    # the instance's compiled forward is what runs under the module's own model.compile(backend="moe")
+    inner = Block(spelling="index_add", e=4, k=2)
+    inner.compile(backend="moe")
+    inner.forward = torch.compile(inner.forward, backend=backend)
+    assert any(f"backend={backend!r}" in n for n in moe_compile.explain(inner, make_input((7, 16))).notes) == \
+        (backend != "moe")
 
 
 class _TwoLayers(nn.Module):
