@@ -74,3 +74,45 @@ def _ep_containers(model: nn.Module):
         info = getattr(module, "_moe_ep_info", None)
         if isinstance(info, EPInfo):
             yield path, module, info, info.names
+
+
+def tensor_parallel_over(group_name: str) -> str | None:
+    """A Parameter of a model given to ``parallelize_experts`` over ``group_name`` that tensor parallelism
+    (``parallelize_module``) made a DTensor over a mesh dimension sharing more than one rank with the ep
+    group, named with its placement ("attn.wq.weight: Shard(dim=0) over mesh dim 'ep'"), else None. The
+    experts' own DTensors (``fsdp_ignored_params``) and FSDP2's sharding are not tensor parallelism
+    (under FSDP2 a Parameter's tensor-parallel layout is its ``_tp_spec``)."""
+    import torch.distributed as dist
+
+    try:
+        ep_ranks = set(dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(group_name)))
+    except (RuntimeError, ValueError, KeyError):
+        return None
+    for root in list(_ROOTS.get(group_name, ())):
+        experts = {id(p) for _, m, _, _ in _ep_containers(root) for p in m._parameters.values() if p is not None}
+        fsdp = _fsdp_params(root)
+        for name, p in root.named_parameters():
+            spec = fsdp[id(p)] if id(p) in fsdp else p if isinstance(p, DTensor) and id(p) not in experts else None
+            mesh, placements = getattr(spec, "device_mesh", getattr(spec, "mesh", None)), getattr(spec, "placements", ())
+            for dim, placement in enumerate(placements):
+                try:
+                    ranks = set(dist.get_process_group_ranks(mesh.get_group(dim)))
+                except (AttributeError, RuntimeError, ValueError):
+                    continue
+                if len(ranks & ep_ranks) > 1:
+                    names = mesh.mesh_dim_names or ()
+                    return f"{name}: {placement!r} over mesh dim {names[dim] if dim < len(names) else dim!r}"
+    return None
+
+
+def _fsdp_params(root: nn.Module) -> dict:
+    """id(FSDP2's sharded Parameter) -> its tensor-parallel spec (``_tp_spec``) or None, for ``root``'s FSDP units."""
+    out = {}
+    for module in root.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        group = getattr(get_state(), "_fsdp_param_group", None) if get_state else None
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            param = getattr(fsdp_param, "sharded_param", None)
+            if param is not None:
+                out[id(param)] = getattr(fsdp_param, "_tp_spec", None)
+    return out

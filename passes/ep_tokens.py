@@ -15,16 +15,19 @@ local from) and down (the DTensors made of them or of values computed from them:
 input), and reports a Replicate placement over a mesh dimension whose ranks share more than this rank
 with the ep group. A sequence split (SequenceParallel, a ``Shard(1)`` input made local) is the nearest
 DTensor there and passes; so does tensor parallelism over a mesh dimension orthogonal to ep. Plain
-tensors with no DTensor in reach say nothing (data parallel).
+tensors with no DTensor in reach say nothing: data parallel, or tensor parallelism in another graph (a
+graph break, a compiled submodule, an activation-checkpointed MoE layer), which
+``moe_compile.ep_info.tensor_parallel_over`` finds on the model's Parameters (``ep_tokens_unproven``).
 """
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from dataclasses import dataclass
 
 import torch.fx as fx
 
-from .normalize import module_path, val, where_in_user_code
+from .normalize import attribute_path, module_path, val, where_in_user_code
 
 _LIMIT = 20000   # nodes walked each way: a layer's neighbourhood, not a whole deep model twice
 
@@ -36,17 +39,20 @@ class ReplicatedTokens:
     shared: tuple[int, ...]  # the ep ranks that see the same tokens
 
 
-def replicated_over_ep(x: fx.Node, ep_ranks: set[int]) -> ReplicatedTokens | None:
-    """The nearest DTensor up or down from the tokens ``x`` replicated over more than one rank of
-    ``ep_ranks``, or None."""
-    if not _holds_dtensors(x.graph):   # the common case (no tensor parallelism): one scan per graph
-        return None
+def replicated_over_ep(x: fx.Node, ep_ranks: set[int]) -> tuple[ReplicatedTokens | None, bool]:
+    """(the nearest DTensor up or down from the tokens ``x`` replicated over more than one rank of
+    ``ep_ranks``, or None; whether any DTensor activation was reached: without one the graph cannot tell,
+    and ``moe_compile.ep_info.tensor_parallel_over`` decides)."""
+    if not _holds_dtensors(x.graph):   # the common case (no tensor parallelism here): one scan per graph
+        return None, False
+    seen = False
     for node in _nearest_dtensors(x):
+        seen = True
         found = _replicated(val(node), ep_ranks)
         if found is not None:
             where = f"module '{module_path(node)}'" if module_path(node) else where_in_user_code(node)
-            return ReplicatedTokens(where or "", *found)
-    return None
+            return ReplicatedTokens(where or "", *found), True
+    return None, seen
 
 
 def _is_dtensor(v) -> bool:
@@ -61,21 +67,27 @@ _HOLDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _holds_dtensors(graph: fx.Graph) -> bool:
+    """A DTensor activation in ``graph`` (Parameters that are DTensors, e.g. ``fsdp_ignored_params``'
+    experts, say nothing of the tokens)."""
     if graph not in _HOLDS:
-        _HOLDS[graph] = any(_is_dtensor(val(n)) for n in graph.nodes)
+        _HOLDS[graph] = any(_is_dtensor(val(n)) and not _parameter(n) for n in graph.nodes)
     return _HOLDS[graph]
+
+
+def _parameter(n: fx.Node) -> bool:
+    return n.op == "get_attr" or (n.op == "placeholder" and bool(attribute_path(n)))
 
 
 def _nearest_dtensors(x: fx.Node):
     """DTensor-valued nodes first reached from ``x`` walking inputs (up) and users (down) through
     plain values; the walk stops at each DTensor."""
     for step in (lambda n: n.all_input_nodes, lambda n: n.users):
-        seen, todo, walked = {x}, [x], 0
+        seen, todo, walked = {x}, deque([x]), 0   # breadth first: the nearest first, within the limit
         while todo and walked < _LIMIT:
-            n = todo.pop()
+            n = todo.popleft()
             walked += 1
             for m in step(n):
-                if m in seen:
+                if m in seen or _parameter(m):
                     continue
                 seen.add(m)
                 if _is_dtensor(val(m)):

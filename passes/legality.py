@@ -279,11 +279,16 @@ def _replicated_tokens(region: Region, group_name: str) -> Finding | None:
         ep_ranks = set(dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(group_name)))
     except (RuntimeError, ValueError, KeyError):   # no such group here (a destroyed one): other checks say so
         return None
-    found = replicated_over_ep(region.x, ep_ranks)
-    if found is None:
+    found, placed = replicated_over_ep(region.x, ep_ranks)
+    if found is not None:
+        return Finding.of("ep_replicated_tokens", None, placement=found.placement, at=found.where or "?",
+                          shared=list(found.shared), times=len(found.shared), ep=sorted(ep_ranks))
+    if placed:   # the tokens' nearest DTensors split them (sequence parallel) or live on other ranks
         return None
-    return Finding.of("ep_replicated_tokens", None, placement=found.placement, at=found.where or "?",
-                      shared=list(found.shared), times=len(found.shared), ep=sorted(ep_ranks))
+    from moe_compile.ep_info import tensor_parallel_over
+
+    tp = tensor_parallel_over(group_name)   # tensor parallelism this graph does not show (review helper-119)
+    return Finding.of("ep_tokens_unproven", None, param=tp, ep=sorted(ep_ranks)) if tp else None
 
 
 # ops between the routing weights and the multiplication with the expert rows that keep both the

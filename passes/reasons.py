@@ -231,6 +231,15 @@ REASONS: dict[str, Reason] = {
         "use_local_output=True) on the MoE module, its output turned back with PrepareModuleOutput, SequenceParallel "
         "norms), or put ep on a mesh dimension orthogonal to tp (init_device_mesh(device, (ep, tp), "
         "mesh_dim_names=(\"ep\", \"tp\")))"),
+    "ep_tokens_unproven": Reason(
+        "tensor parallelism runs over the expert-parallel ranks {ep} ({param}), and this graph does not show whether "
+        "the MoE layer's tokens are split over those ranks (the tensor-parallel layers are in another graph: a "
+        "graph break, a compiled submodule, an activation-checkpointed MoE layer); if those ranks hold the same "
+        "tokens, the expert gradients would count each token once per rank",
+        "compile the tensor-parallel layers and the MoE layer in one graph (the whole model, or compile_blocks over "
+        "blocks that hold both; no graph break between them, the checkpoint around the whole block), where "
+        "sequence-parallel tokens (a Shard(1) DTensor made local) are seen and rewritten; or put ep on a mesh "
+        "dimension orthogonal to tp"),
     "ep_expert_count": Reason("the sharded expert weights hold {weights} experts, the router {router}",
                               "shard the expert parameters of the router's own experts"),
     # ---- forms added for issue 12

@@ -2,7 +2,8 @@
 
 Tensor parallelism over the ep ranks hands each of them the same tokens; expert parallelism then sends
 every token to its experts once per rank, and the expert gradients counted it twice (review helper-118:
-2.000x, silently, router and dense gradients right). That setup is refused (``ep_replicated_tokens``);
+2.000x, silently, router and dense gradients right). That setup is refused (``ep_replicated_tokens``; with
+the tensor-parallel layers in another graph, ``ep_tokens_unproven``);
 a sequence split of the MoE layer's tokens over the same ranks (sequence parallel) is what works, and
 still compiles and trains like the unsharded model.
 """
@@ -65,9 +66,12 @@ class Model(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.attn, self.norm, self.moe, self.head = Attention(), nn.LayerNorm(H), MoE(), nn.Linear(H, H)
+        self.graph_break = False
 
     def forward(self, x):
         h = self.attn(x)
+        if self.graph_break:   # the tensor-parallel attention in another graph than the MoE layer
+            torch._dynamo.graph_break()
         return self.head(h + self.moe(self.norm(h)))
 
 
@@ -112,6 +116,13 @@ def body_tensor_and_expert_parallel(rank, ws):
         torch.compile(model, backend="moe", options=options)(x)
     report = moe_compile.explain(model, x)
     assert [r.code for r in report.refused] == ["ep_replicated_tokens"], str(report)
+    # the same with the attention in another graph (review helper-119: rewritten, 2x again): the graph cannot
+    # tell, the model's tensor-parallel Parameters over the ep ranks can
+    model.graph_break = True
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"tensor parallelism runs over the expert-parallel ranks \[0, 1\] \(attn\.wq\."
+                                        r"weight: Shard\(dim=0\) over mesh dim 'ep'\)(.|\n)*in one graph"):
+        torch.compile(model, backend="moe", options=options)(x)
 
     # tensor-parallel experts (their weights DTensors split over the columns): refused, saying so (the error
     # proposed only the FSDP recipe: review helper-118)
