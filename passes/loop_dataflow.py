@@ -33,7 +33,8 @@ from .loop_roles import (STOP, Contrib, Ids, Index, OneHot, PendingScatter, RowF
                          Storage, TokMask, Weighted, WhereOf, expert_key)
 from .checkpoint_bodies import HOPS as CHECKPOINT_HOPS
 from .grouped_state import as_int
-from .normalize import COLUMN_INDEXES, SIZE_QUERIES, arg, canon, same_shape, shape, val, where_in_user_code
+from .normalize import (COLUMN_INDEXES, SIZE_QUERIES, arg, canon, module_path, same_shape, shape, val,
+                        where_in_user_code)
 from .region import Finding
 
 # element-wise ops the expert function may contain (with linears, splits and last-dim slices)
@@ -43,6 +44,7 @@ ROWWISE_UNARY = {"silu", "gelu", "relu", "sigmoid", "tanh", "exp", "neg", "erf",
                  "hardsigmoid", "gelu_tanh", "identity", "glu", "log_sigmoid", "logsigmoid"}
 # Dynamo's spelling of a custom torch.autograd.Function's apply in the graph
 AUTOGRAD_FUNCTION_OPS = {"trampoline_autograd_apply", "autograd_function_apply"}
+_DTENSOR_OPS = {"from_local", "to_local", "redistribute", "full_tensor"}   # tensor parallel's hooks on an expert
 ROWWISE_BINARY = {"mul", "add", "sub", "div", "pow", "minimum", "maximum", "iadd"}
 SPLITS = {"chunk", "split", "tensor_split"}
 LINEAR_OPS = {"linear", "matmul", "mm"}
@@ -136,6 +138,10 @@ class Analysis:
         if op in AUTOGRAD_FUNCTION_OPS and not why:
             why = (" (a custom torch.autograd.Function, e.g. torchao's float8 training Linear: its backward is its "
                    "own, which the fused ops would replace)")
+        if op in _DTENSOR_OPS and not why:   # the line is torch's (tensor parallel's hooks): review helper-118
+            why = (f" (a DTensor op: the expert's module `{module_path(node) or '?'}` is tensor-parallel, "
+                   "parallelize_module's plan covers it; tensor-parallel experts are not rewritten: leave the experts "
+                   "out of the plan, or shard them with moe_compile.parallelize_experts)")
         self.row_findings.setdefault(key, []).append(
             Finding.of(code, node, op=op, at=where_in_user_code(node) or "?", why=why))
 
