@@ -96,6 +96,42 @@ def test_compiled_matches_eager_with_the_op(router):
     helpers.check_compiled(model, [helpers.make_input((2, 5, 16))], expect_rewritten=1)
 
 
+# fp32 on CPU, one forward and backward per step: the fused ops add the same products in another order
+BIAS_STEP_REL = 1e-5
+
+
+def test_selection_bias_updated_in_place_between_steps_is_read():
+    """Auxiliary-loss-free balancing (DeepSeek-V3) moves the selection bias buffer in place under no_grad
+    between steps; the compiled graph must route with the new bias each step (no test wrote it before:
+    review helper-120). One expert group, so that the bias changes routing (checked on eager)."""
+    import copy
+
+    import moe_compile
+
+    torch._dynamo.reset()
+    eager = helpers.make_model(spelling="index_add", e=4, k=2, router="sigmoid_group")
+    eager.router.n_group = 1
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, backend="moe")
+    x = helpers.make_input((24, 16), requires_grad=False)
+    assert len(moe_compile.explain(model, x).rewritten) == 1
+    before = None
+    for step, delta in enumerate(([0.0] * 4, [0.3, -0.3, 0.1, -0.1], [-0.5, 0.2, 0.4, 0.0], [0.0, 0.0, -0.6, 0.6])):
+        for m in (eager, model):
+            with torch.no_grad():
+                m.router.sel_bias += torch.tensor(delta)
+            m.zero_grad()
+        want, got = eager(x), compiled(x)
+        assert helpers.rel_err(got, want) <= BIAS_STEP_REL, (step, helpers.rel_err(got, want))
+        if before is not None:   # the routing moved: a stale bias would show
+            assert helpers.rel_err(want, before) > 0.1, step
+        before = want.detach()
+        want.pow(2).sum().backward()
+        got.pow(2).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            assert helpers.rel_err(p.grad, q.grad) <= BIAS_STEP_REL, (step, name)
+
+
 @pytest.fixture
 def shuffled_op(monkeypatch):
     """moe_compile.router_topk on CPU returns each row's k entries in a shuffled order (values and
