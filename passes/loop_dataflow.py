@@ -141,7 +141,8 @@ class Analysis:
         if op in _DTENSOR_OPS and not why:   # the line is torch's (tensor parallel's hooks): review helper-118
             why = (f" (a DTensor op: the expert's module `{module_path(node) or '?'}` is tensor-parallel, "
                    "parallelize_module's plan covers it; tensor-parallel experts are not rewritten: leave the experts "
-                   "out of the plan, or shard them with moe_compile.parallelize_experts)")
+                   "out of the plan; to spread experts over ranks, moe_compile.stack_experts then "
+                   "moe_compile.parallelize_experts)")
         self.row_findings.setdefault(key, []).append(
             Finding.of(code, node, op=op, at=where_in_user_code(node) or "?", why=why))
 
