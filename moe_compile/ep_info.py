@@ -95,6 +95,8 @@ def tensor_parallel_over(group_name: str) -> str | None:
             spec = fsdp[id(p)] if id(p) in fsdp else p if isinstance(p, DTensor) and id(p) not in experts else None
             mesh, placements = getattr(spec, "device_mesh", getattr(spec, "mesh", None)), getattr(spec, "placements", ())
             for dim, placement in enumerate(placements):
+                if not placement.is_shard():   # a replicated Parameter (a SequenceParallel norm's) shards nothing
+                    continue
                 try:
                     ranks = set(dist.get_process_group_ranks(mesh.get_group(dim)))
                 except (AttributeError, RuntimeError, ValueError):

@@ -330,4 +330,22 @@ class ExpertParallel(ParallelStyle):
         self.max_tokens = max_tokens
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return parallelize_experts(module, device_mesh, max_tokens=self.max_tokens)
+        out = parallelize_experts(module, device_mesh, max_tokens=self.max_tokens)
+        model = _plan_root()
+        if model is not None:   # the whole model too: its tensor-parallel Parameters (ep_info.tensor_parallel_over)
+            for info in ep_infos(out).values():
+                _ROOTS[info.group_name].add(model)
+        return out
+
+
+def _plan_root() -> nn.Module | None:
+    """The module given to the outermost ``parallelize_module`` call running this plan style, or None
+    (the style applied some other way): the plan's style sees only the expert container."""
+    import sys
+
+    frame, root = sys._getframe(2), None
+    while frame is not None:
+        if frame.f_code.co_name == "parallelize_module" and isinstance(frame.f_locals.get("module"), nn.Module):
+            root = frame.f_locals["module"]
+        frame = frame.f_back
+    return root

@@ -131,6 +131,18 @@ def body_tensor_and_expert_parallel(rank, ws):
     mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("ep",))
     options = {"moe.inductor": False}
 
+    # first (a model sharded earlier over this group, still alive, would show its tensor-parallel Parameters):
+    # tensor parallelism and moe_compile.ExpertParallel() in one plan, the attention in another graph: the style
+    # sees only the experts, the model's tensor-parallel Parameters were out of reach (review helper-122: 2x)
+    model = Model()
+    model.graph_break = True
+    parallelize_module(model, mesh, {"attn.wq": ColwiseParallel(), "attn.wo": RowwiseParallel(),
+                                     "moe.experts": moe_compile.ExpertParallel()})
+    torch._dynamo.reset()
+    x = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(Exception, match=r"tensor parallelism runs over the expert-parallel ranks \[0, 1\]"):
+        torch.compile(model, backend="moe", options=options)(x)
+
     # tensor parallelism on the attention, the same ranks for the experts: every rank holds the same tokens
     model = Model()
     parallelize_module(model, mesh, {"attn.wq": ColwiseParallel(), "attn.wo": RowwiseParallel()})
@@ -207,3 +219,24 @@ def test_tensor_parallel_tokens_on_the_ep_ranks_are_refused_sequence_parallel_tr
     """Was: 2x expert gradients, no word. The refusal names the module, the times and the fix, and the
     sequence-parallel layout it points to compiles and matches the unsharded model's every gradient."""
     run_distributed(body_tensor_and_expert_parallel, 2)
+
+
+def body_replicated_parameter_is_not_tensor_parallelism(rank, ws):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    import moe_compile
+
+    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("ep",))
+    model = Model()
+    model.extra = nn.Parameter(distribute_tensor(torch.zeros(3), mesh, [Replicate()]))   # shards nothing
+    moe_compile.parallelize_experts(model, mesh)
+    x = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(rank))   # each rank its own tokens
+    report = moe_compile.explain(model, x)
+    assert len(report.rewritten) == 1 and not report.refused, str(report)
+
+
+def test_a_replicated_dtensor_parameter_is_not_taken_for_tensor_parallelism():
+    """Data-parallel expert parallelism beside a Replicate DTensor Parameter (no tensor parallelism) was refused
+    as ep_tokens_unproven (review helper-122): only a Shard placement over the ep ranks is tensor parallelism."""
+    run_distributed(body_replicated_parameter_is_not_tensor_parallelism, 2)
