@@ -152,4 +152,10 @@ def _local(v, p, info: EPInfo, name: str):
         v = v.full_tensor()
     if isinstance(v, torch.Tensor) and v.dim() == p.dim() and v.shape[0] == info.num_experts:
         return v[rows.start:rows.stop].clone()   # not a view: it would keep the whole [E, ...] storage
+    # neither every expert's rows nor this rank's: another model's (was a raw size error at the step: review
+    # helper-121); one of exactly this rank's row count stays ambiguous and is taken as this rank's rows
+    if isinstance(v, torch.Tensor) and v.dim() == p.dim() and v.shape[0] != p.shape[0]:
+        raise ValueError(f"moe_compile: optimizer state '{name}' {tuple(v.shape)} loaded for an expert-parallel "
+                         f"Parameter of {info.num_experts} experts ({tuple(p.shape)} on this rank): a checkpoint "
+                         "of another model")
     return v

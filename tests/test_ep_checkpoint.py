@@ -152,6 +152,18 @@ def test_optimizer_state_not_one_row_per_expert_raises():
         _global(torch.zeros(1, 5), torch.zeros(2, 5), info, torch.optim.Adafactor([torch.zeros(2, 5)]), "col_var")
 
 
+def test_optimizer_state_of_another_expert_count_raises_on_load():
+    """A plain state tensor of E = 8 rows loaded for a Parameter of 4 experts (2 on this rank) went in as it was
+    and failed at the step with torch's size error (review helper-121); a DTensor one raised ours already."""
+    from moe_compile.ep_info import EPInfo
+    from moe_compile.ep_optim_state import _local
+
+    info = EPInfo("experts", ("w",), 4, 2, 0, "group")
+    with pytest.raises(ValueError, match=r"optimizer state 'exp_avg' \(8, 5\) .* 4 experts .* another model"):
+        _local(torch.zeros(8, 5), torch.zeros(2, 5), info, "exp_avg")
+    assert _local(torch.arange(20.0).view(4, 5), torch.zeros(2, 5), info, "exp_avg").shape == (2, 5)
+
+
 def test_optimizers_without_per_parameter_state_raise():
     """LBFGS keeps one flat state over every Parameter (this rank's expert rows inside, whichever Parameter comes
     first): its state_dict() raises instead of saving one rank's rows as everyone's (review helper-100)."""
