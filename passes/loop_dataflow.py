@@ -138,7 +138,8 @@ class Analysis:
         if op in AUTOGRAD_FUNCTION_OPS and not why:
             why = (" (a custom torch.autograd.Function, e.g. torchao's float8 training Linear: its backward is its "
                    "own, which the fused ops would replace)")
-        if op in _DTENSOR_OPS and not why:   # the line is torch's (tensor parallel's hooks): review helper-118
+        if op.removeprefix("prim ") in _DTENSOR_OPS and not why:   # the line is torch's (tensor parallel's hooks;
+            # torch 2.11 names them `prim from_local`): review helper-118
             why = (f" (a DTensor op: the expert's module `{module_path(node) or '?'}` is tensor-parallel, "
                    "parallelize_module's plan covers it; tensor-parallel experts are not rewritten: leave the experts "
                    "out of the plan; to spread experts over ranks, moe_compile.stack_experts then "
